@@ -1,0 +1,47 @@
+"""The local-world harness itself: results come back in rank order, failures name their rank."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tp_kernels.launch import LocalWorld, RankError
+
+
+def _rank_and_sum() -> tuple[int, float]:
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return dist.get_rank(), t.item()
+
+
+def _fail_on_rank_1() -> int:
+    if dist.get_rank() == 1:
+        raise ValueError("rank one refuses")
+    return dist.get_rank()
+
+
+def _hang_on_rank_0() -> None:
+    if dist.get_rank() == 0:
+        time.sleep(60)
+
+
+def test_results_in_rank_order(worlds):
+    assert worlds(3).run(_rank_and_sum) == [(0, 6.0), (1, 6.0), (2, 6.0)]
+
+
+def test_failure_names_rank_and_traceback(worlds):
+    with pytest.raises(RankError, match=r"(?s)rank 1 raised:.*ValueError: rank one refuses"):
+        worlds(2).run(_fail_on_rank_1)
+    # the world restarts on the next call
+    assert worlds(2).run(_rank_and_sum) == [(0, 3.0), (1, 3.0)]
+
+
+def test_hang_hits_the_deadline():
+    with LocalWorld(2, timeout_s=30) as world:
+        start = time.monotonic()
+        with pytest.raises(RankError, match=r"ranks \[0\] gave no answer within 3 s"):
+            world.run(_hang_on_rank_0, timeout_s=3)
+        assert time.monotonic() - start < 20

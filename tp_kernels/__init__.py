@@ -1,0 +1,36 @@
+"""tp_kernels: PyTorch's tensor-parallel styles, with fused, overlapped sequence-parallel boundaries.
+
+Import the styles from here instead of ``torch.distributed.tensor.parallel``; the plan, the model
+and the results stay the same. See README.md.
+"""
+
+from tp_kernels._compat import check_torch_version
+
+check_torch_version()
+
+from torch.distributed.tensor.parallel import loss_parallel  # noqa: E402
+
+from tp_kernels.api import parallelize_module  # noqa: E402
+from tp_kernels.styles import (  # noqa: E402
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ColwiseParallel",
+    "ParallelStyle",
+    "PrepareModuleInput",
+    "PrepareModuleInputOutput",
+    "PrepareModuleOutput",
+    "RowwiseParallel",
+    "SequenceParallel",
+    "loss_parallel",
+    "parallelize_module",
+]
