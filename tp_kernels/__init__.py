@@ -1,4 +1,5 @@
-"""tp_kernels: PyTorch's tensor-parallel styles, with fused, overlapped sequence-parallel boundaries.
+"""tp_kernels: PyTorch's tensor-parallel styles, with fused and overlapped sequence-parallel
+boundaries.
 
 Import the styles from here instead of ``torch.distributed.tensor.parallel``; the plan, the model
 and the results stay the same. See README.md.
@@ -11,6 +12,8 @@ check_torch_version()
 from torch.distributed.tensor.parallel import loss_parallel  # noqa: E402
 
 from tp_kernels.api import parallelize_module  # noqa: E402
+from tp_kernels.backends import available_backends, set_backend, use_backend  # noqa: E402
+from tp_kernels.ops import all_gather_matmul, matmul_reduce_scatter  # noqa: E402
 from tp_kernels.styles import (  # noqa: E402
     ColwiseParallel,
     ParallelStyle,
@@ -31,6 +34,11 @@ __all__ = [
     "PrepareModuleOutput",
     "RowwiseParallel",
     "SequenceParallel",
+    "all_gather_matmul",
+    "available_backends",
     "loss_parallel",
+    "matmul_reduce_scatter",
     "parallelize_module",
+    "set_backend",
+    "use_backend",
 ]

@@ -142,8 +142,17 @@ class LocalWorld:
         self._procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, self.world_size, port, self.backend, self.threads, pg_timeout,
-                      self.env, self._tasks[r], self._results),
+                args=(
+                    r,
+                    self.world_size,
+                    port,
+                    self.backend,
+                    self.threads,
+                    pg_timeout,
+                    self.env,
+                    self._tasks[r],
+                    self._results,
+                ),
                 daemon=True,
                 name=f"tp_kernels-rank{r}",
             )
@@ -196,7 +205,12 @@ class LocalWorld:
         return [results[r] for r in range(self.world_size)]
 
     def _fail(
-        self, what: str, errors: dict[int, str], missing: list[int], dead: list[int], timeout_s: float
+        self,
+        what: str,
+        errors: dict[int, str],
+        missing: list[int],
+        dead: list[int],
+        timeout_s: float,
     ) -> None:
         self.close()
         parts = [f"{what} failed in a local world of {self.world_size} ranks"]
@@ -205,10 +219,14 @@ class LocalWorld:
         silent = [r for r in missing if r not in errors]
         if silent:
             crashed = [r for r in silent if r in dead]
-            parts.append(
-                f"--- ranks {silent} gave no answer within {timeout_s:.0f} s"
-                + (f" (ranks {crashed} exited)" if crashed else " (hung: deadline passed)")
-            )
+            hung = [r for r in silent if r not in dead]
+            if crashed:
+                parts.append(
+                    f"--- ranks {crashed} exited without answering (a crash: see their "
+                    f"stderr above)"
+                )
+            if hung:
+                parts.append(f"--- ranks {hung} gave no answer within {timeout_s:.0f} s (hung)")
         raise RankError("\n".join(parts))
 
     def close(self) -> None:

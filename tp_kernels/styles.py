@@ -107,7 +107,8 @@ class RowwiseParallel(_FusableStyle, _torch_style.RowwiseParallel):
     Forward on a mesh of ``W`` ranks with an ``nn.Linear(in, out)``: ``x_local`` ``[..., in/W]``,
     ``y = sum_r x_r @ W_r.T`` reduced into ``output_layouts`` (``Replicate()``: all-reduce,
     ``Shard(d)``: reduce-scatter along ``d``), then ``+ b`` (replicated, added once).
-    Backward: ``dy`` gathered to replicated, ``dx_local = dy @ W_local``, ``dW_local = dy.T @ x_local``.
+    Backward: ``dy`` gathered to replicated, ``dx_local = dy @ W_local``,
+    ``dW_local = dy.T @ x_local``.
     """
 
     def __init__(

@@ -1,0 +1,83 @@
+"""What every backend provides: the two fused patterns on 2-D, row-major, rank-major tensors.
+
+The ops layer (``tp_kernels.ops``) checks arguments, moves the gather/scatter dim to the front and
+flattens, so a backend only ever sees (on rank ``r`` of a group of ``W`` ranks)::
+
+    all_gather_matmul:      a_shard [m, K], bs[j] [K, N_j]
+                            A = cat over s of a_shard(rank s)           [W*m, K]
+                            outs[j] = A @ bs[j]                          [W*m, N_j]
+    matmul_reduce_scatter:  a [W*m, K], b [K, N], addend None or [W*m, N]
+                            out = (sum over s of (a @ b + addend)(rank s))[r*m:(r+1)*m]   [m, N]
+
+Backends are stateless singletons; anything they cache (buffers) is keyed by group.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from tp_kernels._compat import all_gather_single
+
+
+class PendingGather:
+    """An all-gather in flight; :meth:`wait` returns the gathered ``[W*m, K]`` tensor."""
+
+    def __init__(self, out: torch.Tensor, work: dist.Work | None) -> None:
+        self._out = out
+        self._work = work
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self._out
+
+
+class Backend(ABC):
+    """Base class: the interface, and the plain asynchronous gather that the backward pass uses."""
+
+    name: str = ""
+
+    def unavailable_reason(
+        self, group: dist.ProcessGroup | None, device: torch.device
+    ) -> str | None:
+        """``None`` when this backend can run for ``group`` and tensors on ``device``; else why not.
+
+        ``group=None`` asks whether the backend can run in this process at all.
+        """
+        return None
+
+    def all_gather_async(self, a_shard: torch.Tensor, group: dist.ProcessGroup) -> PendingGather:
+        """Start ``A = all_gather(a_shard)``; overlapped with whatever the caller computes next."""
+        world = group.size()
+        out = a_shard.new_empty((world * a_shard.shape[0], *a_shard.shape[1:]))
+        if world == 1:
+            out.copy_(a_shard)
+            return PendingGather(out, None)
+        return PendingGather(out, all_gather_single(out, a_shard, group, async_op=True))
+
+    @abstractmethod
+    def all_gather_matmul(
+        self,
+        a_shard: torch.Tensor,
+        bs: Sequence[torch.Tensor],
+        group: dist.ProcessGroup,
+        *,
+        return_a: bool,
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        """``(A if return_a else None, [A @ b for b in bs])`` with ``A`` gathered along dim 0."""
+
+    @abstractmethod
+    def matmul_reduce_scatter(
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        group: dist.ProcessGroup,
+        *,
+        addend: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """This rank's rows of ``sum over ranks of (a @ b + addend)``, summed over the group."""

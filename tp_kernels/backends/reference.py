@@ -1,0 +1,49 @@
+"""The ``reference`` backend: one collective, then the matmul(s) — what DTensor does.
+
+It is the ground truth that the other backends are tested against, and the fallback that runs
+everywhere a ProcessGroup runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from tp_kernels._compat import reduce_scatter_single
+from tp_kernels.backends.base import Backend
+
+
+class ReferenceBackend(Backend):
+    name = "reference"
+
+    def all_gather_matmul(
+        self,
+        a_shard: torch.Tensor,
+        bs: Sequence[torch.Tensor],
+        group: dist.ProcessGroup,
+        *,
+        return_a: bool,
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        a = self.all_gather_async(a_shard, group).wait()
+        return (a if return_a else None), [a @ b for b in bs]
+
+    def matmul_reduce_scatter(
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        group: dist.ProcessGroup,
+        *,
+        addend: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        partial = a @ b if addend is None else torch.addmm(addend, a, b)
+        world = group.size()
+        if world == 1:
+            return partial
+        out = partial.new_empty((partial.shape[0] // world, partial.shape[1]))
+        reduce_scatter_single(out, partial, group)
+        return out
+
+
+BACKEND = ReferenceBackend()

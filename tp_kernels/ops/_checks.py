@@ -1,0 +1,205 @@
+"""Argument checks of the fused ops, all done before any rank communicates.
+
+Local checks (types, ranks, dims, dtypes, devices, group membership) run on every call. What ranks
+could disagree on (shapes, dtypes, options, the backend they resolved, a local check that failed on
+one rank only) is compared across the group by :func:`checked` — one tiny all-gather of a digest —
+when consistency checks are on: by default for CPU tensors, not for CUDA tensors where the extra
+latency per op matters; ``TP_KERNELS_CHECK_CONSISTENCY=1``/``0`` forces either. With the check off,
+ranks that call with different shapes are a user error that the collective itself may or may not
+detect (NCCL then hangs until its watchdog timeout).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from tp_kernels._compat import all_gather_single
+
+T = TypeVar("T")
+
+GroupLike = dist.ProcessGroup | DeviceMesh | str
+
+
+def resolve_group(group: object, *, op: str) -> dist.ProcessGroup:
+    """A ProcessGroup from a ProcessGroup, a 1-D DeviceMesh or a registered group name."""
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(
+                f"{op}: group must be a 1-D DeviceMesh, got a {group.ndim}-D mesh "
+                f"of shape {tuple(group.shape)}; slice it, e.g. mesh['tp']"
+            )
+        group = group.get_group()
+    elif isinstance(group, str):
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        try:
+            group = _resolve_process_group(group)
+        except (ValueError, RuntimeError, KeyError) as exc:
+            raise ValueError(
+                f"{op}: group {group!r} is not a registered process group name: {exc}"
+            ) from exc
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            f"{op}: this rank (global rank {dist.get_rank()}) is not a member of the given group"
+        )
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"{op}: group must be a ProcessGroup, a 1-D DeviceMesh or a group name, "
+            f"got {type(group).__name__}"
+        )
+    if group.rank() < 0:
+        raise ValueError(
+            f"{op}: this rank (global rank {dist.get_rank()}) is not a member of "
+            f"group {group.group_name!r}"
+        )
+    return group
+
+
+def _check_tensor(t: object, name: str, op: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if isinstance(t, torch.distributed.tensor.DTensor):
+        raise TypeError(
+            f"{op}: {name} must be a local tensor, got a DTensor; pass {name}.to_local()"
+        )
+    if t.numel() == 0:
+        raise ValueError(
+            f"{op}: {name} has a zero-sized dim (shape {tuple(t.shape)}); every dim must be >= 1"
+        )
+    return t
+
+
+def _normalize_dim(dim: object, ndim: int, name: str, op: str, a_name: str) -> int:
+    if not isinstance(dim, int) or isinstance(dim, bool) or not -ndim <= dim < ndim:
+        raise ValueError(
+            f"{op}: {name} must be an int in [{-ndim}, {ndim - 1}] for a {ndim}-D "
+            f"{a_name}, got {dim!r}"
+        )
+    dim %= ndim
+    if dim == ndim - 1:
+        raise ValueError(
+            f"{op}: {name}={dim} is the contracted (last) dim of {a_name}; "
+            f"it must be one of the leading dims 0..{ndim - 2}"
+        )
+    return dim
+
+
+def _check_rhs(b: object, name: str, a: torch.Tensor, a_name: str, op: str) -> torch.Tensor:
+    b = _check_tensor(b, name, op)
+    if b.ndim != 2:
+        raise ValueError(f"{op}: {name} must be 2-D [K, N], got shape {tuple(b.shape)}")
+    if b.shape[0] != a.shape[-1]:
+        raise ValueError(
+            f"{op}: {name} has K={b.shape[0]} rows (shape {tuple(b.shape)}) but "
+            f"{a_name} has K={a.shape[-1]} (shape {tuple(a.shape)}); they must match"
+        )
+    if b.dtype != a.dtype:
+        raise ValueError(
+            f"{op}: {name} has dtype {b.dtype} but {a_name} has {a.dtype}; they must match"
+        )
+    if b.device != a.device:
+        raise ValueError(
+            f"{op}: {name} is on {b.device} but {a_name} is on {a.device}; they "
+            f"must be on the same device"
+        )
+    return b
+
+
+def check_all_gather_matmul(
+    a_shard: object, bs: object, gather_dim: object
+) -> tuple[torch.Tensor, list[torch.Tensor], int]:
+    op = "all_gather_matmul"
+    a_shard = _check_tensor(a_shard, "a_shard", op)
+    if a_shard.ndim < 2:
+        raise ValueError(
+            f"{op}: a_shard must have >= 2 dims [..., K], got shape {tuple(a_shard.shape)}"
+        )
+    dim = _normalize_dim(gather_dim, a_shard.ndim, "gather_dim", op, "a_shard")
+    if isinstance(bs, torch.Tensor) or not isinstance(bs, Sequence) or len(bs) == 0:
+        raise TypeError(
+            f"{op}: bs must be a non-empty list of 2-D tensors, got {type(bs).__name__}"
+        )
+    checked = [_check_rhs(b, f"bs[{i}]", a_shard, "a_shard", op) for i, b in enumerate(bs)]
+    return a_shard, checked, dim
+
+
+def check_matmul_reduce_scatter(
+    a: object, b: object, scatter_dim: object, reduce_op: object, group: dist.ProcessGroup
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    op = "matmul_reduce_scatter"
+    a = _check_tensor(a, "a", op)
+    if a.ndim < 2:
+        raise ValueError(f"{op}: a must have >= 2 dims [..., K], got shape {tuple(a.shape)}")
+    dim = _normalize_dim(scatter_dim, a.ndim, "scatter_dim", op, "a")
+    b = _check_rhs(b, "b", a, "a", op)
+    if reduce_op not in ("sum", "avg"):
+        raise ValueError(f"{op}: reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
+    if a.shape[dim] % group.size():
+        raise ValueError(
+            f"{op}: a.shape[{dim}]={a.shape[dim]} (a has shape {tuple(a.shape)}) "
+            f"must be divisible by the group size {group.size()}"
+        )
+    return a, b, dim
+
+
+def consistency_checks_on(device: torch.device) -> bool:
+    env = os.environ.get("TP_KERNELS_CHECK_CONSISTENCY")
+    if env is not None:
+        return env not in ("0", "", "false", "False")
+    return device.type != "cuda"
+
+
+def checked(
+    op: str, group: dist.ProcessGroup, device: torch.device, check: Callable[[], tuple[T, str]]
+) -> T:
+    """Run the local ``check`` (returning ``(value, signature)``) and agree on it across ranks.
+
+    A rank whose check fails still takes part in the agreement (with its error as its signature),
+    so no rank is left waiting in a collective that another rank will never enter: either every
+    rank raises the same mismatch error, or every rank raises its own (identical) local error.
+    The agreement is skipped while torch.compile traces, where the checks stay local.
+    """
+    try:
+        value, signature = check()
+        error = None
+    except (TypeError, ValueError, RuntimeError) as exc:
+        value, signature, error = None, f"error: {exc}", exc
+    if not torch.compiler.is_compiling():
+        agree_across_ranks(group, op, signature, device)
+    if error is not None:
+        raise error
+    return value  # type: ignore[return-value]
+
+
+def agree_across_ranks(
+    group: dist.ProcessGroup, op: str, signature: str, device: torch.device
+) -> None:
+    """Raise the same ValueError on every rank unless all ranks pass the same ``signature``.
+
+    Ranks exchange a 7-byte digest of ``signature`` (one tiny all-gather); only when they differ
+    are the texts gathered, so the error can say which rank called with what.
+    """
+    if group.size() == 1 or not consistency_checks_on(device):
+        return
+    digest = int.from_bytes(hashlib.blake2b(signature.encode(), digest_size=7).digest(), "little")
+    mine = torch.tensor(
+        [digest], dtype=torch.int64, device=device if device.type == "cuda" else "cpu"
+    )
+    everyone = mine.new_empty(group.size())
+    all_gather_single(everyone, mine, group)
+    if bool((everyone != mine).any()):
+        texts: list[str | None] = [None] * group.size()
+        dist.all_gather_object(texts, signature, group=group)
+        lines = "\n".join(f"  rank {r}: {t}" for r, t in enumerate(texts))
+        raise ValueError(
+            f"{op}: the ranks of group {group.group_name!r} called with different "
+            f"arguments; every rank must pass the same shapes, dtypes and options:\n"
+            f"{lines}"
+        )

@@ -1,0 +1,135 @@
+"""The public fused ops: argument checks, dim handling and backend choice around the custom ops."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from tp_kernels.backends import check_backend_name, resolve
+from tp_kernels.ops._checks import (
+    GroupLike,
+    check_all_gather_matmul,
+    check_matmul_reduce_scatter,
+    checked,
+    resolve_group,
+)
+from tp_kernels.ops.library import all_gather_matmul_2d, matmul_reduce_scatter_2d
+
+__all__ = ["all_gather_matmul", "matmul_reduce_scatter"]
+
+
+def _signature(op: str, a: torch.Tensor, bs: Sequence[torch.Tensor], dim: int, **opts) -> str:
+    shapes = ",".join(str(tuple(b.shape)) for b in bs)
+    return f"{op} a={tuple(a.shape)} {a.dtype} {a.device.type} dim={dim} b={shapes} {opts}"
+
+
+def _backend_when_compiling(backend: str | None) -> str:
+    """While torch.compile traces, the choice is left to the op at run time (see ``library.py``):
+    the registry's state (context, environment, availability probes) is not traceable."""
+    return check_backend_name(backend, argument="backend") if backend is not None else ""
+
+
+def _device_of(t: object) -> torch.device:
+    return t.device if isinstance(t, torch.Tensor) else torch.device("cpu")
+
+
+def all_gather_matmul(
+    a_shard: torch.Tensor,
+    bs: Sequence[torch.Tensor],
+    gather_dim: int,
+    group: GroupLike,
+    *,
+    backend: str | None = None,
+    return_a: bool = False,
+    save_gathered_a: bool = False,
+) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    """All-gather ``a_shard`` along ``gather_dim`` and multiply the result by each of ``bs``.
+
+    On each of the ``W`` ranks of ``group``, with ``a_shard`` of shape ``[..., s, ..., K]``
+    (``s`` at ``gather_dim``, any dim but the last) and ``bs[j]`` of shape ``[K, N_j]``::
+
+        a = cat([a_shard of rank 0, ..., rank W-1], dim=gather_dim)     [..., W*s, ..., K]
+        returns (a if return_a else None, [a @ b for b in bs])          [..., W*s, ..., N_j]
+
+    Differentiable in ``a_shard`` and every ``b``. Backward: ``d a_shard`` is one fused
+    matmul-reduce-scatter of ``cat(d out_j) @ cat(bs)^T`` (plus ``d a`` when ``a`` was returned
+    and used); ``d b_j = a^T @ d out_j``. ``save_gathered_a=False`` (default) keeps only the shard
+    for backward and gathers it again there, overlapped with the reduce-scatter: ``W`` times less
+    saved memory than keeping ``a``; ``True`` saves ``a`` and skips that gather.
+
+    ``group``: a ProcessGroup, a 1-D DeviceMesh or a group name. ``backend``: ``"reference"``,
+    ``"pipelined"``, ``"symm"``, ``"auto"`` or ``None`` (the current default, see
+    :func:`tp_kernels.set_backend`). Mirrors ``torch.ops.symm_mem.fused_all_gather_matmul``.
+    """
+    op = "all_gather_matmul"
+    pg = resolve_group(group, op=op)
+    if torch.compiler.is_compiling():
+        a, bs, dim = check_all_gather_matmul(a_shard, bs, gather_dim)
+        name = _backend_when_compiling(backend)
+    else:
+
+        def check() -> tuple[tuple, str]:
+            a, checked_bs, dim = check_all_gather_matmul(a_shard, bs, gather_dim)
+            name = resolve(backend, op, pg, a)
+            sig = _signature(
+                op, a, checked_bs, dim, backend=name, return_a=return_a, save=save_gathered_a
+            )
+            return (a, checked_bs, dim, name), sig
+
+        a, bs, dim, name = checked(op, pg, _device_of(a_shard), check)
+    world = pg.size()
+    lead = a.movedim(dim, 0)
+    rows_shape = lead.shape[:-1]
+    results = all_gather_matmul_2d(
+        lead.reshape(-1, a.shape[-1]), list(bs), pg.group_name, name, return_a or save_gathered_a
+    )
+
+    def unflatten(t: torch.Tensor) -> torch.Tensor:
+        return t.view(world * rows_shape[0], *rows_shape[1:], t.shape[-1]).movedim(0, dim)
+
+    outs = [unflatten(t) for t in results[-len(bs) :]]
+    return (unflatten(results[0]) if return_a else None), outs
+
+
+def matmul_reduce_scatter(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scatter_dim: int,
+    group: GroupLike,
+    *,
+    reduce_op: str = "sum",
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Multiply ``a`` by ``b`` and reduce-scatter the product along ``scatter_dim``.
+
+    On each of the ``W`` ranks of ``group``, with ``a`` of shape ``[..., M, ..., K]`` (``M`` at
+    ``scatter_dim``, any dim but the last, divisible by ``W``) and ``b`` of shape ``[K, N]``::
+
+        c = sum over ranks of (a @ b)   (mean when reduce_op="avg")      [..., M, ..., N]
+        returns this rank's slice of c along scatter_dim                 [..., M/W, ..., N]
+
+    Differentiable in ``a`` and ``b``. Backward: ``g = all_gather(d out)`` fused with
+    ``d a = g @ b^T`` (one all-gather-matmul), and ``d b = a^T @ g``.
+    Mirrors ``torch.ops.symm_mem.fused_matmul_reduce_scatter``.
+    """
+    op = "matmul_reduce_scatter"
+    pg = resolve_group(group, op=op)
+    if torch.compiler.is_compiling():
+        a, b, dim = check_matmul_reduce_scatter(a, b, scatter_dim, reduce_op, pg)
+        name = _backend_when_compiling(backend)
+    else:
+
+        def check() -> tuple[tuple, str]:
+            a_, b_, dim = check_matmul_reduce_scatter(a, b, scatter_dim, reduce_op, pg)
+            name = resolve(backend, op, pg, a_)
+            sig = _signature(op, a_, [b_], dim, backend=name, reduce_op=reduce_op)
+            return (a_, b_, dim, name), sig
+
+        a, b, dim, name = checked(op, pg, _device_of(a), check)
+    lead = a.movedim(dim, 0)
+    rows_shape = lead.shape[:-1]
+    out = matmul_reduce_scatter_2d(
+        lead.reshape(-1, a.shape[-1]), b, pg.group_name, name, reduce_op == "avg"
+    )
+    return out.view(rows_shape[0] // pg.size(), *rows_shape[1:], b.shape[1]).movedim(0, dim)
