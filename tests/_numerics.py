@@ -11,6 +11,7 @@ half an ulp each), and a reference that happens to land exactly.
     dtype     floor (x max magnitude)  why
     float64   1e-12                  gradcheck-level: only fp64 accumulation-order noise
     float32   2e-6                   ~16 ulps: W<=4 partial roundings + accumulation-order noise
+    float16   2e-3                   W<=4 partial sums, each rounded to 11 bits: 4 * 0.5 * 2^-10
     bfloat16  2e-2                   W<=4 partial sums, each rounded to 8 bits: 4 * 0.5 * 2^-7
 """
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-FLOOR = {torch.float64: 1e-12, torch.float32: 2e-6, torch.bfloat16: 2e-2}
+FLOOR = {torch.float64: 1e-12, torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
 def tolerance(

@@ -445,6 +445,39 @@ def test_rank_outside_group_is_named(worlds):
     assert "this rank (global rank 1) is not a member" in outsider
 
 
+def _counted_calls(save: bool) -> dict:
+    tpk.reset_comm_stats()
+    a = torch.ones(4, 3, requires_grad=True)
+    b1, b2 = torch.ones(3, 2, requires_grad=True), torch.ones(3, 5, requires_grad=True)
+    _, outs = tpk.all_gather_matmul(
+        a, [b1, b2], 0, dist.group.WORLD, backend="pipelined", save_gathered_a=save
+    )
+    y = tpk.matmul_reduce_scatter(
+        torch.cat(outs, 1), torch.ones(7, 3), 0, dist.group.WORLD, backend="reference"
+    )
+    forward = dict(tpk.comm_stats())
+    y.sum().backward()
+    return {"forward": forward, "all": dict(tpk.comm_stats())}
+
+
+@pytest.mark.parametrize("save", [False, True])
+def test_comm_stats_count_each_fused_call(worlds, save):
+    stats = worlds(2).run(_counted_calls, save)[0]
+    assert stats["forward"] == {
+        ("forward", "all_gather_matmul", "pipelined"): 1,
+        ("forward", "matmul_reduce_scatter", "reference"): 1,
+    }
+    backward = {k: v for k, v in stats["all"].items() if k[0] == "backward"}
+    expected = {
+        # one reduce-scatter for both bs' input grads; the shard gathered again unless saved
+        ("backward", "matmul_reduce_scatter", "pipelined"): 1,
+        ("backward", "all_gather_matmul", "reference"): 1,
+    }
+    if not save:
+        expected["backward", "all_gather", "pipelined"] = 1
+    assert backward == expected
+
+
 # ---------------------------------------------------------------- auto and torch.compile
 
 

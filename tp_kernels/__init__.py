@@ -14,6 +14,7 @@ from torch.distributed.tensor.parallel import loss_parallel  # noqa: E402
 from tp_kernels.api import parallelize_module  # noqa: E402
 from tp_kernels.backends import available_backends, set_backend, use_backend  # noqa: E402
 from tp_kernels.ops import all_gather_matmul, matmul_reduce_scatter  # noqa: E402
+from tp_kernels.ops.stats import comm_stats, reset_comm_stats  # noqa: E402
 from tp_kernels.styles import (  # noqa: E402
     ColwiseParallel,
     ParallelStyle,
@@ -36,9 +37,11 @@ __all__ = [
     "SequenceParallel",
     "all_gather_matmul",
     "available_backends",
+    "comm_stats",
     "loss_parallel",
     "matmul_reduce_scatter",
     "parallelize_module",
+    "reset_comm_stats",
     "set_backend",
     "use_backend",
 ]

@@ -82,7 +82,7 @@ def all_gather_matmul(
     lead = a.movedim(dim, 0)
     rows_shape = lead.shape[:-1]
     results = all_gather_matmul_2d(
-        lead.reshape(-1, a.shape[-1]), list(bs), pg.group_name, name, return_a or save_gathered_a
+        lead.reshape(-1, a.shape[-1]), list(bs), pg.group_name, name, return_a, save_gathered_a
     )
 
     def unflatten(t: torch.Tensor) -> torch.Tensor:
