@@ -1,0 +1,479 @@
+"""The symm backend's Triton kernels, run by Triton's interpreter on CPU.
+
+First in one process, with W simulated ranks (a separate tensor per "peer" buffer and signal pad,
+address tables from ``data_ptr()``); then across 2 and 3 processes over the shared-memory heap of
+``tp_kernels.symm``, with a peer that arrives late and repeated calls on the same buffers.
+Shapes are tiny and deliberately not multiples of the interpreter's 16x16x16 tiles.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Must precede the first import of triton (in this process and in the ranks, which import this
+# module to unpickle their functions).
+os.environ["TRITON_INTERPRET"] = "1"
+
+import time  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from _numerics import check_close  # noqa: E402
+
+from tp_kernels import kernels  # noqa: E402
+
+
+def _require_interpreter() -> None:
+    if not kernels.INTERPRET:
+        raise RuntimeError(
+            "tp_kernels.kernels was imported before TRITON_INTERPRET=1 was set, so its kernels "
+            "were built for a GPU; import it only after setting the variable"
+        )
+
+
+_require_interpreter()
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+CHANNEL = 1
+NAN = float("nan")
+
+
+def _addresses(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
+
+
+def _pads(world_size: int, channels: int = 2) -> tuple[list[torch.Tensor], torch.Tensor]:
+    pads = [torch.zeros(channels * world_size, dtype=torch.int32) for _ in range(world_size)]
+    return pads, _addresses(pads)
+
+
+def _rotation(start: int, world_size: int) -> list[int]:
+    return [(start + k) % world_size for k in range(world_size)]
+
+
+def _ag_reference(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``a @ b``: (float64 truth, torch's matmul in a's dtype, float64 ``|a| @ |b|``)."""
+    return a.double() @ b.double(), a @ b, a.double().abs() @ b.double().abs()
+
+
+def _rs_reference(parts_a: list[torch.Tensor], parts_b: list[torch.Tensor], dst: int, m: int):
+    """Rows of rank ``dst`` of sum_s a_s @ b_s: (float64 truth, reduce-scatter in the dtype,
+    float64 sum_s |a_s| @ |b_s|).
+
+    The same-dtype reference is what a collective does: each rank's product rounded to the
+    dtype, then added up in the dtype.
+    """
+    rows = slice(dst * m, (dst + 1) * m)
+    truth = sum(a[rows].double() @ b.double() for a, b in zip(parts_a, parts_b, strict=True))
+    magnitude = sum(
+        a[rows].double().abs() @ b.double().abs() for a, b in zip(parts_a, parts_b, strict=True)
+    )
+    same = parts_a[0][rows] @ parts_b[0]
+    for a, b in zip(parts_a[1:], parts_b[1:], strict=True):
+        same = same + a[rows] @ b
+    return truth, same, magnitude
+
+
+def _fixed_order_sum(slots: torch.Tensor, divisor: float, dtype: torch.dtype) -> torch.Tensor:
+    """The reduction spelled out: fp32, slot 0 first; the kernel must match it bit for bit."""
+    acc = slots[0].float()
+    for s in range(1, slots.shape[0]):
+        acc = acc + slots[s].float()
+    return (acc / divisor).to(dtype)
+
+
+# ---------------------------------------------------------------- one process, simulated ranks
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("world_size", "rank", "m", "k", "ns"), [(3, 1, 12, 40, (24, 17)), (4, 3, 8, 16, (33,))]
+)
+def test_ag_matmul_consumer(dtype, world_size, rank, m, k, ns):
+    gen = torch.Generator().manual_seed(world_size * 100 + m)
+    a = torch.randn(world_size * m, k, generator=gen).to(dtype)
+    shards = [a[s * m : (s + 1) * m].clone() for s in range(world_size)]
+    bs = [torch.randn(k, n, generator=gen).to(dtype) for n in ns]
+    pads, signal_ptrs = _pads(world_size)
+    for s in range(world_size):
+        kernels.signal_ready(signal_ptrs, rank=s, world_size=world_size, channel=CHANNEL, epoch=7)
+    assert all(p.view(-1, world_size)[CHANNEL].eq(7).all() for p in pads)
+
+    outs = [torch.full((world_size * m, n), NAN, dtype=dtype) for n in ns]
+    a_out = torch.full((world_size * m, k), NAN, dtype=dtype)
+    order = torch.empty(world_size, dtype=torch.int64)
+    status = kernels.ag_matmul_consumer(
+        _addresses(shards),
+        signal_ptrs,
+        bs,
+        outs,
+        rank=rank,
+        world_size=world_size,
+        channel=CHANNEL,
+        epoch=7,
+        a_out=a_out,
+        order_out=order,
+    )
+    assert status.tolist() == [0] * world_size
+    assert order.tolist() == _rotation(rank, world_size)
+    assert torch.equal(a_out, a)
+    for j, (b, c) in enumerate(zip(bs, outs, strict=True)):
+        reference = _ag_reference(a, b)
+        assert (problem := check_close(f"outs[{j}]", c, *reference)) is None, problem
+    # Waiting does not consume: the words still hold the epoch for the next tile or kernel.
+    assert all(p.view(-1, world_size)[CHANNEL].eq(7).all() for p in pads)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("world_size", "m", "k", "n"), [(3, 12, 40, 20), (2, 20, 24, 36)])
+def test_matmul_rs_producer_and_reduce(dtype, world_size, m, k, n):
+    gen = torch.Generator().manual_seed(world_size * 100 + n)
+    parts_a = [torch.randn(world_size * m, k, generator=gen).to(dtype) for _ in range(world_size)]
+    parts_b = [torch.randn(k, n, generator=gen).to(dtype) for _ in range(world_size)]
+    buffers = [torch.full((world_size, m, n), NAN, dtype=dtype) for _ in range(world_size)]
+    pads, signal_ptrs = _pads(world_size)
+    for r in range(world_size):
+        order = torch.empty(world_size, dtype=torch.int64)
+        kernels.matmul_rs_producer(
+            parts_a[r],
+            parts_b[r],
+            _addresses(buffers),
+            signal_ptrs,
+            rank=r,
+            world_size=world_size,
+            channel=CHANNEL,
+            epoch=3,
+            order_out=order,
+        )
+        assert order.tolist() == _rotation(r + 1, world_size)
+    # One signal per slot, raised once the slot is complete.
+    assert all(p.view(-1, world_size)[CHANNEL].eq(3).all() for p in pads)
+    for dst in range(world_size):
+        for r in range(world_size):
+            rows = slice(dst * m, (dst + 1) * m)
+            reference = _ag_reference(parts_a[r][rows], parts_b[r])
+            problem = check_close(f"slot {r} of rank {dst}", buffers[dst][r], *reference)
+            assert problem is None, problem
+        outs = {}
+        for divisor in (1.0, float(world_size)):
+            out = torch.full((m, n), NAN, dtype=dtype)
+            status = kernels.reduce_slots(
+                buffers[dst],
+                out,
+                signal_ptrs,
+                rank=dst,
+                world_size=world_size,
+                channel=CHANNEL,
+                epoch=3,
+                divisor=divisor,
+            )
+            assert status.tolist() == [0] * world_size
+            assert torch.equal(out, _fixed_order_sum(buffers[dst], divisor, dtype))
+            outs[divisor] = out
+        reference = _rs_reference(parts_a, parts_b, dst, m)
+        assert (problem := check_close(f"rank {dst}", outs[1.0], *reference)) is None, problem
+
+
+def test_reduce_slots_casts_to_out_dtype():
+    slots = torch.randn(3, 5, 7, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    _, signal_ptrs = _pads(3)
+    for s in range(3):
+        kernels.signal_ready(signal_ptrs, rank=s, world_size=3, channel=0, epoch=1)
+    out = torch.empty(5, 7, dtype=torch.float32)
+    kernels.reduce_slots(slots, out, signal_ptrs, rank=2, world_size=3, channel=0, epoch=1)
+    assert torch.equal(out, _fixed_order_sum(slots, 1.0, torch.float32))
+
+
+def test_stale_or_missing_signal_times_out():
+    """A word left at an older epoch (the previous call) or never set must not satisfy a wait."""
+    world_size, m, k, n = 3, 12, 20, 18
+    gen = torch.Generator().manual_seed(5)
+    shards = [torch.randn(m, k, generator=gen) for _ in range(world_size)]
+    b = torch.randn(k, n, generator=gen)
+    pads, signal_ptrs = _pads(world_size)
+    for s, epoch in ((0, 2), (1, 2), (2, 1)):
+        kernels.signal_ready(
+            signal_ptrs, rank=s, world_size=world_size, channel=CHANNEL, epoch=epoch
+        )
+    out = torch.full((world_size * m, n), NAN)
+    args = (_addresses(shards), signal_ptrs, [b], [out])
+    kw = dict(rank=0, world_size=world_size, channel=CHANNEL, epoch=2, timeout_s=0.2)
+    message = (
+        r"ag_matmul_consumer on rank 0 of group 'tp': waited 0.2 s for the signal of "
+        r"rank\(s\) \[2\] \(channel 1, epoch 2, signal words \[5\] of rank 0's pad\)"
+    )
+    with pytest.raises(kernels.PeerWaitTimeout, match=message) as info:
+        kernels.ag_matmul_consumer(*args, **kw, group_name="tp")
+    assert info.value.peers == [2]
+    status = kernels.ag_matmul_consumer(*args, **kw, check=False)
+    assert status.tolist() == [0, 0, 1]
+    # The ranks that did signal are computed; only rank 2's rows are undefined.
+    for s in (0, 1):
+        rows = slice(s * m, (s + 1) * m)
+        reference = _ag_reference(shards[s], b)
+        assert (problem := check_close(f"rows of {s}", out[rows], *reference)) is None, problem
+
+    slots = torch.zeros(world_size, m, n)
+    pads[1].zero_()
+    kernels.signal_ready(signal_ptrs, rank=0, world_size=world_size, channel=0, epoch=4)
+    kernels.signal_ready(signal_ptrs, rank=2, world_size=world_size, channel=0, epoch=4)
+    with pytest.raises(kernels.PeerWaitTimeout, match=r"reduce_slots on rank 1.*rank\(s\) \[1\]"):
+        kernels.reduce_slots(
+            slots,
+            torch.empty(m, n),
+            signal_ptrs,
+            rank=1,
+            world_size=world_size,
+            channel=0,
+            epoch=4,
+            timeout_s=0.2,
+        )
+
+
+def _bad_ag(**change):
+    world_size, m, k = 2, 4, 8
+    args = dict(
+        a_ptrs=torch.zeros(world_size, dtype=torch.int64),
+        signal_ptrs=torch.zeros(world_size, dtype=torch.int64),
+        bs=[torch.ones(k, 5)],
+        outs=[torch.ones(world_size * m, 5)],
+        rank=0,
+        world_size=world_size,
+        channel=0,
+        epoch=1,
+    )
+    args.update(change)
+    kernels.ag_matmul_consumer(**args)
+
+
+def _bad_rs(**change):
+    args = dict(
+        a=torch.ones(8, 3),
+        b=torch.ones(3, 5),
+        slot_ptrs=torch.zeros(2, dtype=torch.int64),
+        signal_ptrs=torch.zeros(2, dtype=torch.int64),
+        rank=1,
+        world_size=2,
+        channel=0,
+        epoch=1,
+    )
+    args.update(change)
+    kernels.matmul_rs_producer(**args)
+
+
+def _bad_reduce(**change):
+    args = dict(
+        slots=torch.ones(2, 4, 5),
+        out=torch.ones(4, 5),
+        signal_ptrs=torch.zeros(2, dtype=torch.int64),
+        rank=0,
+        world_size=2,
+        channel=0,
+        epoch=1,
+    )
+    args.update(change)
+    kernels.reduce_slots(**args)
+
+
+@pytest.mark.parametrize(
+    ("call", "change", "message"),
+    [
+        (
+            _bad_ag,
+            dict(a_ptrs=torch.zeros(2, dtype=torch.int32)),
+            r"a_ptrs: got a torch.int32 tensor of shape \(2,\), expected int64 of shape \(2,\)",
+        ),
+        (
+            _bad_ag,
+            dict(signal_ptrs=torch.zeros(3, dtype=torch.int64)),
+            r"signal_ptrs: .* shape \(3,\), expected int64 of shape \(2,\)",
+        ),
+        (
+            _bad_ag,
+            dict(bs=[torch.ones(8, 5), torch.ones(8, 3)], outs=[torch.ones(8, 5)] * 2),
+            r"outs\[1\]: got torch.float32 of shape \(8, 5\) on cpu, expected torch.float32 of "
+            r"shape \(8, 3\)",
+        ),
+        (_bad_ag, dict(bs=[torch.ones(8, 5, dtype=torch.int32)]), r"bs\[0\]: dtype torch.int32"),
+        (_bad_ag, dict(bs=[torch.ones(8, 5).t().contiguous().t()]), r"bs\[0\]: must be contig"),
+        (
+            _bad_ag,
+            dict(outs=[torch.ones(7, 5)]),
+            r"outs\[0\]: got shape \(7, 5\), expected "
+            r"\[W\*m, N_0\] with W=2",
+        ),
+        (_bad_ag, dict(epoch=0), r"epoch: got 0, expected 1 <= epoch"),
+        (_bad_ag, dict(rank=2), r"rank: got 2, expected 0 <= rank < world_size=2"),
+        (_bad_ag, dict(timeout_s=0.0), r"timeout_s: got 0.0"),
+        (_bad_rs, dict(a=torch.ones(7, 3)), r"a: got shape \(7, 3\), expected \[W\*m, K\]"),
+        (
+            _bad_rs,
+            dict(b=torch.ones(4, 5)),
+            r"b: got torch.float32 of shape \(4, 5\) .* "
+            r"shape \(3, 5\)",
+        ),
+        (_bad_rs, dict(b=torch.ones(3, 5, dtype=torch.float16)), r"b: got torch.float16"),
+        (
+            _bad_reduce,
+            dict(slots=torch.ones(3, 4, 5)),
+            r"slots: got shape \(3, 4, 5\), expected "
+            r"\[W=2, m, N\]",
+        ),
+        (_bad_reduce, dict(out=torch.ones(5, 4)), r"out: got torch.float32 of shape \(5, 4\)"),
+        (_bad_reduce, dict(divisor=0.0), r"divisor: got 0.0"),
+    ],
+)
+def test_bad_input_is_named(call, change, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        call(**change)
+
+
+# ---------------------------------------------------------------- across processes
+
+
+# Per-process epoch counters, one per (workspace tag, channel): the ranks persist across tests,
+# and every call must wait for a value no earlier call has left in the pads.
+_EPOCHS: dict[str, int] = {}
+
+
+def _next_epoch(tag: str) -> int:
+    _EPOCHS[tag] = _EPOCHS.get(tag, 0) + 1
+    return _EPOCHS[tag]
+
+
+def _workspace(tag: str, nbytes: int):
+    import torch.distributed as dist
+
+    from tp_kernels import symm
+
+    _require_interpreter()
+    ws = symm.get_workspace(dist.group.WORLD, nbytes, torch.device("cpu"), tag=tag)
+    return (
+        ws,
+        torch.as_tensor(ws.buffer_ptrs(), dtype=torch.int64),
+        torch.as_tensor(ws.signal_pad_ptrs(), dtype=torch.int64),
+    )
+
+
+# One call per dtype, each with a different late rank (the last call has none); the late rank
+# sleeps with its buffer full of NaN and its word still at the previous call's epoch.
+_CALLS = ((torch.float32, -1), (torch.bfloat16, 0), (torch.float16, None))
+
+
+def _late(world_size: int, late: int | None) -> int | None:
+    return None if late is None else late % world_size
+
+
+def _rank_ag(m: int, k: int, ns: tuple[int, ...]) -> list[str]:
+    import torch.distributed as dist
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    tag = "test_kernels.ag"
+    ws, a_ptrs, signal_ptrs = _workspace(tag, m * k * 4)
+    problems = []
+    for call, (dtype, late) in enumerate(_CALLS):
+        gen = torch.Generator().manual_seed(call)
+        a = torch.randn(world_size * m, k, generator=gen).to(dtype)
+        bs = [torch.randn(k, n, generator=gen).to(dtype) for n in ns]
+        epoch = _next_epoch(tag)
+        mine = ws.buffer(rank, (m, k), dtype)
+        dist.barrier()  # every rank is done reading the previous call's shards
+        mine.fill_(NAN)
+        if rank == _late(world_size, late):
+            time.sleep(1.0)
+        mine.copy_(a[rank * m : (rank + 1) * m])
+        kernels.signal_ready(
+            signal_ptrs, rank=rank, world_size=world_size, channel=CHANNEL, epoch=epoch
+        )
+        outs = [torch.full((world_size * m, n), NAN, dtype=dtype) for n in ns]
+        a_out = torch.full((world_size * m, k), NAN, dtype=dtype)
+        order = torch.empty(world_size, dtype=torch.int64)
+        kernels.ag_matmul_consumer(
+            a_ptrs,
+            signal_ptrs,
+            bs,
+            outs,
+            rank=rank,
+            world_size=world_size,
+            channel=CHANNEL,
+            epoch=epoch,
+            a_out=a_out,
+            timeout_s=60.0,
+            order_out=order,
+        )
+        where = f"call {call} ({dtype}, late rank {_late(world_size, late)})"
+        if order.tolist() != _rotation(rank, world_size):
+            problems.append(f"{where}: tile order {order.tolist()}")
+        if not torch.equal(a_out, a):
+            problems.append(f"{where}: gathered A differs")
+        for j, (b, c) in enumerate(zip(bs, outs, strict=True)):
+            reference = _ag_reference(a, b)
+            if problem := check_close(f"{where} outs[{j}]", c, *reference):
+                problems.append(problem)
+    return problems
+
+
+def _rank_rs(m: int, k: int, n: int) -> list[str]:
+    import torch.distributed as dist
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    tag = "test_kernels.rs"
+    ws, buffer_ptrs, signal_ptrs = _workspace(tag, world_size * m * n * 4)
+    problems = []
+    for call, (dtype, late) in enumerate(_CALLS):
+        gen = torch.Generator().manual_seed(call)
+        parts_a = [
+            torch.randn(world_size * m, k, generator=gen).to(dtype) for _ in range(world_size)
+        ]
+        parts_b = [torch.randn(k, n, generator=gen).to(dtype) for _ in range(world_size)]
+        epoch = _next_epoch(tag)
+        slots = ws.buffer(rank, (world_size, m, n), dtype)
+        dist.barrier()  # every rank is done reducing the previous call's slots
+        slots.fill_(NAN)
+        dist.barrier()  # no peer writes into this buffer before the NaN is in
+        if rank == _late(world_size, late):
+            time.sleep(1.0)
+        order = torch.empty(world_size, dtype=torch.int64)
+        kernels.matmul_rs_producer(
+            parts_a[rank],
+            parts_b[rank],
+            buffer_ptrs,
+            signal_ptrs,
+            rank=rank,
+            world_size=world_size,
+            channel=CHANNEL,
+            epoch=epoch,
+            order_out=order,
+        )
+        out = torch.full((m, n), NAN, dtype=dtype)
+        kernels.reduce_slots(
+            slots,
+            out,
+            signal_ptrs,
+            rank=rank,
+            world_size=world_size,
+            channel=CHANNEL,
+            epoch=epoch,
+            timeout_s=60.0,
+        )
+        where = f"call {call} ({dtype}, late rank {_late(world_size, late)})"
+        if order.tolist() != _rotation(rank + 1, world_size):
+            problems.append(f"{where}: destination order {order.tolist()}")
+        if not torch.equal(out, _fixed_order_sum(slots, 1.0, dtype)):
+            problems.append(f"{where}: not the fixed-order fp32 sum of the slots")
+        reference = _rs_reference(parts_a, parts_b, rank, m)
+        if problem := check_close(where, out, *reference):
+            problems.append(problem)
+    return problems
+
+
+@pytest.mark.parametrize(("world_size", "m", "k", "ns"), [(2, 12, 40, (24, 17)), (3, 8, 20, (18,))])
+def test_ag_matmul_across_ranks(worlds, world_size, m, k, ns):
+    results = worlds(world_size).run(_rank_ag, m, k, ns)
+    assert results == [[]] * world_size, results
+
+
+@pytest.mark.parametrize(("world_size", "m", "k", "n"), [(2, 12, 40, 20), (3, 8, 20, 18)])
+def test_matmul_rs_across_ranks(worlds, world_size, m, k, n):
+    results = worlds(world_size).run(_rank_rs, m, k, n)
+    assert results == [[]] * world_size, results

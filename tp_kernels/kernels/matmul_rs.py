@@ -1,0 +1,318 @@
+"""Matmul -> reduce-scatter: a producer GEMM that pushes each rank's rows into that rank's buffer,
+and a reduction that sums the W slots a rank received in a fixed order.
+
+Rank ``r``'s symmetric buffer, viewed as ``slots [W, m, N]``, receives in slot ``s`` rank ``s``'s
+partial product of the rows owed to ``r``. :func:`matmul_rs_producer` computes the rows owed to
+rank ``d = r+1, r+2, ..., r`` (mod W, its own last), stores them into slot ``r`` of ``d``'s buffer
+and then stores the epoch into word ``channel * W + r`` of ``d``'s pad. :func:`reduce_slots`
+waits for each slot's word and sums the slots in fp32, slot 0 first.
+
+One signal per slot, raised by the slot's last tile: each tile counts itself on a per-slot atomic
+counter (acq_rel, after a CTA barrier, so its stores are ordered before the count), and the tile
+that brings the count to the slot's tile total releases the word. That keeps the protocol's one
+word per (channel, source) and lets the reducer wait once per slot instead of once per tile.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tp_kernels.kernels import (
+    DEFAULT_TIMEOUT_S,
+    INTERPRET,
+    _note_first_touch,
+    _round_to,
+    _wait_signal,
+    check_matrix,
+    check_ptr_table,
+    check_world,
+    dot_precision,
+    new_trace,
+    raise_on_timeout,
+    store_order,
+    timeout_ns,
+    tl_dtype,
+)
+
+
+def _producer_config(m: int, n: int, dtype: torch.dtype) -> dict:
+    """Tile shape of the producer GEMM, chosen from the shape instead of autotuned.
+
+    Autotuning would re-run the kernel per candidate config, and every run stores into the
+    peers' slots and raises their signals: a peer could start reducing values from one config
+    while another overwrote them with differently rounded ones, breaking determinism.
+    """
+    if INTERPRET:
+        return {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 1}
+    bm = 128 if m >= 128 else 64
+    bn = 128 if n >= 128 else 64
+    bk = 32 if dtype == torch.float32 else 64
+    warps = 8 if bm * bn >= 128 * 128 else 4
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": 3}
+
+
+def _reduce_configs() -> list[triton.Config]:
+    if INTERPRET:
+        return [triton.Config({"BLOCK": 256}, num_warps=1)]
+    return [triton.Config({"BLOCK": b}, num_warps=w) for b in (1024, 2048, 4096) for w in (4, 8)]
+
+
+@triton.jit
+def _matmul_rs_kernel(
+    a_ptr,
+    b_ptr,
+    slot_ptrs,
+    signal_ptrs,
+    counter_ptr,
+    trace_ptr,
+    rank,
+    world_size,
+    m,
+    N,
+    K,
+    channel,
+    epoch,
+    DTYPE: tl.constexpr,
+    TRACE: tl.constexpr,
+    BF16_BY_HAND: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One tile of ``P = A @ B`` (fp32 accumulation) for destination ``d``, pushed to ``d``:
+
+    ``slots_d[rank, i, n] = sum_k A[d*m + i, k] * B[k, n]``, with ``slots_d`` the [W, m, N] view
+    of the buffer at ``slot_ptrs[d]``. Programs are numbered M-tile-major; M tile ``t`` serves
+    ``d = (rank + 1 + t // cdiv(m, BLOCK_M)) % W``. The tile that completes slot ``d`` (counted in
+    ``counter_ptr[d]``, zero before the launch) stores ``epoch`` into word ``channel * W + rank``
+    of ``d``'s pad (release, system scope).
+    """
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    tiles_per_slot = tl.cdiv(m, BLOCK_M)
+    m_tile = pid // n_tiles
+    dst = (rank + 1 + m_tile // tiles_per_slot) % world_size
+    if TRACE:
+        _note_first_touch(trace_ptr, dst, world_size)
+
+    rows = (m_tile % tiles_per_slot) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = (pid % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < m
+    col_ok = cols < N
+    rows64 = rows.to(tl.int64)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        a = tl.load(
+            a_ptr + (dst * m + rows64)[:, None] * K + ks[None, :],
+            mask=row_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        b = tl.load(
+            b_ptr + ks[:, None].to(tl.int64) * N + cols[None, :],
+            mask=k_ok[:, None] & col_ok[None, :],
+            other=0.0,
+        )
+        if BF16_BY_HAND:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+    slots = tl.load(slot_ptrs + dst).to(tl.pointer_type(DTYPE))
+    tl.store(
+        slots + (rank * m + rows64)[:, None] * N + cols[None, :],
+        _round_to(acc, DTYPE, BF16_BY_HAND),
+        mask=row_ok[:, None] & col_ok[None, :],
+    )
+
+    # Every thread's stores precede the count; the last tile's release publishes all of them.
+    tl.debug_barrier()
+    done = tl.atomic_add(counter_ptr + dst, 1, sem="acq_rel", scope="sys")
+    if done == tiles_per_slot * n_tiles - 1:
+        pad = tl.load(signal_ptrs + dst).to(tl.pointer_type(tl.int32))
+        tl.atomic_xchg(pad + channel * world_size + rank, epoch, sem="release", scope="sys")
+
+
+@triton.autotune(configs=_reduce_configs(), key=["numel", "OUT_DTYPE"])
+@triton.jit
+def _reduce_slots_kernel(
+    slots_ptr,
+    out_ptr,
+    signal_ptrs,
+    status_ptr,
+    rank,
+    world_size,
+    numel,
+    channel,
+    epoch,
+    timeout_ns,
+    divisor,
+    OUT_DTYPE: tl.constexpr,
+    BF16_BY_HAND: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """``out[e] = (sum_{s=0..W-1} float32(slots[s, e])) / divisor`` for a block of elements ``e``.
+
+    ``slots`` [W, numel] is this rank's buffer. The sum runs in fp32, slot 0 first, so the result
+    does not depend on timing. Before adding slot ``s`` the program waits for ``epoch`` in word
+    ``channel * W + s`` of this rank's pad, so summing the slots already there overlaps with
+    waiting for the rest.
+    """
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    pad = tl.load(signal_ptrs + rank).to(tl.pointer_type(tl.int32))
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    # Step the pointer slot by slot: s * numel may pass 2**31 in int32.
+    ptrs = slots_ptr + offs
+    for s in range(world_size):
+        _wait_signal(pad + channel * world_size + s, epoch, timeout_ns, status_ptr + s)
+        acc += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        ptrs += numel
+    tl.store(out_ptr + offs, _round_to(acc / divisor, OUT_DTYPE, BF16_BY_HAND), mask=mask)
+
+
+def matmul_rs_producer(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    slot_ptrs: torch.Tensor,
+    signal_ptrs: torch.Tensor,
+    *,
+    rank: int,
+    world_size: int,
+    channel: int,
+    epoch: int,
+    order_out: torch.Tensor | None = None,
+) -> None:
+    """Push ``(a @ b)[d*m:(d+1)*m]`` into slot ``rank`` of rank d's buffer, for every rank d.
+
+    Shapes (W = ``world_size``): ``a`` [W*m, K], ``b`` [K, N], same dtype (fp32, fp16 or bf16) and
+    device, contiguous. Rank d's buffer at ``slot_ptrs[d]`` is viewed as [W, m, N] of that dtype.
+    Destinations go d = rank+1, rank+2, ..., rank (mod W); once slot ``rank`` of d is complete its
+    word ``channel * W + rank`` in d's pad gets ``epoch``. Nothing here waits, so the producer
+    cannot deadlock; d must not read the slot before the signal (see :func:`reduce_slots`), and
+    this rank must not call again with the same buffers before d has read them.
+
+    Args:
+        slot_ptrs: int64 [W], address of rank d's symmetric buffer in this process.
+        signal_ptrs: int64 [W], address of rank d's signal pad.
+        order_out: optional int [W]; receives the destination ranks in the order the kernel first
+            touched them (a trace for tests and debugging).
+    """
+    check_world(rank, world_size, channel, epoch)
+    if a.dim() != 2 or a.shape[0] % world_size or a.shape[0] == 0 or a.shape[1] == 0:
+        raise ValueError(
+            f"a: got shape {tuple(a.shape)}, expected [W*m, K] with W={world_size}, "
+            "m >= 1 and K >= 1"
+        )
+    m, K = a.shape[0] // world_size, a.shape[1]
+    DTYPE = tl_dtype(a.dtype, argument="a")
+    check_matrix(a, tuple(a.shape), a.dtype, a.device, argument="a")
+    if b.dim() != 2 or b.shape[1] == 0:
+        raise ValueError(f"b: got shape {tuple(b.shape)}, expected [{K}, N] with N >= 1")
+    N = b.shape[1]
+    check_matrix(b, (K, N), a.dtype, a.device, argument="b")
+    check_ptr_table(slot_ptrs, world_size, a.device, argument="slot_ptrs")
+    check_ptr_table(signal_ptrs, world_size, a.device, argument="signal_ptrs")
+    if order_out is not None and tuple(order_out.shape) != (world_size,):
+        raise ValueError(f"order_out: got shape {tuple(order_out.shape)}, expected ({world_size},)")
+
+    counters = torch.zeros(world_size, dtype=torch.int32, device=a.device)
+    trace = new_trace(world_size, a.device) if order_out is not None else counters
+    config = _producer_config(m, N, a.dtype)
+    grid = (world_size * triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"]),)
+    _matmul_rs_kernel[grid](
+        a,
+        b,
+        slot_ptrs,
+        signal_ptrs,
+        counters,
+        trace,
+        rank,
+        world_size,
+        m,
+        N,
+        K,
+        channel,
+        epoch,
+        DTYPE=DTYPE,
+        TRACE=order_out is not None,
+        BF16_BY_HAND=INTERPRET and a.dtype == torch.bfloat16,
+        INPUT_PRECISION=dot_precision(a.dtype),
+        **config,
+    )
+    if order_out is not None:
+        store_order(trace, order_out, world_size)
+
+
+def reduce_slots(
+    slots: torch.Tensor,
+    out: torch.Tensor,
+    signal_ptrs: torch.Tensor,
+    *,
+    rank: int,
+    world_size: int,
+    channel: int,
+    epoch: int,
+    divisor: float = 1.0,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    check: bool = True,
+    group_name: str | None = None,
+) -> torch.Tensor:
+    """``out = (slots[0] + slots[1] + ... + slots[W-1]) / divisor``, summed in fp32 in that order.
+
+    Shapes: ``slots`` [W, m, N] (this rank's symmetric buffer; slot s is written by rank s's
+    :func:`matmul_rs_producer`), ``out`` [m, N] of any supported dtype (the fp32 sum is cast to
+    it); both contiguous on one device. Slot s is read once word ``channel * W + s`` of this
+    rank's pad holds ``epoch``. ``divisor`` is 1 for a sum and W for an average.
+
+    Args:
+        signal_ptrs: int64 [W], address of each rank's signal pad; this rank waits on its own.
+        timeout_s, check, group_name: as in :func:`ag_matmul_consumer`.
+
+    Returns:
+        int32 [W] status: ``status[s] == 1`` if the wait for rank s's slot timed out.
+    """
+    check_world(rank, world_size, channel, epoch)
+    if slots.dim() != 3 or slots.shape[0] != world_size or slots.numel() == 0:
+        raise ValueError(
+            f"slots: got shape {tuple(slots.shape)}, expected [W={world_size}, m, N] with m, N >= 1"
+        )
+    tl_dtype(slots.dtype, argument="slots")
+    check_matrix(slots, tuple(slots.shape), slots.dtype, slots.device, argument="slots")
+    OUT_DTYPE = tl_dtype(out.dtype, argument="out")
+    check_matrix(out, tuple(slots.shape[1:]), out.dtype, slots.device, argument="out")
+    check_ptr_table(signal_ptrs, world_size, slots.device, argument="signal_ptrs")
+    if not divisor > 0:
+        raise ValueError(f"divisor: got {divisor}, expected a positive number")
+
+    status = torch.zeros(world_size, dtype=torch.int32, device=slots.device)
+    numel = out.numel()
+    _reduce_slots_kernel[lambda meta: (triton.cdiv(numel, meta["BLOCK"]),)](
+        slots,
+        out,
+        signal_ptrs,
+        status,
+        rank,
+        world_size,
+        numel,
+        channel,
+        epoch,
+        timeout_ns(timeout_s),
+        float(divisor),
+        OUT_DTYPE=OUT_DTYPE,
+        BF16_BY_HAND=INTERPRET and out.dtype == torch.bfloat16,
+    )
+    if check:
+        raise_on_timeout(
+            status,
+            what="reduce_slots",
+            rank=rank,
+            channel=channel,
+            epoch=epoch,
+            timeout_s=timeout_s,
+            group_name=group_name,
+        )
+    return status
