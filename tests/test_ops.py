@@ -264,12 +264,15 @@ class RSCase:
     noncontig: bool = False
     chunks: int | None = None
     dtypes: tuple[torch.dtype, ...] = DTYPES
+    bias: bool = False
 
 
 RS_CASES = [
     RSCase((1,), 0, 1, 1),
     RSCase((3,), 0, 5, 7),
     RSCase((3,), 0, 4, 6, reduce_op="avg", noncontig=True),
+    RSCase((3,), 0, 4, 6, bias=True),
+    RSCase((2, 3), 1, 4, 5, reduce_op="avg", bias=True),
     RSCase((2, 3), 0, 4, 5),
     RSCase((2, 3), 1, 3, 2, noncontig=True),
     RSCase((5, 2), -3, 4, 3, chunks=2),
@@ -279,19 +282,23 @@ RS_CASES = [
 ]
 
 
-def _rs_unsharded(a_full, b_full, grad_full, scale, dim, compute_dtype, magnitude=False):
+def _rs_unsharded(a_full, b_full, bias, grad_full, scale, dim, compute_dtype, magnitude=False):
     """Single-process truth for this rank: its output slice and the grads of its shards."""
     rank, world = dist.get_rank(), dist.get_world_size()
     val = (lambda t: t.abs()) if magnitude else (lambda t: t)
     a = val(a_full).to(compute_dtype, copy=True).requires_grad_()
     b = val(b_full).to(compute_dtype, copy=True).requires_grad_()
     c = (a @ b) * scale
+    if bias is not None:
+        bias = val(bias).to(compute_dtype, copy=True).requires_grad_()
+        c = c + bias
     (c * val(grad_full).to(compute_dtype)).sum().backward()
-    return (
+    grads = (
         c.detach().chunk(world, dim)[rank],
         a.grad.chunk(world, -1)[rank],
         b.grad.chunk(world, 0)[rank],
     )
+    return grads + ((bias.grad,) if bias is not None else ())
 
 
 def _run_rs_cases(cases: list[RSCase]) -> list[str]:
@@ -308,8 +315,11 @@ def _run_rs_cases(cases: list[RSCase]) -> list[str]:
             a_full = torch.randn(*shape, world * case.k, generator=g, dtype=torch.float64)
             b_full = torch.randn(world * case.k, case.n, generator=g, dtype=torch.float64)
             grad_full = torch.randn(*shape, case.n, generator=g, dtype=torch.float64)
+            bias = torch.randn(case.n, generator=g, dtype=torch.float64) if case.bias else None
             a_full, b_full, grad_full = (t.to(dtype) for t in (a_full, b_full, grad_full))
-            problem = (a_full, b_full, grad_full, 1 / world if case.reduce_op == "avg" else 1, dim)
+            bias = bias.to(dtype) if case.bias else None
+            scale = 1 / world if case.reduce_op == "avg" else 1
+            problem = (a_full, b_full, bias, grad_full, scale, dim)
             truth = _rs_unsharded(*problem, torch.float64)
             same = _rs_unsharded(*problem, dtype)
             mag = _rs_unsharded(*problem, torch.float64, magnitude=True)
@@ -321,15 +331,23 @@ def _run_rs_cases(cases: list[RSCase]) -> list[str]:
                     a, b = _noncontiguous(a), _noncontiguous(b)
                 a.requires_grad_()
                 b.requires_grad_()
+                bias_r = bias.clone().requires_grad_() if case.bias else None
                 out = tpk.matmul_reduce_scatter(
-                    a, b, case.dim, dist.group.WORLD, reduce_op=case.reduce_op, backend=backend
+                    a,
+                    b,
+                    case.dim,
+                    dist.group.WORLD,
+                    reduce_op=case.reduce_op,
+                    backend=backend,
+                    bias=bias_r,
                 )
                 (out * grad_full.chunk(world, dim)[rank]).sum().backward()
-                results[backend] = (out, a.grad, b.grad)
+                results[backend] = (out, a.grad, b.grad) + ((bias_r.grad,) if case.bias else ())
             for backend, got in results.items():
                 refs = [same] + ([results["reference"]] if backend != "reference" else [])
                 for ref in refs:
-                    for name, *x in zip(("out", "grad a", "grad b"), got, truth, ref, mag):
+                    names = ("out", "grad a", "grad b", "grad bias")
+                    for name, *x in zip(names, got, truth, ref, mag):
                         msg = check_close(name, *x)
                         if msg:
                             failures.append(f"case {i} {case} {dtype} {backend}: {msg}")

@@ -63,7 +63,9 @@ class _FusableStyle:
     backend: str | None
 
     def _set_backend(self, backend: str | None) -> None:
-        self.backend = check_backend_name(backend, argument="backend") if backend else None
+        self.backend = (
+            check_backend_name(backend, argument="backend") if backend is not None else None
+        )
 
     def _repr_with_backend(self, base: str) -> str:
         return base if self.backend is None else f"{base[:-1]}, backend={self.backend!r})"

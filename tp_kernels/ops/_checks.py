@@ -131,7 +131,12 @@ def check_all_gather_matmul(
 
 
 def check_matmul_reduce_scatter(
-    a: object, b: object, scatter_dim: object, reduce_op: object, group: dist.ProcessGroup
+    a: object,
+    b: object,
+    scatter_dim: object,
+    reduce_op: object,
+    group: dist.ProcessGroup,
+    bias: object = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     op = "matmul_reduce_scatter"
     a = _check_tensor(a, "a", op)
@@ -146,6 +151,13 @@ def check_matmul_reduce_scatter(
             f"{op}: a.shape[{dim}]={a.shape[dim]} (a has shape {tuple(a.shape)}) "
             f"must be divisible by the group size {group.size()}"
         )
+    if bias is not None:
+        bias = _check_tensor(bias, "bias", op)
+        if bias.shape != (b.shape[1],) or bias.dtype != a.dtype or bias.device != a.device:
+            raise ValueError(
+                f"{op}: bias must be [N]=[{b.shape[1]}] of {a.dtype} on {a.device}, "
+                f"got shape {tuple(bias.shape)} of {bias.dtype} on {bias.device}"
+            )
     return a, b, dim
 
 

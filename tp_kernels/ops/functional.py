@@ -100,6 +100,7 @@ def matmul_reduce_scatter(
     *,
     reduce_op: str = "sum",
     backend: str | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Multiply ``a`` by ``b`` and reduce-scatter the product along ``scatter_dim``.
 
@@ -107,29 +108,33 @@ def matmul_reduce_scatter(
     ``scatter_dim``, any dim but the last, divisible by ``W``) and ``b`` of shape ``[K, N]``::
 
         c = sum over ranks of (a @ b)   (mean when reduce_op="avg")      [..., M, ..., N]
-        returns this rank's slice of c along scatter_dim                 [..., M/W, ..., N]
+        returns this rank's slice of c along scatter_dim (+ bias)        [..., M/W, ..., N]
 
-    Differentiable in ``a`` and ``b``. Backward: ``g = all_gather(d out)`` fused with
-    ``d a = g @ b^T`` (one all-gather-matmul), and ``d b = a^T @ g``.
+    ``bias`` (optional, ``[N]``, the same on every rank) is added once, after the reduction: the
+    replicated bias of a rowwise-parallel Linear. Differentiable in ``a``, ``b`` and ``bias``.
+    Backward: ``g = all_gather(d out)`` fused with ``d a = g @ b^T`` (one all-gather-matmul),
+    ``d b = a^T @ g`` and ``d bias = g`` summed over its rows (no extra communication).
     Mirrors ``torch.ops.symm_mem.fused_matmul_reduce_scatter``.
     """
     op = "matmul_reduce_scatter"
     pg = resolve_group(group, op=op)
     if torch.compiler.is_compiling():
-        a, b, dim = check_matmul_reduce_scatter(a, b, scatter_dim, reduce_op, pg)
+        a, b, dim = check_matmul_reduce_scatter(a, b, scatter_dim, reduce_op, pg, bias)
         name = _backend_when_compiling(backend)
     else:
 
         def check() -> tuple[tuple, str]:
-            a_, b_, dim = check_matmul_reduce_scatter(a, b, scatter_dim, reduce_op, pg)
+            a_, b_, dim = check_matmul_reduce_scatter(a, b, scatter_dim, reduce_op, pg, bias)
             name = resolve(backend, op, pg, a_)
-            sig = _signature(op, a_, [b_], dim, backend=name, reduce_op=reduce_op)
+            sig = _signature(
+                op, a_, [b_], dim, backend=name, reduce_op=reduce_op, bias=bias is not None
+            )
             return (a_, b_, dim, name), sig
 
         a, b, dim, name = checked(op, pg, _device_of(a), check)
     lead = a.movedim(dim, 0)
     rows_shape = lead.shape[:-1]
     out = matmul_reduce_scatter_2d(
-        lead.reshape(-1, a.shape[-1]), b, pg.group_name, name, reduce_op == "avg"
+        lead.reshape(-1, a.shape[-1]), b, bias, pg.group_name, name, reduce_op == "avg"
     )
     return out.view(rows_shape[0] // pg.size(), *rows_shape[1:], b.shape[1]).movedim(0, dim)

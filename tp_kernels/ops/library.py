@@ -9,10 +9,11 @@ Shapes on rank ``r`` of a group of ``W`` ranks (rank-major rows, see ``backends/
         d a_shard = reduce_scatter(G @ Bcat^T + dA)        one fused matmul-reduce-scatter
         d b_j     = A^T @ dC_j                               A saved (save_a), or gathered again
                                                              while the reduce-scatter runs
-    tp_kernels::matmul_reduce_scatter(a [W*m, K], b [K, N], avg)
-        C = reduce_scatter(a @ b) [m, N]  (divided by W when avg)
+    tp_kernels::matmul_reduce_scatter(a [W*m, K], b [K, N], bias [N] or None, avg)
+        C = reduce_scatter(a @ b) [m, N]  (divided by W when avg), then + bias (added once)
       backward, tp_kernels::matmul_reduce_scatter_backward:
-        G = all_gather(dC) [W*m, N] fused with d a = G @ b^T;  d b = a^T @ G   (dC / W when avg)
+        G = all_gather(dC) [W*m, N] fused with d a = G @ b^T;  d b = a^T @ G   (both / W when avg)
+        d bias = sum of G's rows: the gathered grad already holds every rank's rows
 
 The group travels as its registered name and the backend as a name (strings), so the ops trace
 under ``torch.compile`` as opaque nodes with these fake (meta) kernels. Eager calls pass the
@@ -135,50 +136,67 @@ all_gather_matmul_2d.register_autograd(
 
 @torch.library.custom_op("tp_kernels::matmul_reduce_scatter", mutates_args=())
 def matmul_reduce_scatter_2d(
-    a: torch.Tensor, b: torch.Tensor, group_name: str, backend: str, avg: bool
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None,
+    group_name: str,
+    backend: str,
+    avg: bool,
 ) -> torch.Tensor:
     group = _resolve_process_group(group_name)
     impl = _backend(backend, "matmul_reduce_scatter", group, a)
     record("forward", "matmul_reduce_scatter", impl.name)
     out = impl.matmul_reduce_scatter(a.contiguous(), b, group)
-    return out.div_(group.size()) if avg else out
+    if avg:
+        out.div_(group.size())
+    return out if bias is None else out.add_(bias)
 
 
 @matmul_reduce_scatter_2d.register_fake
-def _(a, b, group_name, backend, avg):
+def _(a, b, bias, group_name, backend, avg):
     return a.new_empty((a.shape[0] // _group_size(group_name), b.shape[1]))
 
 
 @torch.library.custom_op("tp_kernels::matmul_reduce_scatter_backward", mutates_args=())
 def matmul_reduce_scatter_backward_2d(
-    a: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, group_name: str, backend: str, avg: bool
+    a: torch.Tensor,
+    b: torch.Tensor,
+    grad: torch.Tensor,
+    with_bias: bool,
+    group_name: str,
+    backend: str,
+    avg: bool,
 ) -> list[torch.Tensor]:
     group = _resolve_process_group(group_name)
     impl = _backend(backend, "matmul_reduce_scatter", group, a)
     record("backward", "all_gather_matmul", impl.name)
-    if avg:
-        grad = grad / group.size()
     gathered, (grad_a,) = impl.all_gather_matmul(grad.contiguous(), [b.t()], group, return_a=True)
-    return [grad_a, a.t() @ gathered]
+    grad_b = a.t() @ gathered
+    if avg:
+        grad_a.div_(group.size())
+        grad_b.div_(group.size())
+    return [grad_a, grad_b, gathered.sum(0)] if with_bias else [grad_a, grad_b]
 
 
 @matmul_reduce_scatter_backward_2d.register_fake
-def _(a, b, grad, group_name, backend, avg):
-    return [a.new_empty(a.shape), b.new_empty(b.shape)]
+def _(a, b, grad, with_bias, group_name, backend, avg):
+    grads = [a.new_empty(a.shape), b.new_empty(b.shape)]
+    return [*grads, b.new_empty(b.shape[1])] if with_bias else grads
 
 
 def _matmul_reduce_scatter_setup(ctx, inputs, output):
-    a, b, group_name, backend, avg = inputs
-    ctx.group_name, ctx.backend, ctx.avg = group_name, backend, avg
+    a, b, bias, group_name, backend, avg = inputs
+    ctx.group_name, ctx.backend, ctx.avg, ctx.with_bias = group_name, backend, avg, bias is not None
     ctx.save_for_backward(a, b)
 
 
 def _matmul_reduce_scatter_backward(ctx, grad):
     a, b = ctx.saved_tensors
-    grad_a, grad_b = matmul_reduce_scatter_backward_2d(
-        a, b, grad, ctx.group_name, ctx.backend, ctx.avg
+    grads = matmul_reduce_scatter_backward_2d(
+        a, b, grad, ctx.with_bias, ctx.group_name, ctx.backend, ctx.avg
     )
-    return grad_a, grad_b, None, None, None
+    grad_bias = grads[2] if ctx.with_bias else None
+    return grads[0], grads[1], grad_bias, None, None, None
 
 
 matmul_reduce_scatter_2d.register_autograd(

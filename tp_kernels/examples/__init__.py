@@ -1,0 +1,1 @@
+"""Runnable examples: ``python -m tp_kernels.examples.<name> --help``."""
