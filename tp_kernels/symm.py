@@ -1,0 +1,589 @@
+"""Symmetric memory: a buffer on every rank of a group, mapped into every rank, with signal pads.
+
+:func:`get_workspace` gives a :class:`SymmWorkspace`: each of the ``world_size`` ranks of ``group``
+owns a data region of ``nbytes`` bytes and a signal pad of int32 words, and every rank can read and
+write every rank's region and pad directly, through :meth:`SymmWorkspace.buffer` (zero-copy tensor
+views) or through raw addresses (:meth:`SymmWorkspace.buffer_ptrs`,
+:meth:`SymmWorkspace.signal_pad_ptrs`, for kernels).
+
+Two implementations sit behind the one interface:
+
+- CUDA: ``torch.distributed._symmetric_memory`` (``empty`` + ``rendezvous``). Signal operations are
+  kernels queued on the current stream; a wait past its timeout traps on the device (a CUDA error
+  from torch), it cannot raise :class:`SymmTimeoutError`.
+- CPU: the POSIX shared-memory heap of the native extension ``tp_kernels._C``: one segment per rank,
+  mapped by every rank of the group, which must all run on this host. Each segment's name is
+  unlinked as soon as every rank has mapped it, so a crash leaves nothing in ``/dev/shm``. Waits
+  spin, then yield, then sleep, and raise :class:`SymmTimeoutError` at their deadline.
+
+Signal convention (the one of CUDA symmetric memory, so the same kernel indexing serves both): the
+signals that ``src`` sends to ``dst`` on channel ``c`` live in word ``c * world_size + src`` of
+``dst``'s pad. A word is 0 when idle; :meth:`~SymmWorkspace.put_signal` waits until it is 0 and sets
+it to 1 (release), :meth:`~SymmWorkspace.wait_signal` waits until it is 1 and sets it back to 0
+(acquire). So a signal is never lost or counted twice, and pads are all zero between rounds.
+
+Collective rules: :func:`get_workspace` allocates collectively (the first time for a
+``(group, tag, device)``, and again whenever ``nbytes`` exceeds the current size). Every rank of the
+group must make the same sequence of calls with the same ``nbytes`` and ``tag``. A size mismatch
+at an allocation is detected and raises on every rank; a mismatch that makes some ranks allocate
+and others not cannot be detected without a collective per call, and ends at the process group's
+timeout.
+"""
+
+from __future__ import annotations
+
+import abc
+import atexit
+import math
+import os
+import socket
+import sys
+import uuid
+import weakref
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "SHM_NAME_PREFIX",
+    "SymmTimeoutError",
+    "SymmWorkspace",
+    "get_timeout",
+    "get_workspace",
+    "set_timeout",
+    "symm_unavailable_reason",
+]
+
+DEFAULT_TIMEOUT_S = 300.0
+# Every segment of the CPU heap is named "/" + SHM_NAME_PREFIX + <allocation id> + "_" + <rank>.
+SHM_NAME_PREFIX = "tp_kernels_"
+# The CPU heap's signal pad has the default size of CUDA symmetric memory's (32 blocks x 72 ranks x
+# 4 bytes), so both give the same number of channels for a world size.
+_CPU_SIGNAL_PAD_BYTES = 32 * 72 * 4
+_SIGNAL_WORD_BYTES = 4
+
+
+class SymmTimeoutError(RuntimeError):
+    """A signal or barrier wait passed its deadline.
+
+    The message names the group, this rank, the peer, the channel and how long it waited; the same
+    facts are attributes (``None`` when unknown, e.g. after unpickling).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        peer: int | None = None,
+        channel: int | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.peer = peer
+        self.channel = channel
+        self.timeout_s = timeout_s
+
+
+# --- timeouts -------------------------------------------------------------------------------------
+
+_timeout_s: float | None = None  # None until set or first read from TP_KERNELS_TIMEOUT_S
+
+
+def _check_timeout(value: object, argument: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{argument}: expected a number of seconds, got {value!r}")
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(
+            f"{argument}: expected a positive, finite number of seconds, got {value!r}"
+        )
+    return float(value)
+
+
+def set_timeout(seconds: float) -> None:
+    """Set the default deadline of every signal wait and barrier in this process, in seconds."""
+    global _timeout_s
+    _timeout_s = _check_timeout(seconds, "seconds")
+
+
+def get_timeout() -> float:
+    """The default deadline of waits: :func:`set_timeout`'s value, else ``TP_KERNELS_TIMEOUT_S``,
+    else 300 s."""
+    global _timeout_s
+    if _timeout_s is None:
+        raw = os.environ.get("TP_KERNELS_TIMEOUT_S")
+        if raw is None:
+            _timeout_s = DEFAULT_TIMEOUT_S
+        else:
+            try:
+                value = float(raw)
+            except ValueError:
+                value = raw  # rejected with the message below
+            _timeout_s = _check_timeout(value, "TP_KERNELS_TIMEOUT_S")
+    return _timeout_s
+
+
+def _resolve_timeout(timeout_s: float | None) -> float:
+    return get_timeout() if timeout_s is None else _check_timeout(timeout_s, "timeout_s")
+
+
+# --- availability ---------------------------------------------------------------------------------
+
+_native_module: ModuleType | None = None
+_native_error: str | None = None
+
+
+def _native() -> ModuleType | None:
+    """``tp_kernels._C``, imported on first use; ``None`` (and :data:`_native_error`) if missing."""
+    global _native_module, _native_error
+    if _native_module is None and _native_error is None:
+        try:
+            from tp_kernels import _C
+        except ImportError as exc:
+            _native_error = str(exc)
+        else:
+            _native_module = _C
+    return _native_module
+
+
+def _as_device(device: torch.device | str | int, argument: str = "device") -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"{argument}: not a device: {device!r} ({exc})") from None
+    if dev.type == "cpu":
+        return torch.device("cpu")  # "cpu:0" is the same memory, and the same cache entry
+    if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def _cpu_unavailable_reason(group: dist.ProcessGroup | None) -> str | None:
+    if not sys.platform.startswith("linux"):
+        return f"the CPU heap needs Linux (POSIX shared memory in /dev/shm); this is {sys.platform}"
+    if _native() is None:
+        return (
+            f"the native extension tp_kernels._C is not available ({_native_error}); reinstall "
+            "with `TP_KERNELS_BUILD_EXT=1 pip install -e .` to build it or see why it cannot be"
+        )
+    if not os.path.isdir("/dev/shm"):
+        return "/dev/shm does not exist, so POSIX shared memory is unavailable"
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if group is not None and local.isdigit() and group.size() > int(local):
+        return (
+            f"the group has {group.size()} ranks but only LOCAL_WORLD_SIZE={local} run on this "
+            "host; the CPU heap needs every rank of the group on this host"
+        )
+    return None
+
+
+def _cuda_unavailable_reason(device: torch.device, group: dist.ProcessGroup | None) -> str | None:
+    if not torch.cuda.is_available():
+        return f"torch.cuda.is_available() is False (torch {torch.__version__})"
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        return f"{device} does not exist: this process sees {torch.cuda.device_count()} GPUs"
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+    except ImportError as exc:
+        return f"torch.distributed._symmetric_memory cannot be imported ({exc})"
+    if not hasattr(symm_mem, "get_signal_pad_size"):
+        return f"torch {torch.__version__} is too old: its symmetric memory has no signal pad size"
+    if group is not None and "nccl" not in str(dist.get_backend(group)):
+        return (
+            f"the group's backend is {dist.get_backend(group)!r}; CUDA symmetric memory needs NCCL"
+        )
+    return None
+
+
+def symm_unavailable_reason(
+    device: torch.device | str, *, group: dist.ProcessGroup | None = None
+) -> str | None:
+    """Why symmetric memory cannot be used on ``device`` (and ``group``); ``None`` if it can.
+
+    Only local facts are checked (no communication). On the CPU, that every rank of the group runs
+    on this host is checked against ``LOCAL_WORLD_SIZE`` here when it is set, and for certain (a
+    hostname exchange) by :func:`get_workspace`.
+    """
+    dev = _as_device(device)
+    if dev.type == "cpu":
+        return _cpu_unavailable_reason(group)
+    if dev.type == "cuda":
+        return _cuda_unavailable_reason(dev, group)
+    return f"symmetric memory supports cpu and cuda devices, not {dev.type!r}"
+
+
+# --- workspaces -----------------------------------------------------------------------------------
+
+
+def _group_label(group: dist.ProcessGroup) -> str:
+    return f"'{group.group_name}'"
+
+
+class SymmWorkspace(abc.ABC):
+    """One symmetric allocation: ``nbytes`` bytes and a signal pad on each rank of ``group``.
+
+    Made by :func:`get_workspace` (one subclass per device type).
+
+    Attributes:
+        rank, world_size: this process's rank in ``group`` and the group's size.
+        nbytes: size of each rank's data region (at least what was asked for).
+        num_signals: number of signal channels; a pad holds ``num_signals * world_size`` words.
+        device: where the regions live.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        *,
+        nbytes: int,
+        num_signals: int,
+        device: torch.device,
+        buffer_ptrs: list[int],
+        signal_pad_ptrs: list[int],
+    ) -> None:
+        self._group_ref = weakref.ref(group)
+        self._group_label = _group_label(group)
+        self.rank = group.rank()
+        self.world_size = group.size()
+        self.nbytes = nbytes
+        self.num_signals = num_signals
+        self.device = device
+        self._buffer_ptrs = torch.tensor(buffer_ptrs, dtype=torch.int64, device=device)
+        self._signal_pad_ptrs = torch.tensor(signal_pad_ptrs, dtype=torch.int64, device=device)
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        group = self._group_ref()
+        if group is None:
+            raise RuntimeError(f"the process group {self._group_label} of this workspace is gone")
+        return group
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(group={self._group_label}, rank={self.rank}, "
+            f"world_size={self.world_size}, nbytes={self.nbytes}, num_signals={self.num_signals}, "
+            f"device={self.device})"
+        )
+
+    def _check_rank(self, rank: int, argument: str) -> None:
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise ValueError(f"{argument}: expected a rank in [0, {self.world_size}), got {rank!r}")
+
+    def _check_channel(self, channel: int) -> None:
+        if (
+            isinstance(channel, bool)
+            or not isinstance(channel, int)
+            or not 0 <= channel < self.num_signals
+        ):
+            raise ValueError(
+                f"channel: expected a channel in [0, {self.num_signals}), got {channel!r}"
+            )
+
+    def buffer(
+        self, rank: int, shape: Sequence[int] | int, dtype: torch.dtype, *, offset: int = 0
+    ) -> torch.Tensor:
+        """A zero-copy, contiguous view of ``shape`` and ``dtype`` into ``rank``'s data region.
+
+        ``rank`` may be this rank or any peer; the view starts ``offset`` bytes into the region,
+        which must be a multiple of ``dtype``'s size. Writes through it are visible to every rank.
+        """
+        self._check_rank(rank, "rank")
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype: expected a torch.dtype, got {dtype!r}")
+        dims = (shape,) if isinstance(shape, int) else tuple(shape)
+        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims):
+            raise ValueError(f"shape: expected non-negative ints, got {shape!r}")
+        itemsize = dtype.itemsize
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+            raise ValueError(f"offset: expected a non-negative number of bytes, got {offset!r}")
+        if offset % itemsize:
+            raise ValueError(
+                f"offset: {offset} bytes is not a multiple of the {itemsize}-byte size of {dtype}"
+            )
+        size = math.prod(dims) * itemsize
+        if offset + size > self.nbytes:
+            raise ValueError(
+                f"shape {list(dims)} of {dtype} at offset {offset} needs {offset + size} bytes, "
+                f"but the workspace holds {self.nbytes}; ask get_workspace for more"
+            )
+        return self._view(rank, dims, dtype, offset)
+
+    @abc.abstractmethod
+    def _view(
+        self, rank: int, shape: tuple[int, ...], dtype: torch.dtype, offset: int
+    ) -> torch.Tensor:
+        """The view of :meth:`buffer`, whose arguments are already checked."""
+
+    def buffer_ptrs(self) -> torch.Tensor:
+        """int64 ``[world_size]`` on :attr:`device`: every rank's data region, as addresses in this
+        process (do not modify)."""
+        return self._buffer_ptrs
+
+    def signal_pad_ptrs(self) -> torch.Tensor:
+        """int64 ``[world_size]`` on :attr:`device`: every rank's signal pad (int32 words), as
+        addresses in this process (do not modify)."""
+        return self._signal_pad_ptrs
+
+    @abc.abstractmethod
+    def put_signal(
+        self, dst_rank: int, channel: int = 0, *, timeout_s: float | None = None
+    ) -> None:
+        """Release: wait until word ``channel * world_size + rank`` of ``dst_rank``'s pad is 0, then
+        set it to 1. Writes made before it are visible to ``dst_rank`` once its wait returns."""
+
+    @abc.abstractmethod
+    def wait_signal(
+        self, src_rank: int, channel: int = 0, *, timeout_s: float | None = None
+    ) -> None:
+        """Acquire: wait until word ``channel * world_size + src_rank`` of this rank's pad is 1,
+        then reset it to 0. ``timeout_s`` defaults to :func:`get_timeout`."""
+
+    @abc.abstractmethod
+    def barrier(self, channel: int = 0, *, timeout_s: float | None = None) -> None:
+        """Signal every peer on ``channel`` and wait for every peer's signal (within ``timeout_s``
+        in total). Writes made before it by any rank are visible to all ranks after it."""
+
+
+class _ShmWorkspace(SymmWorkspace):
+    """CPU implementation over the native shared-memory heap ``tp_kernels._C.Heap``."""
+
+    def __init__(self, group: dist.ProcessGroup, heap: Any, native: ModuleType) -> None:
+        ranks = range(group.size())
+        super().__init__(
+            group,
+            nbytes=heap.data_bytes,
+            num_signals=heap.signal_words // group.size(),
+            device=torch.device("cpu"),
+            buffer_ptrs=[heap.data_ptr(r) for r in ranks],
+            signal_pad_ptrs=[heap.signal_pad_ptr(r) for r in ranks],
+        )
+        self._heap = heap
+        self._timeout_error = native.SignalTimeoutError
+        #: Name prefix of this allocation's segments in /dev/shm (unlinked once set up).
+        self.shm_name_prefix: str = heap.name_prefix.lstrip("/")
+        # Each view holds a reference to its region, and so to the mapping: a tensor stays valid
+        # after its workspace is dropped or replaced by a larger one.
+        self._bytes = [torch.frombuffer(heap.data_region(r), dtype=torch.uint8) for r in ranks]
+
+    def _view(
+        self, rank: int, shape: tuple[int, ...], dtype: torch.dtype, offset: int
+    ) -> torch.Tensor:
+        size = math.prod(shape) * dtype.itemsize
+        return self._bytes[rank][offset : offset + size].view(dtype).view(shape)
+
+    def _signal(
+        self,
+        op: Callable[[int, int, float, str], None],
+        peer: int,
+        word: int,
+        channel: int,
+        timeout_s: float | None,
+        what: str,
+    ) -> None:
+        timeout = _resolve_timeout(timeout_s)
+        try:
+            op(peer, word, timeout, what)
+        except self._timeout_error as exc:
+            raise SymmTimeoutError(
+                str(exc), peer=peer, channel=channel, timeout_s=timeout
+            ) from None
+
+    def put_signal(
+        self, dst_rank: int, channel: int = 0, *, timeout_s: float | None = None
+    ) -> None:
+        self._check_rank(dst_rank, "dst_rank")
+        self._check_channel(channel)
+        word = channel * self.world_size + self.rank
+        what = f"put_signal on channel {channel} (the peer has not consumed the previous signal)"
+        self._signal(self._heap.put_signal, dst_rank, word, channel, timeout_s, what)
+
+    def wait_signal(
+        self, src_rank: int, channel: int = 0, *, timeout_s: float | None = None
+    ) -> None:
+        self._check_rank(src_rank, "src_rank")
+        self._check_channel(channel)
+        word = channel * self.world_size + src_rank
+        what = f"wait_signal on channel {channel} (no signal arrived)"
+        self._signal(self._heap.wait_signal, src_rank, word, channel, timeout_s, what)
+
+    def barrier(self, channel: int = 0, *, timeout_s: float | None = None) -> None:
+        self._check_channel(channel)
+        timeout = _resolve_timeout(timeout_s)
+        try:
+            self._heap.barrier(channel, timeout, f"barrier on channel {channel}")
+        except self._timeout_error as exc:
+            raise SymmTimeoutError(str(exc), channel=channel, timeout_s=timeout) from None
+
+
+class _CudaWorkspace(SymmWorkspace):
+    """CUDA implementation: a thin layer over ``torch.distributed._symmetric_memory``."""
+
+    def __init__(self, group: dist.ProcessGroup, nbytes: int, device: torch.device) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        tensor = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+        handle = symm_mem.rendezvous(tensor, group)
+        super().__init__(
+            group,
+            nbytes=nbytes,
+            num_signals=symm_mem.get_signal_pad_size() // (_SIGNAL_WORD_BYTES * group.size()),
+            device=device,
+            buffer_ptrs=list(handle.buffer_ptrs),
+            signal_pad_ptrs=list(handle.signal_pad_ptrs),
+        )
+        # The handle's memory is the tensor's: keep it alive as long as the workspace.
+        self._tensor = tensor
+        self._handle = handle
+
+    def _view(
+        self, rank: int, shape: tuple[int, ...], dtype: torch.dtype, offset: int
+    ) -> torch.Tensor:
+        return self._handle.get_buffer(rank, list(shape), dtype, offset // dtype.itemsize)
+
+    @staticmethod
+    def _ms(timeout_s: float | None) -> int:
+        return max(1, math.ceil(_resolve_timeout(timeout_s) * 1000))
+
+    def put_signal(
+        self, dst_rank: int, channel: int = 0, *, timeout_s: float | None = None
+    ) -> None:
+        self._check_rank(dst_rank, "dst_rank")
+        self._check_channel(channel)
+        self._handle.put_signal(dst_rank, channel, self._ms(timeout_s))
+
+    def wait_signal(
+        self, src_rank: int, channel: int = 0, *, timeout_s: float | None = None
+    ) -> None:
+        self._check_rank(src_rank, "src_rank")
+        self._check_channel(channel)
+        self._handle.wait_signal(src_rank, channel, self._ms(timeout_s))
+
+    def barrier(self, channel: int = 0, *, timeout_s: float | None = None) -> None:
+        self._check_channel(channel)
+        self._handle.barrier(channel, self._ms(timeout_s))
+
+
+# --- allocation -----------------------------------------------------------------------------------
+
+# group -> {(tag, device): workspace}. Weak in the group, so that a destroyed group's workspaces
+# (and, once no tensor views them, their mappings) go with it.
+_workspaces: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple[str, str], SymmWorkspace]]
+_workspaces = weakref.WeakKeyDictionary()
+atexit.register(_workspaces.clear)
+
+
+def _all_gather(group: dist.ProcessGroup, obj: Any) -> list[Any]:
+    out: list[Any] = [None] * group.size()
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _agree(group: dist.ProcessGroup, nbytes: int, device: torch.device, tag: str) -> str:
+    """Check on every rank, together, that allocating is possible and that all ranks ask the same;
+    raise the same error on every rank if not. Returns rank 0's allocation id."""
+    label = _group_label(group)
+    mine = {
+        "reason": symm_unavailable_reason(device, group=group),
+        "nbytes": nbytes,
+        "tag": tag,
+        "device": device.type,
+        "host": socket.gethostname(),
+        "uid": uuid.uuid4().hex,
+    }
+    infos = _all_gather(group, mine)
+    where = f"get_workspace(tag={tag!r}) on group {label}"
+    bad = {r: i["reason"] for r, i in enumerate(infos) if i["reason"] is not None}
+    if bad:
+        details = "; ".join(f"rank {r}: {why}" for r, why in bad.items())
+        raise RuntimeError(f"{where}: symmetric memory is unavailable: {details}")
+    for key in ("tag", "device", "nbytes"):
+        values = [i[key] for i in infos]
+        if len(set(values)) > 1:
+            raise ValueError(
+                f"{where}: {key} differs across ranks (by rank: {values}); every rank of the "
+                "group must ask for the same workspace"
+            )
+    hosts = [i["host"] for i in infos]
+    if device.type == "cpu" and len(set(hosts)) > 1:
+        raise RuntimeError(
+            f"{where}: the CPU heap needs every rank on one host, but the ranks run on {hosts}"
+        )
+    return infos[0]["uid"]
+
+
+def _on_every_rank(group: dist.ProcessGroup, step: Callable[[], None], what: str) -> None:
+    """Run ``step`` here and tell every rank whether it worked everywhere (a barrier); raise the
+    same error on every rank if it failed on any."""
+    try:
+        step()
+        error = None
+    except (OSError, RuntimeError, ValueError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    errors = _all_gather(group, error)
+    failed = {r: e for r, e in enumerate(errors) if e is not None}
+    if failed:
+        details = "; ".join(f"rank {r}: {e}" for r, e in failed.items())
+        raise RuntimeError(
+            f"symmetric memory setup on group {_group_label(group)}: could not {what}: {details}"
+        )
+
+
+def _allocate_shm(group: dist.ProcessGroup, nbytes: int, uid: str) -> _ShmWorkspace:
+    native = _native()
+    world_size = group.size()
+    channels = _CPU_SIGNAL_PAD_BYTES // (_SIGNAL_WORD_BYTES * world_size)
+    heap = native.Heap(
+        group.group_name,
+        group.rank(),
+        world_size,
+        f"/{SHM_NAME_PREFIX}{uid}_",
+        nbytes,
+        channels * world_size,
+    )
+    # A failed step leaves the heap to its destructor, which unmaps and unlinks what it made.
+    _on_every_rank(group, heap.create, "create its shared-memory segment")
+    try:
+        _on_every_rank(group, heap.map_peers, "map the segments of its peers")
+    finally:
+        # Every rank has passed the exchange above, so every segment is mapped (or never will be).
+        heap.unlink()
+    workspace = _ShmWorkspace(group, heap, native)
+    # Once get_workspace returns on any rank, no segment of this allocation has a name left.
+    workspace.barrier()
+    return workspace
+
+
+def get_workspace(
+    group: dist.ProcessGroup,
+    nbytes: int,
+    device: torch.device | str,
+    *,
+    tag: str = "default",
+) -> SymmWorkspace:
+    """The symmetric workspace of ``(group, tag, device)`` with room for at least ``nbytes`` bytes.
+
+    Collective when it allocates: the first call for a ``(group, tag, device)``, and every call
+    whose ``nbytes`` exceeds the current workspace's (the new workspace replaces the old one in the
+    cache; tensors viewing the old one stay valid but are no longer shared). Calls that fit return
+    the cached workspace without communicating. Every rank must ask the same ``nbytes``.
+    """
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group: expected a torch.distributed.ProcessGroup, got {group!r}")
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+        raise ValueError(f"nbytes: expected a positive number of bytes, got {nbytes!r}")
+    if not isinstance(tag, str) or not tag:
+        raise ValueError(f"tag: expected a non-empty string, got {tag!r}")
+    dev = _as_device(device)
+    per_group = _workspaces.setdefault(group, {})
+    key = (tag, str(dev))
+    current = per_group.get(key)
+    if current is not None and current.nbytes >= nbytes:
+        return current
+    uid = _agree(group, nbytes, dev, tag)
+    if dev.type == "cpu":
+        workspace: SymmWorkspace = _allocate_shm(group, nbytes, uid)
+    else:
+        workspace = _CudaWorkspace(group, nbytes, dev)
+    per_group[key] = workspace
+    return workspace
