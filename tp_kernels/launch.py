@@ -134,7 +134,8 @@ class LocalWorld:
         self.close()
         ctx = mp.get_context("spawn")
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
-        self._results = ctx.Queue()
+        # One result queue per rank: a rank killed while writing cannot block the others' results.
+        self._results = [ctx.Queue() for _ in range(self.world_size)]
         port = free_port()
         # The group's own timeout bounds a rank stuck in a collective whose peer died; the
         # deadline of run() bounds everything else.
@@ -151,7 +152,7 @@ class LocalWorld:
                     pg_timeout,
                     self.env,
                     self._tasks[r],
-                    self._results,
+                    self._results[r],
                 ),
                 daemon=True,
                 name=f"tp_kernels-rank{r}",
@@ -182,24 +183,31 @@ class LocalWorld:
         results: dict[int, Any] = {}
         errors: dict[int, str] = {}
         while len(results) + len(errors) < self.world_size:
-            left = deadline - time.monotonic()
-            try:
-                rank, cid, ok, value = self._results.get(timeout=min(max(left, 0.0), 1.0))
-            except queue.Empty:
-                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
-                missing = sorted(set(range(self.world_size)) - results.keys() - errors.keys())
-                if left <= 0 or (dead and errors) or set(missing) <= set(dead):
-                    self._fail(what, errors, missing, dead, timeout_s)
+            got_any = False
+            for rank, q in enumerate(self._results):
+                if rank in results or rank in errors:
+                    continue
+                try:
+                    _, cid, ok, value = q.get_nowait()
+                except queue.Empty:
+                    continue
+                got_any = True
+                if cid != call_id:  # a late answer to an earlier, already failed call
+                    continue
+                if ok:
+                    results[rank] = value
+                else:
+                    errors[rank] = value
+                    # The other ranks may be blocked in a collective with the failed one: give
+                    # them a short grace period, then tear the world down.
+                    deadline = min(deadline, time.monotonic() + 10.0)
+            if got_any:
                 continue
-            if cid != call_id:  # a late answer to an earlier, already failed call
-                continue
-            if ok:
-                results[rank] = value
-            else:
-                errors[rank] = value
-                # The other ranks may be blocked in a collective with the failed one: give them
-                # a short grace period, then tear the world down.
-                deadline = min(deadline, time.monotonic() + 10.0)
+            missing = sorted(set(range(self.world_size)) - results.keys() - errors.keys())
+            dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+            if time.monotonic() > deadline or (dead and errors) or set(missing) <= set(dead):
+                self._fail(what, errors, missing, dead, timeout_s)
+            time.sleep(0.002)
         if errors:
             self._fail(what, errors, [], [], timeout_s)
         return [results[r] for r in range(self.world_size)]
