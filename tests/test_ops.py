@@ -19,7 +19,7 @@ from tp_kernels import backends
 from tp_kernels.backends import current_backend, pipelined
 from tp_kernels.ops._checks import check_all_gather_matmul, check_matmul_reduce_scatter
 
-BACKENDS = ("reference", "pipelined")
+BACKENDS = ("reference", "pipelined", "symm")
 DTYPES = (torch.float64, torch.float32, torch.bfloat16)
 
 
@@ -389,6 +389,8 @@ def _bad_call(kind: str) -> str:
             tpk.all_gather_matmul(a, b, 1 if rank == 1 else 0, group)
         elif kind == "rs_one_rank_bad_k":
             tpk.matmul_reduce_scatter(a, torch.ones(3 + rank, 2), 0, group)
+        elif kind == "rs_n_mismatch":
+            tpk.matmul_reduce_scatter(a, torch.ones(3, 2 + rank), 0, group)
         elif kind == "unknown_backend":
             tpk.all_gather_matmul(a, b, 0, group, backend="nccl_magic")
         elif kind == "unavailable_backend":
@@ -432,6 +434,11 @@ def _bad_call(kind: str) -> str:
             "rs_one_rank_bad_k",
             r"ValueError: matmul_reduce_scatter: .*different arguments.*"
             r"rank 1: error: .*b has K=4 rows",
+        ),
+        (
+            "rs_n_mismatch",
+            r"ValueError: matmul_reduce_scatter: .*different arguments.*"
+            r"rank 0: .*'n': 2.*rank 1: .*'n': 3",
         ),
         ("unknown_backend", r"ValueError: backend: unknown backend 'nccl_magic'"),
         ("unavailable_backend", r"RuntimeError: backend='symm' cannot run matmul_reduce_scatter"),

@@ -43,11 +43,14 @@ DTYPES = (torch.float32, torch.bfloat16)
 # output) and one case of every other kind, to keep the file within its time budget.
 FULL_GRID_DTYPE = torch.float32
 
-# Tolerance per dtype. Today tp_kernels' styles run exactly PyTorch's ops in the same order, so
-# every value is bitwise equal and any difference is a bug. A style that routes a Linear through a
-# fused op changes the order of its reductions; its entry must then become 2x the reference's own
-# rounding error (measured against a float64 run), with a floor.
-TOL = {torch.float32: EXACT, torch.bfloat16: EXACT}
+# Tolerance per dtype, against PyTorch's own result (the fused ops are held to 2x the reference's
+# rounding error against float64 in test_ops.py; here only the order of the same sums differs).
+# The fused Linears reorder sums of at most B*S = 144 terms (weight grads) and round each of the
+# W <= 4 partial products before reducing them, and add the bias after the matmul rather than
+# inside it: fp32: 144 * eps(2^-23) * |terms| ~ 2e-5 relative, the same absolute for results that
+# cancel; bf16: (W + 1) extra roundings of half an ulp (2^-9 each) ~ 1e-2, doubled for the floor.
+# Placements, shapes and kinds are still compared exactly.
+TOL = {torch.float32: Tol(rtol=2e-5, atol=2e-5), torch.bfloat16: Tol(rtol=2e-2, atol=2e-2)}
 # Training-mode dropout draws a random mask: only kinds, placements and shapes are compared (an
 # infinite bound accepts every finite value); _dropout_mask_is_real checks the values' form.
 SHAPES_ONLY = Tol(math.inf, math.inf)
@@ -61,6 +64,8 @@ STYLE_NAMES = (
     "PrepareModuleInputOutput",
 )
 FUSABLE = ("ColwiseParallel", "RowwiseParallel")
+# Subclassed (to group the gather of a block) without a new argument.
+SUBCLASSED = FUSABLE + ("PrepareModuleInput", "PrepareModuleInputOutput")
 
 
 # --- checks with no process group ---------------------------------------------------------------
@@ -69,7 +74,7 @@ FUSABLE = ("ColwiseParallel", "RowwiseParallel")
 @pytest.mark.parametrize("name", STYLE_NAMES + ("ParallelStyle",))
 def test_styles_are_pytorch_classes_or_subclasses(name: str) -> None:
     ours, theirs = getattr(tpk, name), getattr(torch_tp, name)
-    if name in FUSABLE:
+    if name in SUBCLASSED:
         assert ours is not theirs and issubclass(ours, theirs)
         assert ours.__name__ == theirs.__name__
     else:

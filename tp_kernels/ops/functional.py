@@ -19,9 +19,10 @@ from tp_kernels.ops.library import all_gather_matmul_2d, matmul_reduce_scatter_2
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter"]
 
 
-def _signature(op: str, a: torch.Tensor, bs: Sequence[torch.Tensor], dim: int, **opts) -> str:
-    shapes = ",".join(str(tuple(b.shape)) for b in bs)
-    return f"{op} a={tuple(a.shape)} {a.dtype} {a.device.type} dim={dim} b={shapes} {opts}"
+def _signature(op: str, a_shape: tuple[int, ...], a: torch.Tensor, dim: int, **opts) -> str:
+    """What every rank of the group must agree on for one call (sizes that may differ per rank,
+    such as a colwise weight's uneven N or a rowwise weight's uneven K, are left out)."""
+    return f"{op} a={a_shape} {a.dtype} {a.device.type} dim={dim} {opts}"
 
 
 def _backend_when_compiling(backend: str | None) -> str:
@@ -73,7 +74,14 @@ def all_gather_matmul(
             a, checked_bs, dim = check_all_gather_matmul(a_shard, bs, gather_dim)
             name = resolve(backend, op, pg, a)
             sig = _signature(
-                op, a, checked_bs, dim, backend=name, return_a=return_a, save=save_gathered_a
+                op,
+                tuple(a.shape),
+                a,
+                dim,
+                backend=name,
+                bs=len(checked_bs),
+                return_a=return_a,
+                save=save_gathered_a,
             )
             return (a, checked_bs, dim, name), sig
 
@@ -127,7 +135,14 @@ def matmul_reduce_scatter(
             a_, b_, dim = check_matmul_reduce_scatter(a, b, scatter_dim, reduce_op, pg, bias)
             name = resolve(backend, op, pg, a_)
             sig = _signature(
-                op, a_, [b_], dim, backend=name, reduce_op=reduce_op, bias=bias is not None
+                op,
+                tuple(a_.shape[:-1]),
+                a_,
+                dim,
+                n=b_.shape[1],
+                backend=name,
+                reduce_op=reduce_op,
+                bias=bias is not None,
             )
             return (a_, b_, dim, name), sig
 
