@@ -1,0 +1,236 @@
+"""The benchmark tool: its timing protocol on fake providers, its checks, table, JSON and CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import tp_kernels
+from tp_kernels.bench import _report, main, parse_args
+from tp_kernels.bench.ops import matmul_tolerance
+from tp_kernels.bench.protocol import (
+    BenchCase,
+    BenchConfig,
+    check_outputs,
+    format_table,
+    percentile,
+    rotated,
+    run_case,
+    summarize,
+    time_providers,
+)
+
+CPU = torch.device("cpu")
+WARMUP, ROUNDS = 2, 5
+BASE_MS = {"a": 10.0, "b": 3.0, "c": 7.0}
+
+
+def _fake_ms(name: str, round_index: int, rank: int) -> float:
+    """Duration of call ``round_index`` (negative in warmup) of fake provider ``name`` on ``rank``:
+    the rank whose parity matches the round's is slower by ``rank + 1`` ms, so the slowest rank
+    changes from round to round and no single rank's times equal the max over ranks."""
+    extra = float(rank + 1) if round_index % 2 == rank % 2 else 0.0
+    return BASE_MS[name] * (max(round_index, 0) + 1) + extra
+
+
+def _fake_protocol() -> tuple[dict[str, list[float]], list[str]]:
+    rank = dist.get_rank()
+    now = [0.0]
+    log: list[str] = []
+
+    def provider(name: str):
+        calls = [0]
+
+        def run() -> None:
+            log.append(name)
+            now[0] += _fake_ms(name, calls[0] - WARMUP, rank) / 1e3
+            calls[0] += 1
+
+        return run
+
+    times = time_providers(
+        {name: provider(name) for name in BASE_MS},
+        rounds=ROUNDS,
+        warmup=WARMUP,
+        group=dist.group.WORLD,
+        device=CPU,
+        clock=lambda: now[0],
+    )
+    return times, log
+
+
+def test_timing_takes_max_over_ranks_and_rotates(worlds):
+    per_rank = worlds(2).run(_fake_protocol)
+    (times, log), (times1, log1) = per_rank
+    assert times == times1  # one all_reduce: every rank holds the same slowest-rank times
+    for name in BASE_MS:
+        want = [max(_fake_ms(name, i, r) for r in range(2)) for i in range(ROUNDS)]
+        assert times[name] == pytest.approx(want, rel=1e-9)
+    # warmup rounds 0, 1 then timed rounds 0..4, each rotated left by its index
+    assert log == list("abc" + "bca" + "abc" + "bca" + "cab" + "abc" + "bca")
+    assert log1 == log
+    # provider a: rounds take 11, 22, 31, 42, 51 ms (slowest rank alternates)
+    assert times["a"] == pytest.approx([11.0, 22.0, 31.0, 42.0, 51.0], rel=1e-9)
+    assert summarize(times["a"]) == pytest.approx(
+        {"median_ms": 31.0, "p20_ms": 19.8, "p80_ms": 43.8}, rel=1e-9
+    )
+
+
+def test_percentile_and_rotation():
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 5, 10):
+        values = rng.random(n).tolist()
+        for q in (0, 20, 50, 80, 100):
+            assert percentile(values, q) == pytest.approx(np.percentile(values, q), rel=1e-12)
+    with pytest.raises(ValueError, match="values is empty"):
+        percentile([], 50)
+    with pytest.raises(ValueError, match=r"q=101 is outside"):
+        percentile([1.0], 101)
+    assert rotated(["x", "y", "z"], 4) == ["y", "z", "x"]
+
+
+def _checks_and_run() -> tuple[dict, dict]:
+    rank = dist.get_rank()
+    ones = torch.ones(4, 3)
+    case = BenchCase(
+        name="fake",
+        flops=24.0,
+        shapes={"x": [4, 3]},
+        providers={
+            "reference": lambda: [None, ones.clone()],
+            "close": lambda: [ones + 2.0**-20],  # exact in fp32
+            "off_on_rank1": lambda: [ones + (0.5 if rank == 1 else 0.0)],
+            "bad_shape": lambda: [torch.ones(3, 4)],
+            "nan_on_rank0": lambda: [ones * (math.nan if rank == 0 else 1.0)],
+            "roof": lambda: torch.zeros(7),
+        },
+        tolerance=1e-4,
+        skipped={"symm": "not built", "other": "never asked for"},
+    )
+    checks = check_outputs(case, list(case.providers), dist.group.WORLD, CPU)
+    cfg = BenchConfig(M=4, K=1, N=3, rounds=2, warmup=0)
+    requested = ["close", "off_on_rank1", "bad_shape", "nan_on_rank0", "roof", "symm"]
+    result = run_case(case, cfg, dist.group.WORLD, CPU, requested)
+    return checks, result
+
+
+def test_check_agrees_over_ranks_and_drops_mismatches(worlds):
+    (checks, result), (checks1, result1) = worlds(2).run(_checks_and_run)
+    # rank 0's own output of off_on_rank1 is right; the verdict must still be agreed
+    assert checks == checks1
+    assert checks["close"] == {"checked": True, "ok": True, "max_abs_err": 2.0**-20}
+    assert checks["off_on_rank1"]["ok"] is False
+    assert checks["off_on_rank1"]["max_abs_err"] == pytest.approx(0.5)
+    for name in ("bad_shape", "nan_on_rank0"):
+        assert checks[name]["ok"] is False and math.isinf(checks[name]["max_abs_err"])
+    assert checks["roof"] == {"checked": False, "ok": True, "max_abs_err": 0.0}
+    # the reference runs although not requested; mismatched providers are reported, not timed
+    assert list(result["providers"]) == ["reference", "close", "roof"]
+    assert set(result["mismatches"]) == {"off_on_rank1", "bad_shape", "nan_on_rank0"}
+    assert result["skipped"] == {"symm": "not built"}
+    assert all(len(p["times_ms"]) == 2 for p in result["providers"].values())
+    assert result1["mismatches"].keys() == result["mismatches"].keys()
+
+
+def _record(medians: dict[str, float], mismatches: dict[str, float] | None = None) -> dict:
+    return {
+        "name": "fake",
+        "flops": 2e9,
+        "shapes": {"a": [8, 4]},
+        "tolerance": 1e-4,
+        "skipped": {"symm": "not built"},
+        "mismatches": mismatches or {},
+        "providers": {
+            name: {
+                "median_ms": m,
+                "p20_ms": m - 1,
+                "p80_ms": m + 1,
+                "times_ms": [m - 1, m, m + 1],
+                "checked": name != "roof",
+                "max_abs_err": 0.0,
+            }
+            for name, m in medians.items()
+        },
+    }
+
+
+META = {"dtype": "fp32", "world_size": 2, "pg_backend": "gloo", "rounds": 3, "warmup": 1}
+
+
+def test_table_columns():
+    table = format_table(_record({"reference": 10.0, "pipelined": 5.0, "roof": 4.0}), META)
+    lines = table.splitlines()
+    assert lines[1].split() == [
+        "provider", "median", "ms", "p20", "ms", "p80", "ms", "GFLOP/s", "vs", "reference", "%",
+        "of", "roof",
+    ]  # fmt: skip
+    # pipelined: 2e9 flop / 5 ms = 400 GFLOP/s, 10/5 = 2x the reference, roof 4/5 = 80%
+    assert lines[3].split() == ["pipelined", "5.000", "4.000", "6.000", "400.0", "2.00x", "80.0%"]
+    assert lines[2].split()[-2:] == ["1.00x", "40.0%"]
+    assert "(skipped symm: not built)" in table
+
+
+def test_report_json_and_mismatch_exit(tmp_path, capsys):
+    args = parse_args(["ag_matmul", "--out", str(tmp_path / "r.json")])
+    ok = {"meta": {**META, "machine": {}, "versions": {}}, "results": [_record({"reference": 2.0})]}
+    assert _report(ok, args, ["ag_matmul"]) == 0
+    bad = {**ok, "results": [_record({"reference": 2.0}, mismatches={"symm": math.inf})]}
+    assert _report(bad, args, ["ag_matmul"]) == 1
+    out, err = capsys.readouterr()
+    assert "!!! MISMATCH: symm differs from reference" in out
+    assert "ERROR: outputs differ from the reference for ['fake/symm']" in err
+    # JSON has no inf: an infinite error is written as null
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["benchmarks"][0]["mismatches"] == {"symm": None}
+
+
+def test_cli_rejects_bad_arguments(worlds, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["no_such_bench"])
+    assert "benchmark 'no_such_bench' is unknown" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--providers", "reference,warp"])
+    assert "--providers: ['warp'] unknown" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match=r"--M 15 is not divisible by the world size 2"):
+        main(["--M", "15"], world=worlds(2))
+    with pytest.raises(SystemExit, match=r"--world-size 3 differs from the given LocalWorld \(2\)"):
+        main(["--world-size", "3"], world=worlds(2))
+
+
+def test_cli_end_to_end(worlds, tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    argv = ["ag_matmul", "matmul_rs", "--M", "16", "--K", "8", "--N", "4", "--rounds", "3",
+            "--warmup", "1", "--out", str(path)]  # fmt: skip
+    assert main(argv, world=worlds(2)) == 0
+    printed = capsys.readouterr().out
+    assert "== ag_matmul  a_shard[8,8]  b[8,4]  out[16,4]  fp32  world=2 (gloo)" in printed
+    assert "== matmul_rs  a[16,8]  b[8,4]  out[8,4]  fp32  world=2 (gloo)" in printed
+    report = json.loads(path.read_text())
+    assert report["argv"] == argv
+    assert report["world_size"] == 2 and report["pg_backend"] == "gloo"
+    assert report["dtype"] == "fp32" and report["rounds"] == 3 and report["warmup"] == 1
+    assert report["machine"]["cpu_count"] >= 1 and report["machine"]["gpu"] is None
+    assert report["versions"]["torch"] == torch.__version__
+    assert report["versions"]["tp_kernels"] == tp_kernels.__version__
+    symm_ok = tp_kernels.available_backends()["symm"] == "ok"
+    for bench in report["benchmarks"]:
+        assert bench["mismatches"] == {}
+        assert bench["flops"] == 2 * 16 * 8 * 4
+        expected = ["reference", "pipelined", *(["symm"] if symm_ok else []), "roof"]
+        assert list(bench["providers"]) == expected
+        assert "torch_symm_mem" in bench["skipped"]  # CPU run
+        for rec in bench["providers"].values():
+            assert len(rec["times_ms"]) == 3 and all(t > 0 for t in rec["times_ms"])
+            assert rec["p20_ms"] <= rec["median_ms"] <= rec["p80_ms"]
+
+
+def test_matmul_tolerance_values():
+    # the values quoted in matmul_tolerance's docstring
+    assert matmul_tolerance(torch.float32, 2048, 1) == pytest.approx(8.7e-5, rel=0.01)
+    assert matmul_tolerance(torch.float16, 2048, 3) == pytest.approx(3.0e-3, rel=0.01)
+    assert matmul_tolerance(torch.bfloat16, 2048, 3) == pytest.approx(2.4e-2, rel=0.03)

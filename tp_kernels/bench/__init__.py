@@ -1,0 +1,263 @@
+"""``python -m tp_kernels.bench``: microbenchmarks of the fused ops against the reference and roof.
+
+Usage::
+
+    python -m tp_kernels.bench [ag_matmul|matmul_rs|all ...] [--world-size 2] [--M 4096 --K 2048
+        --N 2048] [--dtype fp32|fp16|bf16] [--rounds R] [--warmup N] [--providers P ...]
+        [--threads T] [--out PATH]
+
+Without a launcher it starts ``--world-size`` local gloo ranks
+(:class:`tp_kernels.launch.LocalWorld`) on this machine; under ``torchrun`` (``RANK`` and
+``WORLD_SIZE`` set) it runs on the launcher's ranks, with NCCL when CUDA is available. It prints
+one table per benchmark (see :mod:`tp_kernels.bench.protocol` for the timing protocol) and writes a
+JSON report, by default to ``bench_results/<benchmarks>-<timestamp>.json``. The exit status is 1
+when a provider's output does not match the reference's.
+
+A new benchmark is one function: decorate a builder ``(cfg, group, device) -> BenchCase`` with
+:func:`tp_kernels.bench.protocol.register` in a module imported below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tp_kernels.bench import ops as _ops  # noqa: F401  (registers the op benchmarks)
+from tp_kernels.bench.protocol import (
+    BENCHMARKS,
+    DTYPES,
+    BenchConfig,
+    format_table,
+    machine_info,
+    run_case,
+    versions,
+)
+from tp_kernels.launch import LocalWorld
+
+__all__ = ["main", "parse_args", "run_rank"]
+
+# Small enough that `python -m tp_kernels.bench` with no arguments takes well under two minutes on
+# two cores (each provider call is ~4 GFLOP per rank).
+DEFAULT_M, DEFAULT_K, DEFAULT_N = 2048, 1024, 1024
+DEFAULT_WORLD_SIZE = 2
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m tp_kernels.bench",
+        description="Time the fused tensor-parallel ops against the reference and the "
+        "compute-only roof.",
+    )
+    p.add_argument(
+        "benchmarks",
+        nargs="*",
+        default=["all"],
+        help=f"benchmarks to run: {', '.join(BENCHMARKS)} or all (default: all)",
+    )
+    p.add_argument(
+        "--world-size",
+        type=_positive,
+        default=None,
+        help=f"local ranks to start (default {DEFAULT_WORLD_SIZE}; under torchrun: its WORLD_SIZE)",
+    )
+    p.add_argument("--M", type=_positive, default=DEFAULT_M, help="rows, sharded over ranks")
+    p.add_argument("--K", type=_positive, default=DEFAULT_K, help="reduction dim")
+    p.add_argument("--N", type=_positive, default=DEFAULT_N, help="columns")
+    p.add_argument("--dtype", choices=list(DTYPES), default="fp32")
+    p.add_argument("--rounds", type=_positive, default=10, help="timed rounds (default 10)")
+    p.add_argument("--warmup", type=_non_negative, default=3, help="untimed iterations (default 3)")
+    p.add_argument(
+        "--providers",
+        nargs="+",
+        default=None,
+        help="providers to time, space- or comma-separated (default: every one that can run); "
+        "reference always runs",
+    )
+    p.add_argument("--threads", type=_positive, default=1, help="torch threads per rank")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    p.add_argument("--out", type=Path, default=None, help="path of the JSON report")
+    p.add_argument(
+        "--timeout-s",
+        type=float,
+        default=1800.0,
+        help="deadline of the whole run on local ranks, seconds (default 1800)",
+    )
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse and validate the command line; benchmark and provider names are resolved to lists."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    names: list[str] = []
+    for name in args.benchmarks:
+        if name == "all":
+            names.extend(BENCHMARKS)
+        elif name in BENCHMARKS:
+            names.append(name)
+        else:
+            parser.error(f"benchmark {name!r} is unknown; expected one of {[*BENCHMARKS, 'all']}")
+    args.benchmarks = list(dict.fromkeys(names))
+    if args.providers is not None:
+        requested = [p for item in args.providers for p in item.split(",") if p]
+        known = {p for name in args.benchmarks for p in BENCHMARKS[name].providers}
+        unknown = [p for p in requested if p not in known]
+        if unknown:
+            parser.error(
+                f"--providers: {unknown} unknown to {args.benchmarks}; expected names from "
+                f"{sorted(known)}"
+            )
+        args.providers = requested
+    return args
+
+
+def _rank_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def run_rank(cfg: BenchConfig, benchmarks: list[str], providers: list[str] | None) -> dict:
+    """Run ``benchmarks`` on this rank of the default process group (every rank calls this).
+
+    Returns ``{"meta": {...}, "results": [run_case record, ...]}``, the same on every rank except
+    the per-process machine details.
+    """
+    group = dist.group.WORLD
+    device = _rank_device()
+    results = []
+    for name in benchmarks:
+        case = BENCHMARKS[name].build(cfg, group, device)
+        results.append(run_case(case, cfg, group, device, providers))
+        del case  # free this benchmark's tensors before the next one allocates
+    meta = {
+        "machine": machine_info(device),
+        "versions": versions(),
+        "world_size": dist.get_world_size(),
+        "pg_backend": dist.get_backend(),
+        "dtype": cfg.dtype,
+        "rounds": cfg.rounds,
+        "warmup": cfg.warmup,
+        "seed": cfg.seed,
+        "threads_per_rank": torch.get_num_threads(),
+    }
+    return {"meta": meta, "results": results}
+
+
+def _finite(obj: Any) -> Any:
+    # JSON has no inf/nan; an infinite error (shape mismatch) is written as null.
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def _report(out: dict, args: argparse.Namespace, argv: Sequence[str]) -> int:
+    mismatched = []
+    for result in out["results"]:
+        print(format_table(result, out["meta"]), flush=True)
+        print()
+        mismatched += [f"{result['name']}/{name}" for name in result["mismatches"]]
+    path = args.out
+    if path is None:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        path = Path("bench_results") / f"{'+'.join(args.benchmarks)}-{stamp}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    report = {"argv": list(argv), **out["meta"], "benchmarks": out["results"]}
+    path.write_text(json.dumps(_finite(report), indent=2) + "\n")
+    print(f"wrote {path}")
+    if mismatched:
+        print(
+            f"ERROR: outputs differ from the reference for {mismatched}; see the tables above",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def _check_world_size(args: argparse.Namespace, world_size: int, source: str) -> None:
+    if args.world_size is not None and args.world_size != world_size:
+        raise SystemExit(f"--world-size {args.world_size} differs from {source} ({world_size})")
+    if args.M % world_size:
+        raise SystemExit(
+            f"--M {args.M} is not divisible by the world size {world_size} (rows are sharded "
+            "over ranks); pick a multiple"
+        )
+
+
+def main(argv: Sequence[str] | None = None, *, world: LocalWorld | None = None) -> int:
+    """Entry point of ``python -m tp_kernels.bench``; returns the exit status.
+
+    ``world``: an already started local world to run on (tests reuse theirs); otherwise ranks come
+    from torchrun's environment, or a new :class:`LocalWorld` of ``--world-size`` gloo ranks.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    cfg = BenchConfig(
+        M=args.M,
+        K=args.K,
+        N=args.N,
+        dtype=args.dtype,
+        rounds=args.rounds,
+        warmup=args.warmup,
+        seed=args.seed,
+    )
+    job = (run_rank, cfg, args.benchmarks, args.providers)
+    if world is not None:
+        _check_world_size(args, world.world_size, "the given LocalWorld")
+        out = world.run(*job, timeout_s=args.timeout_s)[0]
+    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        _check_world_size(args, int(os.environ["WORLD_SIZE"]), "WORLD_SIZE")
+        return _main_torchrun(args, argv, job)
+    else:
+        world_size = args.world_size or DEFAULT_WORLD_SIZE
+        _check_world_size(args, world_size, "--world-size")
+        with LocalWorld(world_size, threads=args.threads, timeout_s=args.timeout_s) as local:
+            out = local.run(*job)[0]
+    return _report(out, args, argv)
+
+
+def _main_torchrun(args: argparse.Namespace, argv: Sequence[str], job: tuple) -> int:
+    torch.set_num_threads(args.threads)
+    owned = not dist.is_initialized()
+    if owned:
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group("nccl")
+        else:
+            dist.init_process_group("gloo")
+    fn, *rest = job
+    out = fn(*rest)
+    rank = dist.get_rank()
+    if owned:
+        dist.destroy_process_group()
+    if rank == 0:
+        return _report(out, args, argv)
+    return 1 if any(result["mismatches"] for result in out["results"]) else 0

@@ -1,0 +1,167 @@
+"""The fused-op microbenchmarks: ``ag_matmul`` and ``matmul_rs``.
+
+On each rank ``r`` of ``W`` ranks (``M`` divisible by ``W``, which the CLI checks):
+
+* ``ag_matmul``: ``a_shard [M/W, K]``, ``b [K, N]`` -> ``out = all_gather(a_shard, dim 0) @ b``
+  ``[M, N]``;
+* ``matmul_rs``: ``a [M, K]``, ``b [K, N]`` (both different on every rank) ->
+  ``out = reduce_scatter(a @ b, dim 0, sum)`` ``[M/W, N]``.
+
+Providers: ``reference``, ``pipelined``, ``symm`` (the :mod:`tp_kernels` backends, when
+``tp_kernels.available_backends()`` says ``"ok"``), ``torch_symm_mem`` (PyTorch's
+``torch.ops.symm_mem`` fused ops; CUDA with NCCL only) and ``roof``: the same ``[M, K] @ [K, N]``
+matmul with no communication, the compute-only limit. Every provider does ``2*M*N*K`` flops per
+rank.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+import tp_kernels
+from tp_kernels.bench.protocol import REFERENCE, ROOF, BenchCase, BenchConfig, Provider, register
+
+FUSED_BACKENDS = (REFERENCE, "pipelined", "symm")
+TORCH_SYMM_MEM = "torch_symm_mem"
+OP_PROVIDERS = (*FUSED_BACKENDS, TORCH_SYMM_MEM, ROOF)
+
+
+def matmul_tolerance(dtype: torch.dtype, k: int, roundings: int) -> float:
+    """``rtol`` = ``atol`` for comparing two implementations of a ``K``-term matmul (accumulated in
+    fp32) whose path to the result rounds to ``dtype`` ``roundings`` times.
+
+    The inputs are scaled so that output elements are O(1). The reference's own error per element
+    is about: half an ulp (``eps/2``) per rounding to ``dtype`` (all-gather -> matmul: the output,
+    once; matmul -> reduce-scatter: each of the ``W`` partial products, then their sum), plus the
+    fp32 accumulation error over ``K`` terms, whose standard deviation for random inputs is about
+    ``sqrt(K) * eps32``; ``8 sqrt(K) eps32`` bounds the largest of ~1e7 such elements (a 6-sigma
+    Gaussian tail, with margin). Another implementation errs as much, possibly in the other
+    direction: hence twice that. Values at K=2048: fp32 1 rounding -> 8.7e-5; fp16 3 roundings ->
+    3.0e-3; bf16 3 roundings -> 2.4e-2.
+    """
+    own = roundings * torch.finfo(dtype).eps / 2 + 8 * math.sqrt(k) * torch.finfo(torch.float32).eps
+    return 2 * own
+
+
+def _randn(
+    shape: tuple[int, ...], seed: int, scale: float, cfg: BenchConfig, device: torch.device
+) -> torch.Tensor:
+    # Generated on the CPU in fp32 with an explicit seed, so every rank can rebuild any rank's
+    # tensor and the values do not depend on the device or dtype.
+    gen = torch.Generator().manual_seed(seed)
+    t = torch.randn(shape, generator=gen, dtype=torch.float32) * scale
+    return t.to(device=device, dtype=cfg.torch_dtype)
+
+
+def _torch_symm_mem_status(group: dist.ProcessGroup, device: torch.device) -> str:
+    """``"ok"`` when PyTorch's fused symmetric-memory ops can run for ``group``, else why not."""
+    if device.type != "cuda":
+        return f"needs CUDA tensors; this run is on {device.type}"
+    if dist.get_backend(group) != "nccl":
+        return f"needs an NCCL group; this group is {dist.get_backend(group)}"
+    try:
+        from torch.distributed import _symmetric_memory as symm_mem
+    except ImportError as err:
+        return f"torch.distributed._symmetric_memory does not import: {err}"
+    if not hasattr(torch.ops.symm_mem, "fused_all_gather_matmul"):
+        return "this torch build has no torch.ops.symm_mem.fused_all_gather_matmul"
+    # Older torch versions need this before the fused ops run; newer ones deprecate it (with a
+    # FutureWarning) as unnecessary.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        symm_mem.enable_symm_mem_for_group(group.group_name)
+    return "ok"
+
+
+def _op_case(
+    name: str,
+    cfg: BenchConfig,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    *,
+    fused: Callable[[str], Provider],
+    torch_fused: Provider,
+    roof: Provider,
+    shapes: dict[str, list[int]],
+    roundings: int,
+) -> BenchCase:
+    """The case of one fused op: ``fused(backend)`` is the tp_kernels provider of ``backend``."""
+    status = tp_kernels.available_backends()
+    providers: dict[str, Provider] = {}
+    skipped: dict[str, str] = {}
+    for backend in FUSED_BACKENDS:
+        why = status.get(backend, "not listed by tp_kernels.available_backends()")
+        if why == "ok":
+            providers[backend] = fused(backend)
+        else:
+            skipped[backend] = why
+    why = _torch_symm_mem_status(group, device)
+    if why == "ok":
+        providers[TORCH_SYMM_MEM] = torch_fused
+    else:
+        skipped[TORCH_SYMM_MEM] = why
+    providers[ROOF] = roof
+    return BenchCase(
+        name=name,
+        flops=2.0 * cfg.M * cfg.N * cfg.K,
+        shapes=shapes,
+        providers=providers,
+        tolerance=matmul_tolerance(cfg.torch_dtype, cfg.K, roundings=roundings),
+        skipped=skipped,
+    )
+
+
+@register("ag_matmul", providers=OP_PROVIDERS)
+def ag_matmul(cfg: BenchConfig, group: dist.ProcessGroup, device: torch.device) -> BenchCase:
+    """``out [M, N] = all_gather(a_shard [M/W, K], dim 0) @ b [K, N]`` on every rank."""
+    world, rank = group.size(), group.rank()
+    # a is the same full matrix on every rank (the roof needs it); b ~ 1/sqrt(K) keeps out O(1).
+    a_full = _randn((cfg.M, cfg.K), cfg.seed, 1.0, cfg, device)
+    a_shard = a_full.chunk(world)[rank].contiguous()
+    b = _randn((cfg.K, cfg.N), cfg.seed + 1, 1.0 / math.sqrt(cfg.K), cfg, device)
+    return _op_case(
+        "ag_matmul",
+        cfg,
+        group,
+        device,
+        fused=lambda backend: (
+            lambda: tp_kernels.all_gather_matmul(a_shard, [b], 0, group, backend=backend)[1]
+        ),
+        torch_fused=lambda: torch.ops.symm_mem.fused_all_gather_matmul(
+            a_shard, [b], 0, group.group_name, return_A=False
+        )[1],
+        roof=lambda: [a_full @ b],
+        shapes={"a_shard": list(a_shard.shape), "b": list(b.shape), "out": [cfg.M, cfg.N]},
+        roundings=1,
+    )
+
+
+@register("matmul_rs", providers=OP_PROVIDERS)
+def matmul_rs(cfg: BenchConfig, group: dist.ProcessGroup, device: torch.device) -> BenchCase:
+    """``out [M/W, N] = reduce_scatter(a [M, K] @ b [K, N], dim 0, sum)`` on every rank."""
+    world, rank = group.size(), group.rank()
+    # Seeds differ per rank (each rank holds its own K-shard's product); the 1/sqrt(K*W) scale
+    # keeps the sum over W ranks O(1).
+    seed = cfg.seed + 2 * (rank + 1)
+    a = _randn((cfg.M, cfg.K), seed, 1.0, cfg, device)
+    b = _randn((cfg.K, cfg.N), seed + 1, 1.0 / math.sqrt(cfg.K * world), cfg, device)
+    return _op_case(
+        "matmul_rs",
+        cfg,
+        group,
+        device,
+        fused=lambda backend: (
+            lambda: tp_kernels.matmul_reduce_scatter(a, b, 0, group, backend=backend)
+        ),
+        torch_fused=lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(
+            a, b, "sum", 0, group.group_name
+        ),
+        roof=lambda: a @ b,
+        shapes={"a": list(a.shape), "b": list(b.shape), "out": [cfg.M // world, cfg.N]},
+        roundings=world + 1,
+    )

@@ -1,0 +1,425 @@
+"""The timing protocol of ``python -m tp_kernels.bench``, its statistics, table and JSON report.
+
+A benchmark (see :func:`register`) sets up, on every rank of a process group, a :class:`BenchCase`:
+named providers that each compute the same result from the same inputs in their own way. Then
+:func:`run_case`
+
+1. checks correctness: each provider's output on rank ``r`` against the ``reference`` provider's
+   output on rank ``r`` (``allclose`` with the case's tolerance); the verdict is agreed over ranks,
+   and a provider that fails is reported and not timed;
+2. runs ``warmup`` untimed iterations of every provider;
+3. runs ``rounds`` rounds; in round ``i`` every provider runs once, in the provider order rotated
+   left by ``i`` (so none always runs first, right after the others warmed caches or clocks). Each
+   run is timed on each rank from the moment the group leaves a barrier to the moment the rank's
+   work is done (``torch.cuda.synchronize`` on CUDA), and the next barrier follows;
+4. takes, per round and provider, the maximum of the per-rank times (one ``all_reduce(MAX)``): a
+   collective op is as slow as its slowest rank;
+5. reports the median, 20th and 80th percentile of those per-round times.
+
+Everything :func:`run_case` returns is plain Python data (picklable, JSON-ready), identical on
+every rank.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "BENCHMARKS",
+    "REFERENCE",
+    "ROOF",
+    "BenchCase",
+    "BenchConfig",
+    "Benchmark",
+    "check_outputs",
+    "format_table",
+    "machine_info",
+    "percentile",
+    "register",
+    "rotated",
+    "run_case",
+    "select_providers",
+    "summarize",
+    "time_providers",
+    "versions",
+]
+
+REFERENCE = "reference"
+ROOF = "roof"
+
+Provider = Callable[[], Any]
+"""Runs the benchmarked computation once on this rank and returns its output: a tensor, a
+(possibly nested) list or tuple of tensors, or ``None`` entries that are ignored."""
+
+DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """The knobs every benchmark receives.
+
+    ``M``, ``K``, ``N`` are the problem sizes; each benchmark documents how it reads them (the op
+    benchmarks: a ``[M, K] @ [K, N]`` product whose rows are sharded over ranks).
+    """
+
+    M: int
+    K: int
+    N: int
+    dtype: str = "fp32"
+    rounds: int = 10
+    warmup: int = 3
+    seed: int = 0
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+@dataclass
+class BenchCase:
+    """One benchmark set up on one rank: providers that compute the same thing, and its size.
+
+    Attributes:
+        name: the benchmark's name.
+        flops: floating-point operations of one provider call on one rank (for GFLOP/s).
+        shapes: tensor shapes on one rank, for the report.
+        providers: runnable providers, in table order; must include :data:`REFERENCE`.
+        tolerance: ``rtol`` and ``atol`` of the correctness check.
+        skipped: providers this benchmark knows but cannot run here, with the reason.
+        unchecked: providers whose output is not comparable with the reference's (the
+            compute-only :data:`ROOF` computes a different quantity); timed, never checked.
+    """
+
+    name: str
+    flops: float
+    shapes: dict[str, list[int]]
+    providers: dict[str, Provider]
+    tolerance: float
+    skipped: dict[str, str] = field(default_factory=dict)
+    unchecked: frozenset[str] = frozenset({ROOF})
+
+
+Builder = Callable[[BenchConfig, dist.ProcessGroup, torch.device], BenchCase]
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """A registered benchmark: ``build(cfg, group, device)`` returns this rank's :class:`BenchCase`;
+    ``providers`` names every provider it may offer (to validate ``--providers`` up front)."""
+
+    name: str
+    build: Builder
+    providers: tuple[str, ...]
+
+
+BENCHMARKS: dict[str, Benchmark] = {}
+
+
+def register(name: str, providers: Sequence[str]) -> Callable[[Builder], Builder]:
+    """Decorator that adds a benchmark builder to :data:`BENCHMARKS` under ``name``."""
+    if REFERENCE not in providers:
+        raise ValueError(f"benchmark {name!r}: providers {list(providers)} lack {REFERENCE!r}")
+
+    def add(build: Builder) -> Builder:
+        if name in BENCHMARKS:
+            raise ValueError(f"benchmark {name!r} is registered twice")
+        BENCHMARKS[name] = Benchmark(name, build, tuple(providers))
+        return build
+
+    return add
+
+
+def rotated(names: Sequence[str], shift: int) -> list[str]:
+    """``names`` rotated left by ``shift``: the provider order of round ``shift``."""
+    if not names:
+        return []
+    k = shift % len(names)
+    return [*names[k:], *names[:k]]
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) of ``values``, interpolating linearly between the closest
+    ranks: ``sorted[i] + f * (sorted[i+1] - sorted[i])`` with ``i + f = q/100 * (n - 1)``."""
+    if not values:
+        raise ValueError("percentile: values is empty; need at least one value")
+    if not 0.0 <= q <= 100.0:
+        raise ValueError(f"percentile: q={q} is outside [0, 100]")
+    ordered = sorted(values)
+    pos = q / 100.0 * (len(ordered) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (pos - lo) * (ordered[hi] - ordered[lo])
+
+
+def summarize(times_ms: Sequence[float]) -> dict[str, float]:
+    """``{"median_ms", "p20_ms", "p80_ms"}`` of per-round times in milliseconds."""
+    return {
+        "median_ms": statistics.median(times_ms),
+        "p20_ms": percentile(times_ms, 20),
+        "p80_ms": percentile(times_ms, 80),
+    }
+
+
+def _device_sync(device: torch.device) -> Callable[[], None]:
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    if out is None:
+        return []
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (list, tuple)):
+        return [t for item in out for t in _tensors(item)]
+    raise TypeError(f"a provider returned {type(out).__name__}; expected tensors, lists or None")
+
+
+def _max_error(got: Any, want: Any, tol: float) -> tuple[bool, float]:
+    """``(allclose(got, want, rtol=tol, atol=tol), max |got - want|)``; ``inf`` error when the
+    structure, shapes or dtypes differ, or an output holds NaN."""
+    got_t, want_t = _tensors(got), _tensors(want)
+    if len(got_t) != len(want_t):
+        return False, math.inf
+    ok, err = True, 0.0
+    for g, w in zip(got_t, want_t, strict=True):
+        if g.shape != w.shape or g.dtype != w.dtype:
+            return False, math.inf
+        if g.numel() == 0:
+            continue
+        # A NaN anywhere counts as an infinite error (max() would silently skip it).
+        diff = (g.double() - w.double()).abs().nan_to_num(nan=math.inf)
+        err = max(err, diff.max().item())
+        ok = ok and bool((diff <= tol + tol * w.double().abs()).all().item())
+    return ok, err
+
+
+def check_outputs(
+    case: BenchCase, names: Sequence[str], group: dist.ProcessGroup, device: torch.device
+) -> dict[str, dict[str, Any]]:
+    """Run every provider in ``names`` once and compare its output with the reference's.
+
+    Returns ``{name: {"checked": bool, "ok": bool, "max_abs_err": float}}`` agreed over ranks:
+    ``ok`` is False when any rank's output is not ``allclose``; ``max_abs_err`` is the maximum over
+    ranks. Unchecked providers still run once (so a crash shows here) and report ``ok=True``.
+    """
+    want = case.providers[REFERENCE]()
+    local_bad, local_err = [], []
+    for name in names:
+        got = want if name == REFERENCE else case.providers[name]()
+        if name in case.unchecked:
+            ok, err = True, 0.0
+        else:
+            ok, err = _max_error(got, want, case.tolerance)
+        local_bad.append(0.0 if ok else 1.0)
+        local_err.append(err)
+    flags = torch.tensor([*local_bad, *local_err], dtype=torch.float64, device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    flags = flags.cpu().tolist()
+    n = len(names)
+    return {
+        name: {
+            "checked": name not in case.unchecked,
+            "ok": flags[i] == 0.0,
+            "max_abs_err": flags[n + i],
+        }
+        for i, name in enumerate(names)
+    }
+
+
+def time_providers(
+    providers: dict[str, Provider],
+    *,
+    rounds: int,
+    warmup: int,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, list[float]]:
+    """Time every provider ``rounds`` times, interleaved and rotated; per-round times in ms, each
+    the maximum over the ranks of ``group``.
+
+    ``clock`` returns seconds; tests pass a fake one.
+    """
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    if warmup < 0:
+        raise ValueError(f"warmup must be >= 0, got {warmup}")
+    sync = _device_sync(device)
+    names = list(providers)
+    for i in range(warmup):
+        for name in rotated(names, i):
+            providers[name]()
+    local = torch.zeros(rounds, len(names), dtype=torch.float64)
+    column = {name: j for j, name in enumerate(names)}
+
+    def fence() -> None:
+        sync()
+        dist.barrier(group=group)
+        sync()
+
+    for i in range(rounds):
+        for name in rotated(names, i):
+            fence()
+            start = clock()
+            providers[name]()
+            sync()
+            local[i, column[name]] = (clock() - start) * 1e3
+    fence()
+    slowest = local.to(device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    slowest = slowest.cpu()
+    return {name: slowest[:, column[name]].tolist() for name in names}
+
+
+def select_providers(
+    case: BenchCase, requested: Sequence[str] | None
+) -> tuple[list[str], dict[str, str]]:
+    """The providers of ``case`` to run (table order) and the skipped ones with the reason.
+
+    ``requested=None`` runs every runnable provider. The reference always runs: the correctness
+    check and the speedup column are relative to it.
+    """
+    if REFERENCE not in case.providers:
+        raise ValueError(f"benchmark {case.name!r} offers no {REFERENCE!r} provider")
+    wanted = set(case.providers) | set(case.skipped) if requested is None else set(requested)
+    wanted.add(REFERENCE)
+    names = [name for name in case.providers if name in wanted]
+    skipped = {name: why for name, why in case.skipped.items() if name in wanted}
+    return names, skipped
+
+
+def run_case(
+    case: BenchCase,
+    cfg: BenchConfig,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    requested: Sequence[str] | None = None,
+) -> dict[str, Any]:
+    """Check, warm up and time ``case`` on every rank of ``group``; return its result record.
+
+    The record: ``name``, ``flops``, ``shapes``, ``tolerance``, ``skipped`` (``{name: why}``),
+    ``mismatches`` (``{name: max_abs_err}`` of providers that failed the check, not timed) and
+    ``providers``: ``{name: {median_ms, p20_ms, p80_ms, times_ms, checked, max_abs_err}}``.
+    """
+    names, skipped = select_providers(case, requested)
+    checks = check_outputs(case, names, group, device)
+    good = [name for name in names if checks[name]["ok"]]
+    mismatches = {name: checks[name]["max_abs_err"] for name in names if not checks[name]["ok"]}
+    times = time_providers(
+        {name: case.providers[name] for name in good},
+        rounds=cfg.rounds,
+        warmup=cfg.warmup,
+        group=group,
+        device=device,
+    )
+    return {
+        "name": case.name,
+        "flops": case.flops,
+        "shapes": case.shapes,
+        "tolerance": case.tolerance,
+        "skipped": skipped,
+        "mismatches": mismatches,
+        "providers": {
+            name: {
+                **summarize(times[name]),
+                "times_ms": times[name],
+                "checked": checks[name]["checked"],
+                "max_abs_err": checks[name]["max_abs_err"],
+            }
+            for name in good
+        },
+    }
+
+
+def _fmt_shapes(shapes: dict[str, list[int]]) -> str:
+    return "  ".join(f"{k}[{','.join(map(str, v))}]" for k, v in shapes.items())
+
+
+def format_table(result: dict[str, Any], meta: dict[str, Any]) -> str:
+    """The result of :func:`run_case` as a text table with a one-line header.
+
+    Columns: provider, median/p20/p80 (ms), GFLOP/s (``flops / median``, per rank), speedup vs the
+    reference (``reference_median / median``), % of roof (``roof_median / median``).
+    """
+    provs = result["providers"]
+    ref = provs.get(REFERENCE, {}).get("median_ms")
+    roof = provs.get(ROOF, {}).get("median_ms")
+    lines = [
+        f"== {result['name']}  {_fmt_shapes(result['shapes'])}  {meta['dtype']}  "
+        f"world={meta['world_size']} ({meta['pg_backend']})  rounds={meta['rounds']} "
+        f"warmup={meta['warmup']}",
+    ]
+    header = ("provider", "median ms", "p20 ms", "p80 ms", "GFLOP/s", "vs reference", "% of roof")
+    rows = [header]
+    for name, rec in provs.items():
+        med = rec["median_ms"]
+        rows.append(
+            (
+                name,
+                f"{med:.3f}",
+                f"{rec['p20_ms']:.3f}",
+                f"{rec['p80_ms']:.3f}",
+                f"{result['flops'] / (med * 1e-3) / 1e9:.1f}" if med > 0 else "-",
+                f"{ref / med:.2f}x" if ref and med > 0 else "-",
+                f"{100.0 * roof / med:.1f}%" if roof and med > 0 else "-",
+            )
+        )
+    widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
+    for row in rows:
+        cells = [row[0].ljust(widths[0])]
+        cells += [v.rjust(w) for v, w in zip(row[1:], widths[1:], strict=True)]
+        lines.append("  ".join(cells))
+    for name, why in result["skipped"].items():
+        lines.append(f"  (skipped {name}: {why})")
+    for name, err in result["mismatches"].items():
+        lines.append(
+            f"  !!! MISMATCH: {name} differs from {REFERENCE} (max |diff| = {err:.3g}, "
+            f"tolerance {result['tolerance']:.3g}); not timed"
+        )
+    return "\n".join(lines)
+
+
+def machine_info(device: torch.device) -> dict[str, Any]:
+    """Platform, CPU count and (on CUDA) the GPU name of this process."""
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+    }
+    return info
+
+
+def versions() -> dict[str, str | None]:
+    """Versions of python, torch, triton (``None`` when not importable) and tp_kernels."""
+    import tp_kernels
+
+    try:
+        import triton
+
+        triton_version: str | None = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "tp_kernels": tp_kernels.__version__,
+    }
