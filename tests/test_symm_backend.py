@@ -1,0 +1,347 @@
+"""The ``symm`` backend on CPU: its torch path and its Triton path (in Triton's interpreter) across
+2 and 3 processes, buffer reuse and growth, a late peer, mismatched calls and a killed peer.
+
+The fused-op numerics (every shape, dim, dtype, forward and backward) run with backend="symm" in
+``test_ops.py``; here the backend is called directly, so what is tested is its protocol.
+"""
+
+from __future__ import annotations
+
+import os
+
+# The Triton path runs the kernels in the interpreter, which must be chosen before triton is first
+# imported; tests/test_kernels.py sets the same for the whole session.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import contextlib  # noqa: E402
+import json  # noqa: E402
+import signal  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from _numerics import check_close  # noqa: E402
+
+from tp_kernels import symm  # noqa: E402
+from tp_kernels.backends import pipelined  # noqa: E402
+from tp_kernels.backends import symm as symm_backend  # noqa: E402
+from tp_kernels.launch import LocalWorld, RankError  # noqa: E402
+
+BACKEND = symm_backend.BACKEND
+NAN = float("nan")
+
+
+# ---------------------------------------------------------------- problems every rank can rebuild
+
+
+def _inputs(seed: int, rank: int, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype):
+    gen = torch.Generator().manual_seed(seed * 1000 + rank)
+    return {
+        k: torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for k, s in shapes.items()
+    }
+
+
+def _ag_problem(seed, world, m, k, ns, dtype):
+    """Per rank: its shard and its bs. Returns (shards, bs of this rank)."""
+    rank = dist.get_rank()
+    shards = [_inputs(seed, s, {"a": (m, k)}, dtype)["a"] for s in range(world)]
+    bs = list(_inputs(seed + 1, rank, {f"b{j}": (k, n) for j, n in enumerate(ns)}, dtype).values())
+    return shards, bs
+
+
+def _ag_check(where, a, outs, shards, bs) -> list[str]:
+    full = torch.cat(shards)
+    problems = [] if a is None or torch.equal(a, full) else [f"{where}: gathered A differs"]
+    for j, (out, b) in enumerate(zip(outs, bs, strict=True)):
+        truth, same, mag = (
+            full.double() @ b.double(),
+            full @ b,
+            full.double().abs() @ b.double().abs(),
+        )
+        if problem := check_close(f"{where} outs[{j}]", out, truth, same, mag):
+            problems.append(problem)
+    return problems
+
+
+def _rs_problem(seed, world, m, k, n, dtype, addend):
+    shapes = {"a": (world * m, k), "b": (k, n)} | ({"c": (world * m, n)} if addend else {})
+    return [_inputs(seed, s, shapes, dtype) for s in range(world)]
+
+
+def _rs_check(where, out, parts, m) -> str | None:
+    """Rows of this rank of sum_s (a_s @ b_s + c_s): float64 truth, the same in the dtype added
+    rank by rank (a collective's rounding), and the magnitude of the terms."""
+    rows = slice(dist.get_rank() * m, (dist.get_rank() + 1) * m)
+
+    def partial(p, cast):
+        return cast(p["a"][rows]) @ cast(p["b"]) + (cast(p["c"][rows]) if "c" in p else 0)
+
+    truth = sum(partial(p, lambda t: t.double()) for p in parts)
+    mag = sum(partial(p, lambda t: t.double().abs()) for p in parts)
+    same = partial(parts[0], lambda t: t)
+    for p in parts[1:]:
+        same = same + partial(p, lambda t: t)
+    return check_close(where, out, truth, same, mag)
+
+
+def _fill_own_buffers_with_nan() -> None:
+    """NaN into both halves of this rank's data buffer, after every rank is done with them."""
+    ws = symm.get_workspace(dist.group.WORLD, 1, "cpu", tag=symm_backend._DATA_TAG)
+    dist.barrier()
+    ws.buffer(dist.get_rank(), ws.nbytes // 4, torch.float32).fill_(NAN)
+    dist.barrier()
+
+
+# Calls of one rank function, in order: (op, m, k, n or ns, dtype, extra). The shapes grow (the
+# data workspace is reallocated), shrink (reused) and alternate ops, so both halves and both
+# layouts are reused; "late" calls run with NaN-filled buffers and one rank arriving 0.5 s late.
+TORCH_CALLS = [
+    ("ag", 3, 5, (7,), torch.float32, "return_a"),
+    ("rs", 3, 5, 7, torch.float32, "addend"),
+    ("ag", 40, 24, (9, 4), torch.float64, ""),
+    ("rs", 40, 24, 30, torch.bfloat16, ""),
+    ("ag", 2, 3, (1,), torch.bfloat16, "return_a"),
+    ("rs", 64, 16, 96, torch.float32, "late"),
+    ("ag", 96, 48, (5,), torch.float32, "late return_a"),
+    ("rs", 2, 3, 4, torch.float64, "addend late"),
+]
+
+
+def _run_calls(calls, late_rank: int) -> list[str]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD
+    problems = []
+    for i, (op, m, k, n, dtype, extra) in enumerate(calls):
+        where = f"call {i} ({op} m={m} k={k} n={n} {dtype} {extra})"
+        if "late" in extra:
+            _fill_own_buffers_with_nan()
+            if rank == late_rank % world:
+                time.sleep(0.5)
+        if op == "ag":
+            shards, bs = _ag_problem(i, world, m, k, n, dtype)
+            a, outs = BACKEND.all_gather_matmul(
+                shards[rank], bs, group, return_a="return_a" in extra
+            )
+            problems += _ag_check(where, a, outs, shards, bs)
+            # Same row blocks and kernels as the pipelined backend: the same bits.
+            _, expected = pipelined.BACKEND.all_gather_matmul(
+                shards[rank], bs, group, return_a=False
+            )
+            if not all(torch.equal(x, y) for x, y in zip(outs, expected, strict=True)):
+                problems.append(f"{where}: differs from the pipelined backend")
+        else:
+            parts = _rs_problem(i, world, m, k, n, dtype, "addend" in extra)
+            mine = parts[rank]
+            out = BACKEND.matmul_reduce_scatter(mine["a"], mine["b"], group, addend=mine.get("c"))
+            if problem := _rs_check(where, out, parts, m):
+                problems.append(problem)
+            # Same partial products, summed in fp32 in the same rank order: the same bits.
+            expected = pipelined.BACKEND.matmul_reduce_scatter(
+                mine["a"], mine["b"], group, addend=mine.get("c")
+            )
+            if not torch.equal(out, expected):
+                problems.append(f"{where}: differs from the pipelined backend")
+    return problems
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_torch_path_reuse_growth_and_late_peer(worlds, world_size):
+    results = worlds(world_size).run(_run_calls, TORCH_CALLS, world_size - 1)
+    assert results == [[]] * world_size, results
+
+
+# ---------------------------------------------------------------- the Triton path (interpreter)
+
+
+@contextlib.contextmanager
+def _triton_path():
+    """Ask for the Triton path and count the launches that serve it."""
+    from tp_kernels import kernels
+
+    assert kernels.INTERPRET, "triton was imported before TRITON_INTERPRET=1 was set"
+    counts = {"ag_matmul_consumer": 0, "matmul_rs_producer": 0, "reduce_slots": 0}
+    originals = {name: getattr(kernels, name) for name in counts}
+
+    def counting(name):
+        def launch(*args, **kwargs):
+            counts[name] += 1
+            return originals[name](*args, **kwargs)
+
+        return launch
+
+    os.environ["TP_KERNELS_SYMM_TRITON"] = "1"
+    for name in counts:
+        setattr(kernels, name, counting(name))
+    try:
+        yield counts
+    finally:
+        del os.environ["TP_KERNELS_SYMM_TRITON"]
+        for name, fn in originals.items():
+            setattr(kernels, name, fn)
+
+
+# Tiny shapes, not multiples of the interpreter's 16x16x16 tiles. The addend call takes the torch
+# path (the producer kernel has no addend input) between two kernel calls on the same halves.
+TRITON_CALLS = [
+    ("ag", 5, 12, (9, 17), torch.float32, "return_a"),
+    ("rs", 5, 12, 9, torch.float16, ""),
+    ("rs", 3, 6, 5, torch.float32, "addend"),
+    ("ag", 7, 20, (6,), torch.bfloat16, "late"),
+    ("rs", 9, 10, 18, torch.bfloat16, "late"),
+]
+
+
+def _run_triton_calls(calls, late_rank: int) -> dict:
+    assert BACKEND.unavailable_reason(dist.group.WORLD, torch.device("cpu")) is None
+    with _triton_path() as counts:
+        problems = []
+        for call in calls:
+            problems += _run_calls([call], late_rank)
+    # The kernels' summation order differs from torch's: "differs from pipelined" is expected.
+    return {
+        "problems": [p for p in problems if "pipelined" not in p],
+        "launches": counts,
+    }
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_triton_path_across_processes(worlds, world_size):
+    results = worlds(world_size).run(_run_triton_calls, TRITON_CALLS, 0)
+    for rank, result in enumerate(results):
+        assert result["problems"] == [], (rank, result["problems"])
+        # 2 all-gathers and 2 kernel reduce-scatters; the addend call took the torch path.
+        assert result["launches"] == {
+            "ag_matmul_consumer": 2,
+            "matmul_rs_producer": 2,
+            "reduce_slots": 2,
+        }, (rank, result["launches"])
+
+
+# ---------------------------------------------------------------- mismatched calls
+
+
+def _mismatched_calls() -> dict:
+    """Each case: a correct call that sizes the buffers, then one where the last rank calls with
+    a larger shape (one that fits the buffers, then one that would need them to grow, which only
+    that rank would ask for). Every rank must raise; a correct call afterwards must work."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD
+    odd = rank == world - 1
+    messages = []
+    # Rows of 4 fp32 (16 bytes): 6 rows fit the buffers the correct call sizes; m_grow rows need
+    # more than the whole data workspace holds now, whatever earlier tests left it at.
+    state = symm_backend._state(group, torch.device("cpu"))
+    m_grow = (state.data.nbytes if state.data is not None else 4096) // 16 + 1
+    for m_bad in (6, m_grow):
+        for op in ("ag", "rs"):
+            shards, bs = _ag_problem(0, world, 8, 4, (3,), torch.float32)
+            BACKEND.all_gather_matmul(shards[rank], bs, group, return_a=False)
+            parts = _rs_problem(0, world, 8, 4, 3, torch.float32, False)
+            BACKEND.matmul_reduce_scatter(parts[rank]["a"], parts[rank]["b"], group)
+            m = m_bad if odd else 4
+            try:
+                if op == "ag":
+                    BACKEND.all_gather_matmul(torch.ones(m, 4), bs, group, return_a=True)
+                else:
+                    BACKEND.matmul_reduce_scatter(torch.ones(world * m, 4), parts[rank]["b"], group)
+            except ValueError as exc:
+                messages.append(str(exc))
+            else:
+                messages.append("no error")
+    # The group is still usable: the failed calls left no signal behind.
+    return {"messages": messages, "m_bad": (6, m_grow), "after": _run_calls(TORCH_CALLS[:2], 0)}
+
+
+def test_mismatched_shapes_raise_on_every_rank(worlds):
+    world = 3
+    results = worlds(world).run(_mismatched_calls)
+    for rank, result in enumerate(results):
+        messages = result["messages"]
+        assert len(messages) == 4 and result["after"] == [], (rank, result)
+        for case, message in enumerate(messages):
+            m_bad, op = result["m_bad"][case // 2], ("ag", "rs")[case % 2]
+            if op == "ag":
+                mine, odd = (
+                    "all_gather_matmul(a_shard [4, 4]",
+                    f"all_gather_matmul(a_shard [{m_bad}, 4]",
+                )
+            else:
+                mine = f"matmul_reduce_scatter(a [{world * 4}, 4] @ b [4, 3]"
+                odd = f"matmul_reduce_scatter(a [{world * m_bad}, 4] @ b [4, 3]"
+            assert "the ranks made different calls" in message, (rank, case, message)
+            assert f"rank 0: {mine}" in message and f"rank 1: {mine}" in message, (rank, message)
+            assert f"rank 2: {odd}" in message, (rank, case, message)
+
+
+# ---------------------------------------------------------------- a peer killed mid-call
+
+
+def _killed_peer(out_dir: str) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD
+    parts = _rs_problem(0, world, 8, 4, 3, torch.float32, False)
+    BACKEND.matmul_reduce_scatter(parts[rank]["a"], parts[rank]["b"], group)  # buffers set up
+    symm.set_timeout(2.0)
+    victim = world - 1
+    if rank == victim:
+        # Dies at its first product, after the call began and before its slots are sent.
+        torch.mm = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
+    report: dict = {
+        "prefixes": [
+            symm.get_workspace(group, 1, "cpu", tag=tag).shm_name_prefix
+            for tag in (symm_backend._CTL_TAG, symm_backend._DATA_TAG)
+        ]
+    }
+    start = time.monotonic()
+    try:
+        BACKEND.matmul_reduce_scatter(parts[rank]["a"], parts[rank]["b"], group)
+    except symm.SymmTimeoutError as exc:
+        report |= {"error": str(exc), "peer": exc.peer, "channel": exc.channel}
+    report["waited"] = time.monotonic() - start
+    try:
+        BACKEND.matmul_reduce_scatter(parts[rank]["a"], parts[rank]["b"], group)
+    except RuntimeError as exc:
+        report["next_call"] = str(exc)
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
+
+
+def test_killed_peer_fails_survivors_at_the_deadline(tmp_path):
+    with LocalWorld(3, timeout_s=60.0) as world:
+        with pytest.raises(RankError, match=r"ranks \[2\] exited without answering"):
+            world.run(_killed_peer, str(tmp_path))
+    for rank in (0, 1):
+        report = json.loads(Path(tmp_path, f"rank{rank}.json").read_text())
+        assert report["peer"] == 2 and report["channel"] == symm_backend._READY, report
+        assert "wait_signal for peer rank 2 on channel 1 ran past its deadline" in report["error"]
+        assert "gave up after" in report["error"], report["error"]
+        assert 2.0 <= report["waited"] < 30.0, report
+        assert "cannot use the symm backend any more" in report["next_call"], report
+        leftovers = [
+            name for name in os.listdir("/dev/shm") if name.startswith(tuple(report["prefixes"]))
+        ]
+        assert leftovers == [], leftovers
+
+
+# ---------------------------------------------------------------- availability
+
+
+def _group_reason() -> str | None:
+    return BACKEND.unavailable_reason(dist.group.WORLD, torch.device("cpu"))
+
+
+def test_unavailable_reason(worlds, monkeypatch):
+    assert BACKEND.unavailable_reason(None, torch.device("cpu")) is None
+    assert worlds(2).run(_group_reason) == [None, None]
+    assert "not 'meta'" in BACKEND.unavailable_reason(None, torch.device("meta"))
+    if not torch.cuda.is_available():
+        assert "torch.cuda.is_available() is False" in BACKEND.unavailable_reason(
+            None, torch.device("cuda")
+        )
+    from tp_kernels import kernels
+
+    monkeypatch.setenv("TP_KERNELS_SYMM_TRITON", "1")
+    assert BACKEND.unavailable_reason(None, torch.device("cpu")) is None
+    monkeypatch.setattr(kernels, "INTERPRET", False)
+    assert "set TRITON_INTERPRET=1" in BACKEND.unavailable_reason(None, torch.device("cpu"))
