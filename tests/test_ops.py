@@ -6,6 +6,7 @@ running every backend over a table of shapes, dims and dtypes, forward and backw
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 
@@ -378,6 +379,17 @@ def test_matmul_reduce_scatter_numerics(worlds, world_size):
 # ---------------------------------------------------------------- bad input across ranks
 
 
+@contextlib.contextmanager
+def _symm_disabled():
+    """Make the symm backend report itself unavailable, as on a machine without the heap."""
+    symm = backends.get_backend("symm")
+    symm.unavailable_reason = lambda group, device: "disabled by the test"
+    try:
+        yield
+    finally:
+        del symm.unavailable_reason
+
+
 def _bad_call(kind: str) -> str:
     rank = dist.get_rank()
     group = dist.group.WORLD
@@ -394,7 +406,8 @@ def _bad_call(kind: str) -> str:
         elif kind == "unknown_backend":
             tpk.all_gather_matmul(a, b, 0, group, backend="nccl_magic")
         elif kind == "unavailable_backend":
-            tpk.matmul_reduce_scatter(a, b[0], 0, group, backend="symm")
+            with _symm_disabled():
+                tpk.matmul_reduce_scatter(a, b[0], 0, group, backend="symm")
         elif kind == "not_member":
             sub = dist.new_group([0])
             if rank == 0:  # a member: joins the outsider's check that the world still works
@@ -441,7 +454,11 @@ def _bad_call(kind: str) -> str:
             r"rank 0: .*'n': 2.*rank 1: .*'n': 3",
         ),
         ("unknown_backend", r"ValueError: backend: unknown backend 'nccl_magic'"),
-        ("unavailable_backend", r"RuntimeError: backend='symm' cannot run matmul_reduce_scatter"),
+        (
+            "unavailable_backend",
+            r"RuntimeError: backend='symm' cannot run matmul_reduce_scatter here: disabled by "
+            r"the test",
+        ),
         (
             "bad_group_type",
             r"TypeError: all_gather_matmul: group must be a ProcessGroup, a 1-D "
@@ -506,28 +523,35 @@ def test_comm_stats_count_each_fused_call(worlds, save):
 # ---------------------------------------------------------------- auto and torch.compile
 
 
-def _auto_choices() -> list[str]:
+def _auto_choices() -> tuple[bool, list[str]]:
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())
     log = logging.getLogger("tp_kernels")
     log.addHandler(handler)
     log.setLevel(logging.INFO)
+    small, big = torch.ones(4, 8), torch.ones(1024, 512)
+    symm_ok = tpk.available_backends()["symm"] == "ok"
     try:
-        small, big = torch.ones(4, 8), torch.ones(1024, 512)
-        for _ in range(2):  # the second round must not log again
-            tpk.all_gather_matmul(small, [torch.ones(8, 2)], 0, dist.group.WORLD, backend="auto")
-            tpk.all_gather_matmul(big, [torch.ones(512, 2)], 0, dist.group.WORLD, backend="auto")
+        for disable in (False, True):
+            with _symm_disabled() if disable else contextlib.nullcontext():
+                for _ in range(2):  # the second round must not log again
+                    for a in (small, big):
+                        tpk.all_gather_matmul(
+                            a, [torch.ones(a.shape[1], 2)], 0, dist.group.WORLD, backend="auto"
+                        )
     finally:
         log.removeHandler(handler)
-    return records
+    return symm_ok, records
 
 
 def test_auto_logs_its_choice_once(worlds):
-    records = worlds(2).run(_auto_choices)[0]
-    assert len(records) == 2, records
-    assert "reference, because" in records[0] and "too small to pipeline" in records[0]
-    assert "pipelined, because symm unavailable" in records[1]
+    symm_ok, records = worlds(2).run(_auto_choices)[0]
+    with_symm, without = (records[:2], records[2:]) if symm_ok else ([], records)
+    assert all("symm, because symmetric memory is available" in r for r in with_symm), records
+    assert len(without) == 2, records
+    assert "reference, because" in without[0] and "too small to pipeline" in without[0]
+    assert "pipelined, because symm unavailable (disabled by the test)" in without[1]
 
 
 def _compiled_matches_eager(backend: str) -> float:
