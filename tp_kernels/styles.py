@@ -123,17 +123,32 @@ def _plain_linear(module: nn.Module) -> bool:
 
 
 class _FusableStyle:
-    """The ``backend`` keyword and the fused-forward install shared by Colwise and Rowwise."""
+    """What Colwise and Rowwise add to PyTorch's classes: the ``backend`` keyword (in the
+    constructor and the repr) and the install of a fused forward. Listed before PyTorch's class
+    in the bases, so ``super()`` reaches it."""
 
     backend: str | None
     _kind: str
 
-    def _set_backend(self, backend: str | None) -> None:
+    def __init__(
+        self,
+        *,
+        input_layouts: Placement | None = None,
+        output_layouts: Placement | None = None,
+        use_local_output: bool = True,
+        backend: str | None = None,
+    ) -> None:
+        super().__init__(
+            input_layouts=input_layouts,
+            output_layouts=output_layouts,
+            use_local_output=use_local_output,
+        )
         self.backend = (
             check_backend_name(backend, argument="backend") if backend is not None else None
         )
 
-    def _repr_with_backend(self, base: str) -> str:
+    def __repr__(self) -> str:
+        base = super().__repr__()
         return base if self.backend is None else f"{base[:-1]}, backend={self.backend!r})"
 
     def _install(self, module: nn.Module, device_mesh: DeviceMesh, forward) -> None:
@@ -200,21 +215,6 @@ class ColwiseParallel(_FusableStyle, _torch_style.ColwiseParallel):
 
     _kind = "colwise"
 
-    def __init__(
-        self,
-        *,
-        input_layouts: Placement | None = None,
-        output_layouts: Placement | None = None,
-        use_local_output: bool = True,
-        backend: str | None = None,
-    ) -> None:
-        super().__init__(
-            input_layouts=input_layouts,
-            output_layouts=output_layouts,
-            use_local_output=use_local_output,
-        )
-        self._set_backend(backend)
-
     @staticmethod
     def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
         fused: _FusedLinear | None = getattr(mod, "_tpk_fused", None)
@@ -244,9 +244,6 @@ class ColwiseParallel(_FusableStyle, _torch_style.ColwiseParallel):
         self._install(module, device_mesh, _colwise_forward)
         return module
 
-    def __repr__(self) -> str:
-        return self._repr_with_backend(super().__repr__())
-
 
 class RowwiseParallel(_FusableStyle, _torch_style.RowwiseParallel):
     """PyTorch's ``RowwiseParallel``, plus ``backend`` (``None``: the process-wide default).
@@ -260,30 +257,12 @@ class RowwiseParallel(_FusableStyle, _torch_style.RowwiseParallel):
 
     _kind = "rowwise"
 
-    def __init__(
-        self,
-        *,
-        input_layouts: Placement | None = None,
-        output_layouts: Placement | None = None,
-        use_local_output: bool = True,
-        backend: str | None = None,
-    ) -> None:
-        super().__init__(
-            input_layouts=input_layouts,
-            output_layouts=output_layouts,
-            use_local_output=use_local_output,
-        )
-        self._set_backend(backend)
-
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_module(self, module)
         module = super()._apply(module, device_mesh)
         if isinstance(self.output_layouts[0], Shard):
             self._install(module, device_mesh, _rowwise_forward)
         return module
-
-    def __repr__(self) -> str:
-        return self._repr_with_backend(super().__repr__())
 
 
 class PrepareModuleInput(_torch_style.PrepareModuleInput):
