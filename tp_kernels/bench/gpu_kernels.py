@@ -1,0 +1,347 @@
+"""``python -m tp_kernels.bench.gpu_kernels``: the symm kernels' tile GEMMs on one GPU vs cuBLAS.
+
+A device check for a single GPU, with no process group. Every launcher of
+:mod:`tp_kernels.kernels` runs with ``world_size=1``: its address tables hold this GPU's own
+buffer and signal pad, and each signal a kernel waits for is set before it runs, so no wait
+blocks and what is measured is compute, not communication. With ``A [M, K]``, ``B [K, N]``:
+
+* ``signal_ready``: word ``AG_CHANNEL`` of the pad = ``EPOCH`` (what the consumer waits for);
+* ``ag_matmul_consumer``: ``C [M, N] = A @ B``, ``A`` read through its address table;
+* ``matmul_rs_producer``: slot 0 of the buffer ``slots [1, M, N]`` = ``A @ B``, then its signal;
+* ``reduce_slots``: ``out [M, N] = float32(slots[0]) / 1`` cast back: memory-bound, so its rate
+  is in bytes moved (one read and one write of ``out``), not flops;
+* ``torch.mm`` (cuBLAS): ``A @ B``, the baseline that the GEMMs are checked and timed against.
+
+Each launcher first runs once and is checked: the GEMMs against ``torch.mm`` within
+:func:`tp_kernels.bench.ops.matmul_tolerance` (one rounding to the dtype; ``B`` is scaled by
+``1/sqrt(K)`` so outputs are O(1), as that tolerance assumes), the reduction bit for bit (one
+slot divided by 1 is the slot), the signals by reading the pad. A launcher whose check fails is
+not timed. Then ``--warmup`` calls (the first call of an autotuned kernel also autotunes it) and
+``--reps`` calls, each between two CUDA events; the table shows the median and the 20th/80th
+percentiles. Timed calls go through the public launchers as the symm backend makes them (with
+``check=False``; every returned status is checked once at the end), so host work inside a
+launcher, such as building its address tables on the device, is part of the time.
+
+Exit status: 0 when every check passes, 1 when one fails, 2 for bad arguments. Without a CUDA
+device it prints ``no CUDA device: nothing to measure`` and exits 0. ``--device cpu`` runs the
+same checks and table on CPU tensors in Triton's interpreter (``TRITON_INTERPRET=1`` must be set
+first); that tests this script, its times mean nothing. ``TRITON_PRINT_AUTOTUNING=1`` prints the
+tile configs that autotuning picks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from tp_kernels.bench import _non_negative, _positive
+from tp_kernels.bench.ops import matmul_tolerance
+from tp_kernels.bench.protocol import DTYPES, summarize, versions
+
+__all__ = [
+    "NO_CUDA_MESSAGE",
+    "Problem",
+    "Result",
+    "check_all",
+    "error_ratio",
+    "launchers",
+    "main",
+    "parse_args",
+    "per_second",
+    "render_table",
+    "result_rows",
+]
+
+NO_CUDA_MESSAGE = "no CUDA device: nothing to measure"
+AG_CHANNEL, RS_CHANNEL = 0, 1
+EPOCH = 1
+# Every wait is satisfied before it starts; a protocol slip then fails the check within this.
+WAIT_TIMEOUT_S = 30.0
+UNIT_SCALE = {"TFLOP/s": 1e12, "GB/s": 1e9}
+BASELINE = "torch.mm"
+HEADER = ("kernel", "median ms", "p20 ms", "p80 ms", "rate", "vs torch.mm", "check")
+
+
+def error_ratio(got: torch.Tensor, want: torch.Tensor, tol: float) -> float:
+    """``max |got - want| / (tol * (1 + |want|))`` over all elements, computed in float64.
+
+    At most 1 exactly when ``allclose(got, want, rtol=tol, atol=tol)``; ``inf`` when the shapes
+    differ or ``got`` holds a NaN where ``want`` does not.
+    """
+    if got.shape != want.shape:
+        return math.inf
+    if not tol > 0:
+        raise ValueError(f"tol: got {tol}, expected a positive tolerance")
+    g, w = got.double(), want.double()
+    ratio = ((g - w).abs() / (tol * (1.0 + w.abs()))).nan_to_num(nan=math.inf)
+    return ratio.max().item() if ratio.numel() else 0.0
+
+
+def per_second(amount: float, ms: float, unit: str) -> float:
+    """``amount`` (flops for ``TFLOP/s``, bytes for ``GB/s``) done in ``ms`` milliseconds, in
+    ``unit``."""
+    if unit not in UNIT_SCALE:
+        raise ValueError(f"unit: got {unit!r}, expected one of {sorted(UNIT_SCALE)}")
+    if not ms > 0:
+        raise ValueError(f"ms: got {ms}, expected a positive duration")
+    return amount / (ms * 1e-3) / UNIT_SCALE[unit]
+
+
+@dataclass
+class Result:
+    """One launcher's check and times. ``amount`` is its work per call in ``unit``'s numerator
+    (flops or bytes; 0 for a signal, which has no rate); ``times_ms`` is empty when not timed."""
+
+    name: str
+    check: str
+    ok: bool
+    amount: float = 0.0
+    unit: str = "TFLOP/s"
+    times_ms: list[float] = field(default_factory=list)
+
+
+def result_rows(results: Sequence[Result]) -> list[tuple[str, ...]]:
+    """The cells of :data:`HEADER` for each result; ``vs torch.mm`` is torch.mm's median over
+    this one's, for results in torch.mm's unit (flops)."""
+    base = next((r for r in results if r.name == BASELINE and r.times_ms), None)
+    base_ms = summarize(base.times_ms)["median_ms"] if base else None
+    rows = []
+    for r in results:
+        if not r.times_ms:
+            rows.append((r.name, "-", "-", "-", "-", "-", r.check))
+            continue
+        stats = summarize(r.times_ms)
+        med = stats["median_ms"]
+        rate = f"{per_second(r.amount, med, r.unit):.1f} {r.unit}" if r.amount and med > 0 else "-"
+        vs = f"{base_ms / med:.2f}x" if base and base.unit == r.unit and r.amount else "-"
+        rows.append(
+            (
+                r.name,
+                f"{med:.4f}",
+                f"{stats['p20_ms']:.4f}",
+                f"{stats['p80_ms']:.4f}",
+                rate,
+                vs,
+                r.check,
+            )
+        )
+    return rows
+
+
+def render_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Rows of equal length as aligned text: the first column left-aligned, the rest right."""
+    lines = [tuple(header), *(tuple(row) for row in rows)]
+    for i, row in enumerate(lines):
+        if len(row) != len(header):
+            raise ValueError(f"rows[{i - 1}]: got {len(row)} cells, expected {len(header)}")
+    widths = [max(len(row[c]) for row in lines) for c in range(len(header))]
+    return "\n".join(
+        "  ".join([row[0].ljust(widths[0]), *(v.rjust(w) for v, w in zip(row[1:], widths[1:]))])
+        for row in lines
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m tp_kernels.bench.gpu_kernels",
+        description="Check and time the symm backend's Triton kernels on one GPU (world_size=1) "
+        "against cuBLAS.",
+    )
+    p.add_argument("--M", type=_positive, default=8192, help="rows of A and C")
+    p.add_argument("--N", type=_positive, default=3584, help="columns of B and C")
+    p.add_argument("--K", type=_positive, default=8192, help="reduction dim")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    p.add_argument("--warmup", type=_non_negative, default=5, help="untimed calls per kernel")
+    p.add_argument("--reps", type=_positive, default=50, help="timed calls per kernel")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    p.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cuda (default; the current device), or cpu to test this script in Triton's "
+        "interpreter (needs TRITON_INTERPRET=1)",
+    )
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line; exits with status 2 on bad arguments."""
+    return _parser().parse_args(argv)
+
+
+class Problem:
+    """The tensors, address tables and signal pad of a world_size=1 run on ``device``: ``a [m, k]``
+    (standard normal) and ``b [k, n]`` (normal / sqrt(k)) in ``dtype``, ``want = torch.mm(a, b)``,
+    the outputs ``c`` and ``reduced [m, n]``, the buffer ``slots [1, m, n]``, and a pad of one word
+    per channel."""
+
+    def __init__(self, m: int, n: int, k: int, dtype: torch.dtype, seed: int, device: torch.device):
+        gen = torch.Generator(device=device).manual_seed(seed)
+        self.a = torch.randn(m, k, generator=gen, device=device, dtype=torch.float32).to(dtype)
+        b = torch.randn(k, n, generator=gen, device=device, dtype=torch.float32) / math.sqrt(k)
+        self.b = b.to(dtype)
+        self.want = torch.mm(self.a, self.b)
+        self.c = torch.empty_like(self.want)
+        self.slots = torch.empty((1, m, n), dtype=dtype, device=device)
+        self.reduced = torch.empty_like(self.want)
+        self.pad = torch.zeros(2, dtype=torch.int32, device=device)  # channels x world_size
+        self.a_ptrs = self._table(self.a)
+        self.slot_ptrs = self._table(self.slots)
+        self.pad_ptrs = self._table(self.pad)
+        self.statuses: list[torch.Tensor] = []
+        self.flops = 2.0 * m * n * k
+        self.out_bytes = 2.0 * self.want.numel() * self.want.element_size()
+
+    @staticmethod
+    def _table(t: torch.Tensor) -> torch.Tensor:
+        return torch.tensor([t.data_ptr()], dtype=torch.int64, device=t.device)
+
+    def timed_out(self) -> bool:
+        """Whether any wait of any call so far ran past its deadline."""
+        return any(bool(s.any()) for s in self.statuses)
+
+
+def launchers(p: Problem) -> dict[str, Callable[[], None]]:
+    """Zero-argument calls of each launcher on ``p`` (and of ``torch.mm``), by kernel name.
+
+    Imports :mod:`tp_kernels.kernels`, hence Triton."""
+    from tp_kernels import kernels
+
+    one = {"rank": 0, "world_size": 1, "epoch": EPOCH}
+    wait = {"timeout_s": WAIT_TIMEOUT_S, "check": False}
+    return {
+        "signal_ready": lambda: kernels.signal_ready(p.pad_ptrs, channel=AG_CHANNEL, **one),
+        "ag_matmul_consumer": lambda: p.statuses.append(
+            kernels.ag_matmul_consumer(
+                p.a_ptrs, p.pad_ptrs, [p.b], [p.c], channel=AG_CHANNEL, **one, **wait
+            )
+        ),
+        "matmul_rs_producer": lambda: kernels.matmul_rs_producer(
+            p.a, p.b, p.slot_ptrs, p.pad_ptrs, channel=RS_CHANNEL, **one
+        ),
+        "reduce_slots": lambda: p.statuses.append(
+            kernels.reduce_slots(p.slots, p.reduced, p.pad_ptrs, channel=RS_CHANNEL, **one, **wait)
+        ),
+        BASELINE: lambda: torch.mm(p.a, p.b, out=p.c),
+    }
+
+
+def check_all(p: Problem, run: dict[str, Callable[[], None]], tol: float) -> list[Result]:
+    """Run each launcher of ``run`` once, in protocol order (a signal before its waiter), and
+    check it (GEMMs within ``tol`` of ``p.want``, see :func:`error_ratio`)."""
+
+    def gemm(name: str, got: torch.Tensor) -> Result:
+        got.fill_(math.nan)
+        run[name]()
+        ratio = error_ratio(got, p.want, tol)
+        ok = ratio <= 1.0 and not p.timed_out()
+        what = f"max err {ratio:.3g} x tol {tol:.2g}" + ("" if not p.timed_out() else ", timed out")
+        return Result(name, ("ok, " if ok else "MISMATCH, ") + what, ok, p.flops)
+
+    def signal(name: str, channel: int) -> Result:
+        word = p.pad[channel].item()
+        ok = word == EPOCH
+        check = "ok, pad = epoch" if ok else f"FAILED, pad word {word} != epoch {EPOCH}"
+        return Result(name, check, ok)
+
+    results = [Result(BASELINE, "reference", True, p.flops)]
+    run["signal_ready"]()
+    results.append(signal("signal_ready", AG_CHANNEL))
+    results.append(gemm("ag_matmul_consumer", p.c))
+    results.append(gemm("matmul_rs_producer", p.slots[0]))
+    results.append(signal("matmul_rs_producer's signal", RS_CHANNEL))
+    p.reduced.fill_(math.nan)
+    run["reduce_slots"]()
+    exact = torch.equal(p.reduced, p.slots[0]) and not p.timed_out()
+    check = "ok, = slot 0 bit for bit" if exact else "MISMATCH, != slot 0"
+    results.append(Result("reduce_slots", check, exact, p.out_bytes, "GB/s"))
+    return results
+
+
+def _time_ms(fn: Callable[[], None], warmup: int, reps: int, device: torch.device) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    if device.type != "cuda":
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return times
+    torch.cuda.synchronize(device)
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        for _ in range(reps)
+    ]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize(device)
+    return [start.elapsed_time(end) for start, end in events]
+
+
+def _device_or_exit(args: argparse.Namespace) -> torch.device | None:
+    """The device to run on; ``None`` when there is no CUDA device; exits 2 on a bad setup."""
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    if args.device == "cpu":
+        if not interpret:
+            _parser().error(
+                "--device cpu runs the kernels in Triton's interpreter: set "
+                "TRITON_INTERPRET=1 before starting"
+            )
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        return None
+    if interpret:
+        _parser().error(
+            "TRITON_INTERPRET=1 is set, and the interpreter cannot run CUDA tensors: "
+            "unset it to measure the GPU"
+        )
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit status (see the module docstring)."""
+    args = parse_args(argv)
+    device = _device_or_exit(args)
+    if device is None:
+        print(NO_CUDA_MESSAGE)
+        return 0
+    dtype = DTYPES[args.dtype]
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)"
+    v = versions()
+    print(
+        f"tp_kernels.bench.gpu_kernels on {where}: torch {v['torch']}, triton {v['triton']}; "
+        f"M={args.M} N={args.N} K={args.K} {args.dtype}, world_size=1; "
+        f"{args.warmup} warmup + {args.reps} timed calls per kernel",
+        flush=True,
+    )
+    problem = Problem(args.M, args.N, args.K, dtype, args.seed, device)
+    run = launchers(problem)
+    started = time.perf_counter()
+    results = check_all(problem, run, matmul_tolerance(dtype, args.K, roundings=1))
+    print(f"checked (compiling and autotuning included) in {time.perf_counter() - started:.1f} s")
+    for r in results:
+        if r.ok and r.name in run:
+            r.times_ms = _time_ms(run[r.name], args.warmup, args.reps, device)
+    if problem.timed_out():
+        failed = Result("timed calls", "FAILED, a wait timed out", False)
+        results.append(failed)
+    print(render_table(HEADER, result_rows(results)))
+    bad = [r.name for r in results if not r.ok]
+    if bad:
+        print(f"ERROR: checks failed for {bad}; see the table above", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
