@@ -67,6 +67,7 @@ def _ag_matmul_kernel(
     TRACE: tl.constexpr,
     BF16_BY_HAND: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    ALIGNED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -79,7 +80,9 @@ def _ag_matmul_kernel(
     % W``, so the first programs use this rank's own rows. Before loading A_s the program waits
     for ``epoch`` in word ``channel * W + s`` of this rank's pad. With WRITE_A the programs of the
     first N tile also store the A_s tile they load into the gathered A [W*m, K] at ``a_out_addr``.
-    ``n_total`` (sum of the N_j) only keys the autotuning.
+    ``n_total`` (sum of the N_j) only keys the autotuning. ALIGNED: every base address is a
+    multiple of 16 bytes and every N_j of 8 elements; Triton cannot see that through addresses
+    loaded from tables, and without it the loads are neither vectorized nor pipelined.
     """
     pid = tl.program_id(0)
     # Which B_j and which of its column tiles this program owns (tiles of all j side by side).
@@ -111,6 +114,11 @@ def _ag_matmul_kernel(
     a_base = tl.load(a_ptrs + src).to(tl.pointer_type(DTYPE))
     b_base = tl.load(b_ptrs + j).to(tl.pointer_type(DTYPE))
     c_base = tl.load(c_ptrs + j).to(tl.pointer_type(DTYPE))
+    if ALIGNED:
+        a_base = tl.multiple_of(a_base, 16)
+        b_base = tl.multiple_of(b_base, 16)
+        c_base = tl.multiple_of(c_base, 16)
+        n_j = tl.multiple_of(n_j, 8)
     rows = (m_tile % tiles_per_shard) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < m
@@ -185,7 +193,8 @@ def ag_matmul_consumer(
     behind them would never run.
 
     Args:
-        a_ptrs: int64 [W], address of rank s's shard A_s (its symmetric buffer) in this process.
+        a_ptrs: int64 [W], address of rank s's shard A_s (its symmetric buffer) in this process;
+            each must be a multiple of 16 bytes (symmetric buffers and their halves are).
         signal_ptrs: int64 [W], address of rank s's signal pad; this rank waits on its own.
         bs, outs: the right-hand matrices and their outputs (written in place).
         a_out: optional [W*m, K]; also receives the gathered A (for ``return_a``).
@@ -265,6 +274,7 @@ def ag_matmul_consumer(
         TRACE=order_out is not None,
         BF16_BY_HAND=INTERPRET and dtype == torch.bfloat16,
         INPUT_PRECISION=dot_precision(dtype),
+        ALIGNED=all(t.data_ptr() % 16 == 0 and t.shape[1] % 8 == 0 for t in (*bs, *outs)),
     )
     if order_out is not None:
         store_order(trace, order_out, world_size)
