@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import tp_kernels
-from tp_kernels.bench import _report, main, parse_args
+from tp_kernels.bench import _report, llama_block, main, parse_args, run_rank
 from tp_kernels.bench.ops import matmul_tolerance
 from tp_kernels.bench.protocol import (
     BenchCase,
@@ -234,3 +234,124 @@ def test_matmul_tolerance_values():
     assert matmul_tolerance(torch.float32, 2048, 1) == pytest.approx(8.7e-5, rel=0.01)
     assert matmul_tolerance(torch.float16, 2048, 3) == pytest.approx(3.0e-3, rel=0.01)
     assert matmul_tolerance(torch.bfloat16, 2048, 3) == pytest.approx(2.4e-2, rel=0.03)
+
+
+# --- llama_block ----------------------------------------------------------------------------
+
+# GQA (2 query heads per key/value head), every size divisible by 2 ranks, head dim 8.
+TINY_BLOCK = {"batch": 2, "seq": 8, "dim": 32, "heads": 4, "kv_heads": 2, "ffn": 64}
+PHASE_KINDS = (
+    "forward/all_gather_matmul",  # attention and feed-forward inputs, one gather each
+    "forward/matmul_reduce_scatter",  # wo, w2
+    "backward/matmul_reduce_scatter",  # the gathered inputs' grads
+    "backward/all_gather",  # the gathered inputs again, for the weight grads
+    "backward/all_gather_matmul",  # wo's and w2's output grads
+)
+
+
+def _reset_and_run_llama_block(cfg: BenchConfig) -> dict:
+    tp_kernels.reset_comm_stats()
+    return run_rank(cfg, ["llama_block"], None)
+
+
+def test_llama_block_end_to_end(worlds, tmp_path, capsys):
+    cfg = BenchConfig(M=16, K=8, N=4, rounds=2, warmup=1, sizes=TINY_BLOCK)
+    out = worlds(2).run(_reset_and_run_llama_block, cfg)[0]
+    path = tmp_path / "block.json"
+    assert _report(out, parse_args(["llama_block", "--out", str(path)]), ["llama_block"]) == 0
+
+    symm_ok = tp_kernels.available_backends()["symm"] == "ok"
+    tp_providers = ["reference", "pipelined", *(["symm"] if symm_ok else [])]
+    providers = ["torch", *tp_providers, "auto", "roof"]
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(
+        "== llama_block  x[2,4,32]  wq[16,32]  wk[8,32]  w1[32,32]  out[2,4,32]  fp32  world=2"
+    )
+    assert lines[1].split() == [
+        "provider", "median", "ms", "p20", "ms", "p80", "ms", "GFLOP/s", "tokens/s", "vs", "torch",
+        "%", "of", "roof", "saved", "MiB",
+    ]  # fmt: skip
+    rows = {line.split()[0]: line.split() for line in lines[2 : 2 + len(providers)]}
+    assert list(rows) == providers
+    assert rows["torch"][6] == "1.00x" and rows["roof"][7] == "100.0%"
+
+    bench = json.loads(path.read_text())["benchmarks"][0]
+    assert bench["name"] == "llama_block" and bench["baseline"] == "torch"
+    assert bench["mismatches"] == {} and list(bench["providers"]) == providers
+    tokens = 2 * 8
+    assert bench["rate"] == {"unit": "tokens", "per_call": tokens}
+    # 3 x (projections 2*T*D*(2*H*d + 2*kv*d + 3*F) + attention 2*B*S^2*d*H) / W
+    assert bench["flops"] == 3 * (2 * tokens * 32 * (2 * 4 * 8 + 2 * 2 * 8 + 3 * 64)
+                                  + 2 * 2 * 8**2 * 8 * 4) / 2  # fmt: skip
+    # fp32 floor of the tolerance: 2 eps; the measured baseline error may raise it
+    assert 2 * torch.finfo(torch.float32).eps <= bench["tolerance"] < 1e-3
+    # torch keeps each sub-block's gathered input [B, S, D] fp32 for its weight grads
+    gathered_mib = 2 * (2 * 8 * 32 * 4) / 2**20
+    for name, rec in bench["providers"].items():
+        assert rec["tokens_per_s"] == pytest.approx(tokens / (rec["median_ms"] * 1e-3), rel=1e-9)
+        assert rows[name][5] == f"{rec['tokens_per_s']:.0f}"
+        assert rows[name][-1] == f"{rec['saved_mib']:.1f}"
+        assert rec["saved_mib"] > 0
+        assert len(rec["times_ms"]) == 2
+    assert bench["providers"]["torch"]["saved_mib"] >= gathered_mib
+    # the fused path fired once per boundary in the probed step; nothing fell back
+    for name in tp_providers:
+        assert bench["providers"][name]["comm"] == {f"{pk}/{name}": 2 for pk in PHASE_KINDS}
+    auto = bench["providers"]["auto"]["comm"]
+    chosen = {key.rsplit("/", 1)[1] for key in auto}
+    assert len(chosen) == 1 and chosen <= set(tp_providers)
+    (auto_backend,) = chosen
+    assert auto == {f"{pk}/{auto_backend}": 2 for pk in PHASE_KINDS}
+    assert bench["providers"]["torch"]["comm"] == bench["providers"]["roof"]["comm"] == {}
+
+    # The process counters saw every step of every provider (the check, warmup, rounds and
+    # probe: 5 steps) and no fallback; auto's steps count under the backend it chose.
+    counts = worlds(2).run(tp_kernels.comm_stats)
+    assert counts[0] == counts[1]
+    assert counts[0].total(kind="fallback") == 0
+    for name in tp_providers:
+        runs = 5 * (2 if name == auto_backend else 1)
+        for pk in PHASE_KINDS:
+            phase, kind = pk.split("/")
+            assert counts[0].total(phase, kind, name) == 2 * runs, (name, pk)
+
+
+class _LinearRelu(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 8, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: object) -> torch.Tensor:
+        return self.lin(x).relu()
+
+
+def test_saved_bytes_counts_new_storages_once():
+    x, g = torch.randn(3, 5, 4), torch.randn(3, 5, 8)
+    rope = (torch.ones(1), torch.ones(1))
+    step = llama_block._Step(_LinearRelu(), x, g, rope, checked=("lin.weight",))
+    # The matmul saves x and the weight (resident: not counted); relu saves its output, which
+    # the loss's multiply saves again (one storage): 3*5*8 fp32.
+    assert llama_block._saved_bytes(step) == 3 * 5 * 8 * 4
+
+
+def test_llama_block_sizes_checked():
+    with pytest.raises(ValueError, match=r"unknown sizes \['dims'\] in BenchConfig.sizes"):
+        llama_block._sizes(BenchConfig(M=1, K=1, N=1, sizes={"dims": 64}))
+    with pytest.raises(ValueError, match=r"sizes must be positive ints, got \{'seq': 0\}"):
+        llama_block._sizes(BenchConfig(M=1, K=1, N=1, sizes={"seq": 0}))
+    assert llama_block._sizes(BenchConfig(M=1, K=1, N=1, sizes={"dim": 64}))["dim"] == 64
+
+
+def test_table_with_baseline_rate_and_probe_columns():
+    record = _record({"torch": 8.0, "auto": 4.0}, mismatches={"symm": 0.5})
+    record.update(
+        baseline="torch", rate={"unit": "tokens", "per_call": 2048.0}, columns={"mem": "mem MiB"}
+    )
+    record["providers"]["auto"].update(tokens_per_s=512000.0, mem=1.5)
+    record["providers"]["torch"].update(tokens_per_s=256000.0)
+    lines = format_table(record, META).splitlines()
+    assert lines[1].split()[8:] == ["tokens/s", "vs", "torch", "%", "of", "roof", "mem", "MiB"]
+    # auto: 2048 tokens / 4 ms, 8/4 = 2x torch, no roof; torch has no "mem" field
+    assert lines[3].split()[5:] == ["512000", "2.00x", "-", "1.5"]
+    assert lines[2].split()[5:] == ["256000", "1.00x", "-", "-"]
+    assert "!!! MISMATCH: symm differs from torch" in lines[-1]

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tp_kernels.bench import llama_block as _llama_block  # noqa: F401  (registers llama_block)
 from tp_kernels.bench import ops as _ops  # noqa: F401  (registers the op benchmarks)
 from tp_kernels.bench.protocol import (
     BENCHMARKS,

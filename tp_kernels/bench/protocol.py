@@ -1,10 +1,10 @@
 """The timing protocol of ``python -m tp_kernels.bench``, its statistics, table and JSON report.
 
 A benchmark (see :func:`register`) sets up, on every rank of a process group, a :class:`BenchCase`:
-named providers that each compute the same result from the same inputs in their own way. Then
-:func:`run_case`
+named providers that each compute the same result from the same inputs in their own way, and a
+baseline among them (``reference`` unless the case names another). Then :func:`run_case`
 
-1. checks correctness: each provider's output on rank ``r`` against the ``reference`` provider's
+1. checks correctness: each provider's output on rank ``r`` against the baseline provider's
    output on rank ``r`` (``allclose`` with the case's tolerance); the verdict is agreed over ranks,
    and a provider that fails is reported and not timed;
 2. runs ``warmup`` untimed iterations of every provider;
@@ -14,7 +14,9 @@ named providers that each compute the same result from the same inputs in their 
    work is done (``torch.cuda.synchronize`` on CUDA), and the next barrier follows;
 4. takes, per round and provider, the maximum of the per-rank times (one ``all_reduce(MAX)``): a
    collective op is as slow as its slowest rank;
-5. reports the median, 20th and 80th percentile of those per-round times.
+5. reports the median, 20th and 80th percentile of those per-round times;
+6. when the case has a ``probe``, calls it once per timed provider, one provider at a time, for
+   measurements that must not overlap another provider's run (memory, communication counters).
 
 Everything :func:`run_case` returns is plain Python data (picklable, JSON-ready), identical on
 every rank.
@@ -28,7 +30,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,7 +76,9 @@ class BenchConfig:
     """The knobs every benchmark receives.
 
     ``M``, ``K``, ``N`` are the problem sizes; each benchmark documents how it reads them (the op
-    benchmarks: a ``[M, K] @ [K, N]`` product whose rows are sharded over ranks).
+    benchmarks: a ``[M, K] @ [K, N]`` product whose rows are sharded over ranks). ``sizes``
+    overrides sizes that a benchmark names itself (``llama_block``: batch, seq, dim, ...); each
+    benchmark documents its keys and rejects unknown ones.
     """
 
     M: int
@@ -84,6 +88,7 @@ class BenchConfig:
     rounds: int = 10
     warmup: int = 3
     seed: int = 0
+    sizes: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -98,11 +103,19 @@ class BenchCase:
         name: the benchmark's name.
         flops: floating-point operations of one provider call on one rank (for GFLOP/s).
         shapes: tensor shapes on one rank, for the report.
-        providers: runnable providers, in table order; must include :data:`REFERENCE`.
+        providers: runnable providers, in table order; must include ``baseline``.
         tolerance: ``rtol`` and ``atol`` of the correctness check.
         skipped: providers this benchmark knows but cannot run here, with the reason.
-        unchecked: providers whose output is not comparable with the reference's (the
+        unchecked: providers whose output is not comparable with the baseline's (the
             compute-only :data:`ROOF` computes a different quantity); timed, never checked.
+        baseline: the provider the others are checked against and whose median the speedup
+            column divides; it always runs.
+        rate: ``(unit, count)``: one provider call processes ``count`` ``unit``s on one rank;
+            adds a ``<unit>/s`` column (``count / median``) and a ``<unit>_per_s`` field.
+        probe: ``probe(name)`` runs provider ``name`` once more and returns extra fields for its
+            record (e.g. memory); it must return the same on every rank (agreeing over the group
+            itself).
+        probe_columns: ``{field: header}``: numeric probe fields shown as table columns.
     """
 
     name: str
@@ -112,6 +125,10 @@ class BenchCase:
     tolerance: float
     skipped: dict[str, str] = field(default_factory=dict)
     unchecked: frozenset[str] = frozenset({ROOF})
+    baseline: str = REFERENCE
+    rate: tuple[str, float] | None = None
+    probe: Callable[[str], dict[str, Any]] | None = None
+    probe_columns: dict[str, str] = field(default_factory=dict)
 
 
 Builder = Callable[[BenchConfig, dist.ProcessGroup, torch.device], BenchCase]
@@ -213,16 +230,16 @@ def _max_error(got: Any, want: Any, tol: float) -> tuple[bool, float]:
 def check_outputs(
     case: BenchCase, names: Sequence[str], group: dist.ProcessGroup, device: torch.device
 ) -> dict[str, dict[str, Any]]:
-    """Run every provider in ``names`` once and compare its output with the reference's.
+    """Run every provider in ``names`` once and compare its output with the baseline's.
 
     Returns ``{name: {"checked": bool, "ok": bool, "max_abs_err": float}}`` agreed over ranks:
     ``ok`` is False when any rank's output is not ``allclose``; ``max_abs_err`` is the maximum over
     ranks. Unchecked providers still run once (so a crash shows here) and report ``ok=True``.
     """
-    want = case.providers[REFERENCE]()
+    want = case.providers[case.baseline]()
     local_bad, local_err = [], []
     for name in names:
-        got = want if name == REFERENCE else case.providers[name]()
+        got = want if name == case.baseline else case.providers[name]()
         if name in case.unchecked:
             ok, err = True, 0.0
         else:
@@ -293,13 +310,13 @@ def select_providers(
 ) -> tuple[list[str], dict[str, str]]:
     """The providers of ``case`` to run (table order) and the skipped ones with the reason.
 
-    ``requested=None`` runs every runnable provider. The reference always runs: the correctness
+    ``requested=None`` runs every runnable provider. The baseline always runs: the correctness
     check and the speedup column are relative to it.
     """
-    if REFERENCE not in case.providers:
-        raise ValueError(f"benchmark {case.name!r} offers no {REFERENCE!r} provider")
+    if case.baseline not in case.providers:
+        raise ValueError(f"benchmark {case.name!r} offers no {case.baseline!r} provider")
     wanted = set(case.providers) | set(case.skipped) if requested is None else set(requested)
-    wanted.add(REFERENCE)
+    wanted.add(case.baseline)
     names = [name for name in case.providers if name in wanted]
     skipped = {name: why for name, why in case.skipped.items() if name in wanted}
     return names, skipped
@@ -314,9 +331,12 @@ def run_case(
 ) -> dict[str, Any]:
     """Check, warm up and time ``case`` on every rank of ``group``; return its result record.
 
-    The record: ``name``, ``flops``, ``shapes``, ``tolerance``, ``skipped`` (``{name: why}``),
-    ``mismatches`` (``{name: max_abs_err}`` of providers that failed the check, not timed) and
-    ``providers``: ``{name: {median_ms, p20_ms, p80_ms, times_ms, checked, max_abs_err}}``.
+    The record: ``name``, ``flops``, ``shapes``, ``tolerance``, ``baseline``, ``rate``
+    (``{unit, per_call}`` or None), ``skipped`` (``{name: why}``), ``mismatches``
+    (``{name: max_abs_err}`` of providers that failed the check, not timed), ``columns`` (the
+    case's ``probe_columns``) and ``providers``:
+    ``{name: {median_ms, p20_ms, p80_ms, times_ms, checked, max_abs_err}}``, plus
+    ``<unit>_per_s`` when the case has a ``rate`` and the probe's fields when it has a ``probe``.
     """
     names, skipped = select_providers(case, requested)
     checks = check_outputs(case, names, group, device)
@@ -329,22 +349,34 @@ def run_case(
         group=group,
         device=device,
     )
+    records = {
+        name: {
+            **summarize(times[name]),
+            "times_ms": times[name],
+            "checked": checks[name]["checked"],
+            "max_abs_err": checks[name]["max_abs_err"],
+        }
+        for name in good
+    }
+    for name, rec in records.items():
+        if case.rate is not None:
+            unit, count = case.rate
+            rec[f"{unit}_per_s"] = (
+                count / (rec["median_ms"] * 1e-3) if rec["median_ms"] > 0 else 0.0
+            )
+        if case.probe is not None:
+            rec.update(case.probe(name))
     return {
         "name": case.name,
         "flops": case.flops,
         "shapes": case.shapes,
         "tolerance": case.tolerance,
+        "baseline": case.baseline,
+        "rate": None if case.rate is None else {"unit": case.rate[0], "per_call": case.rate[1]},
         "skipped": skipped,
         "mismatches": mismatches,
-        "providers": {
-            name: {
-                **summarize(times[name]),
-                "times_ms": times[name],
-                "checked": checks[name]["checked"],
-                "max_abs_err": checks[name]["max_abs_err"],
-            }
-            for name in good
-        },
+        "columns": dict(case.probe_columns),
+        "providers": records,
     }
 
 
@@ -352,24 +384,41 @@ def _fmt_shapes(shapes: dict[str, list[int]]) -> str:
     return "  ".join(f"{k}[{','.join(map(str, v))}]" for k, v in shapes.items())
 
 
+def _fmt_number(value: Any) -> str:
+    return f"{value:.1f}" if isinstance(value, (int, float)) else "-"
+
+
 def format_table(result: dict[str, Any], meta: dict[str, Any]) -> str:
     """The result of :func:`run_case` as a text table with a one-line header.
 
-    Columns: provider, median/p20/p80 (ms), GFLOP/s (``flops / median``, per rank), speedup vs the
-    reference (``reference_median / median``), % of roof (``roof_median / median``).
+    Columns: provider, median/p20/p80 (ms), GFLOP/s (``flops / median``, per rank), ``<unit>/s``
+    when the record has a ``rate`` (``per_call / median``), speedup vs the baseline
+    (``baseline_median / median``), % of roof (``roof_median / median``), then the record's probe
+    ``columns``.
     """
     provs = result["providers"]
-    ref = provs.get(REFERENCE, {}).get("median_ms")
+    baseline = result.get("baseline", REFERENCE)
+    rate = result.get("rate")
+    columns = result.get("columns", {})
+    ref = provs.get(baseline, {}).get("median_ms")
     roof = provs.get(ROOF, {}).get("median_ms")
     lines = [
         f"== {result['name']}  {_fmt_shapes(result['shapes'])}  {meta['dtype']}  "
         f"world={meta['world_size']} ({meta['pg_backend']})  rounds={meta['rounds']} "
         f"warmup={meta['warmup']}",
     ]
-    header = ("provider", "median ms", "p20 ms", "p80 ms", "GFLOP/s", "vs reference", "% of roof")
+    rate_header = [] if rate is None else [f"{rate['unit']}/s"]
+    header = (
+        "provider", "median ms", "p20 ms", "p80 ms", "GFLOP/s", *rate_header, f"vs {baseline}",
+        "% of roof", *columns.values(),
+    )  # fmt: skip
     rows = [header]
     for name, rec in provs.items():
         med = rec["median_ms"]
+        rate_cell = (
+            [] if rate is None else [f"{rec[rate['unit'] + '_per_s']:.0f}" if med > 0 else "-"]
+        )
+        probed = [_fmt_number(rec.get(key)) for key in columns]
         rows.append(
             (
                 name,
@@ -377,8 +426,10 @@ def format_table(result: dict[str, Any], meta: dict[str, Any]) -> str:
                 f"{rec['p20_ms']:.3f}",
                 f"{rec['p80_ms']:.3f}",
                 f"{result['flops'] / (med * 1e-3) / 1e9:.1f}" if med > 0 else "-",
+                *rate_cell,
                 f"{ref / med:.2f}x" if ref and med > 0 else "-",
                 f"{100.0 * roof / med:.1f}%" if roof and med > 0 else "-",
+                *probed,
             )
         )
     widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
@@ -390,7 +441,7 @@ def format_table(result: dict[str, Any], meta: dict[str, Any]) -> str:
         lines.append(f"  (skipped {name}: {why})")
     for name, err in result["mismatches"].items():
         lines.append(
-            f"  !!! MISMATCH: {name} differs from {REFERENCE} (max |diff| = {err:.3g}, "
+            f"  !!! MISMATCH: {name} differs from {baseline} (max |diff| = {err:.3g}, "
             f"tolerance {result['tolerance']:.3g}); not timed"
         )
     return "\n".join(lines)
