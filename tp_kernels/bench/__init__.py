@@ -60,6 +60,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _size(text: str) -> tuple[str, int]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, _positive(value)
+
+
 def _non_negative(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -96,7 +103,16 @@ def _parser() -> argparse.ArgumentParser:
         nargs="+",
         default=None,
         help="providers to time, space- or comma-separated (default: every one that can run); "
-        "reference always runs",
+        "the benchmark's baseline (reference, or torch for llama_block) always runs",
+    )
+    p.add_argument(
+        "--size",
+        type=_size,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a size a benchmark names itself, repeatable (llama_block: batch, seq, dim, heads, "
+        "kv_heads, ffn)",
     )
     p.add_argument("--threads", type=_positive, default=1, help="torch threads per rank")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
@@ -229,6 +245,7 @@ def main(argv: Sequence[str] | None = None, *, world: LocalWorld | None = None) 
         rounds=args.rounds,
         warmup=args.warmup,
         seed=args.seed,
+        sizes=dict(args.size),
     )
     job = (run_rank, cfg, args.benchmarks, args.providers)
     if world is not None:

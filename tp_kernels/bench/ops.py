@@ -91,7 +91,7 @@ def _op_case(
     roundings: int,
 ) -> BenchCase:
     """The case of one fused op: ``fused(backend)`` is the tp_kernels provider of ``backend``."""
-    status = tp_kernels.available_backends()
+    status = tp_kernels.available_backends(device)
     providers: dict[str, Provider] = {}
     skipped: dict[str, str] = {}
     for backend in FUSED_BACKENDS:
