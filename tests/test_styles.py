@@ -63,8 +63,8 @@ STYLE_NAMES = (
     "PrepareModuleInputOutput",
 )
 FUSABLE = ("ColwiseParallel", "RowwiseParallel")
-# Subclassed (to group the gather of a block) without a new argument.
-SUBCLASSED = FUSABLE + ("PrepareModuleInput", "PrepareModuleInputOutput")
+# Subclassed without a new argument (to group the gather of a block; to run norms locally).
+SUBCLASSED = FUSABLE + ("SequenceParallel", "PrepareModuleInput", "PrepareModuleInputOutput")
 
 
 # --- checks with no process group ---------------------------------------------------------------

@@ -32,6 +32,13 @@ The fused paths (plain ``nn.Linear`` only; anything else runs PyTorch's code):
   INFO on the ``tp_kernels`` logger) when the input is not sharded as declared, or the children
   disagree on backend or mesh.
 
+* **Sequence-parallel norms**: ``SequenceParallel`` on an ``nn.LayerNorm`` or ``nn.RMSNorm``
+  whose normalized dims exclude the sequence dim normalizes each token of the local shard
+  directly, ``y_local = norm(x_local)`` with the local values of its replicated weights, instead
+  of dispatching every op through DTensor; the weights' grads come back as ``Partial`` sums, as
+  PyTorch's do. Other modules (``Dropout``, whose random mask DTensor draws per global position)
+  run PyTorch's path.
+
 A style that cannot take its fused path for a call (uneven shards, an input not sharded as
 declared, a Linear subclass with its own forward) runs PyTorch's path, counts a ``fallback`` in
 :func:`tp_kernels.comm_stats` and logs the reason once at INFO.
@@ -45,8 +52,9 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import style as _torch_style
 from torch.distributed.tensor.placement_types import Placement
 
@@ -56,7 +64,6 @@ from tp_kernels.ops.stats import record
 
 # These styles have nothing to fuse: they are PyTorch's classes, re-exported.
 ParallelStyle = _torch_style.ParallelStyle
-SequenceParallel = _torch_style.SequenceParallel
 PrepareModuleOutput = _torch_style.PrepareModuleOutput
 
 __all__ = [
@@ -262,6 +269,38 @@ class RowwiseParallel(_FusableStyle, _torch_style.RowwiseParallel):
         module = super()._apply(module, device_mesh)
         if isinstance(self.output_layouts[0], Shard):
             self._install(module, device_mesh, _rowwise_forward)
+        return module
+
+
+def _sequence_local_forward(self: nn.Module, x: Any) -> Any:
+    mesh = self._tpk_sequence_mesh
+    normalized = len(self.normalized_shape)
+    placement = x.placements[0] if isinstance(x, DTensor) else None
+    if not isinstance(placement, Shard) or placement.dim % x.ndim >= x.ndim - normalized:
+        return type(self).forward(self, x)  # the sequence dim is normalized: not per token
+
+    def local(p: nn.Parameter | None) -> torch.Tensor | None:
+        return None if p is None else p.to_local(grad_placements=(Partial(),))
+
+    x_local = x.to_local()
+    if isinstance(self, nn.LayerNorm):
+        y = F.layer_norm(
+            x_local, self.normalized_shape, local(self.weight), local(self.bias), self.eps
+        )
+    else:
+        y = F.rms_norm(x_local, self.normalized_shape, local(self.weight), self.eps)
+    return DTensor.from_local(y, mesh, x.placements, run_check=False)
+
+
+class SequenceParallel(_torch_style.SequenceParallel):
+    """PyTorch's ``SequenceParallel``; LayerNorm and RMSNorm run on the local shard (see the module
+    docstring): ``y_local = norm(x_local)``, the same values, placements and grads as PyTorch's."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = super()._apply(module, device_mesh)
+        if type(module) in (nn.LayerNorm, nn.RMSNorm):
+            module._tpk_sequence_mesh = device_mesh
+            module.forward = _sequence_local_forward.__get__(module)
         return module
 
 
