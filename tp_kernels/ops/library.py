@@ -105,6 +105,9 @@ def _all_gather_matmul_setup(ctx, inputs, output):
     ctx.group_name, ctx.backend, ctx.num_bs = group_name, backend, len(bs)
     ctx.a_out, ctx.save_a = return_a or save_a, save_a
     ctx.save_for_backward(output[0] if save_a else a_shard, *bs)
+    # An output nobody used (the gathered A, often) gets grad None rather than a tensor of zeros
+    # that backward would add into the reduce-scatter.
+    ctx.set_materialize_grads(False)
 
 
 def _all_gather_matmul_backward(ctx, grads):
