@@ -358,6 +358,27 @@ def test_example_main_trains_and_matches(worlds, capsys):
         train_llama.main(["--world-size", "4"], world=worlds(2))
 
 
+def _train_fifty_steps() -> tuple[dict[str, list[float]], dict]:
+    opts = train_llama.parse_args(["--steps", "50"])
+    curves = train_llama.train_rank(opts)  # resets the counters before the parallel run
+    return curves, dict(tp_kernels.comm_stats())
+
+
+def test_fifty_training_steps_follow_the_unsharded_curve_on_the_fused_path(worlds):
+    curves, stats = worlds(2).run(_train_fifty_steps)[0]
+    ok, deviation, tolerance = train_llama.check_curves(curves, "float32")
+    assert ok, f"parallel loss curve off float64 by {deviation:.3e} > {tolerance:.3e}"
+    assert curves["tp"][-1] < curves["tp"][0] - 2.0
+    layers = train_llama.parse_args([]).layers
+    fused = {kind: n for (phase, kind, _), n in stats.items() if phase == "forward"}
+    # Every forward step: 2 grouped gathers per block and one for the output; 2 reduce-scatters
+    # per block; nothing took PyTorch's path.
+    assert fused == {
+        "all_gather_matmul": 50 * (2 * layers + 1),
+        "matmul_reduce_scatter": 50 * 2 * layers,
+    }, stats
+
+
 def test_example_progress_lines(capsys):
     opts = train_llama.parse_args(["--steps", "2", "--batch", "2", "--seq-len", "8"])
     model = Llama(opts.model_config(), seed=opts.seed)

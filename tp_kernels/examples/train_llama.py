@@ -219,7 +219,17 @@ def train_rank(opts: TrainOptions) -> dict[str, list[float]]:
         mesh,
         llama_tp_plan(base, loss_parallel=opts.loss_parallel, backend=opts.backend),
     )
+    tp_kernels.reset_comm_stats()
     curves = {"tp": train(tp_model, opts, device, loss_parallel=opts.loss_parallel, log=log)}
+    if log:
+        stats = tp_kernels.comm_stats()
+        fused = sorted({backend for (_, kind, backend) in stats if kind != "fallback"})
+        print(
+            f"fused path: {stats.total(kind='all_gather_matmul')} all-gather-matmuls, "
+            f"{stats.total(kind='matmul_reduce_scatter')} matmul-reduce-scatters "
+            f"(backends {', '.join(fused) or 'none'}), {stats.total(kind='fallback')} fallbacks",
+            flush=True,
+        )
     curves["unsharded"] = train(copy.deepcopy(base), opts, device, loss_parallel=False, log=False)
     curves["float64"] = train(
         copy.deepcopy(base).to(torch.float64), opts, device, loss_parallel=False, log=False
