@@ -118,11 +118,15 @@ class _FusedLinear:
     # (the exact input object, the output) left by a grouping PrepareModuleInput
     precomputed: tuple[Any, DTensor] | None = None
 
+    def holds(self, x: Any) -> bool:
+        """Whether the grouping left an output for exactly this input object."""
+        return self.precomputed is not None and self.precomputed[0] is x
+
     def claim(self, x: Any) -> DTensor | None:
-        if self.precomputed is not None and self.precomputed[0] is x:
-            out, self.precomputed = self.precomputed[1], None
-            return out
-        return None
+        if not self.holds(x):
+            return None
+        out, self.precomputed = self.precomputed[1], None
+        return out
 
 
 def _plain_linear(module: nn.Module) -> bool:
@@ -178,8 +182,8 @@ def _colwise_forward(self: nn.Linear, x: Any) -> Any:
     pre = fused.claim(x)
     if pre is not None:
         return pre
-    if isinstance(x, DTensor) and _sharded_dim(x.placements[0], x.ndim) is not None:
-        dim = _sharded_dim(x.placements[0], x.ndim)
+    dim = _sharded_dim(x.placements[0], x.ndim) if isinstance(x, DTensor) else None
+    if dim is not None:
         _, (y,) = all_gather_matmul(
             x.to_local(), [self.weight.to_local().t()], dim, fused.mesh, backend=fused.backend
         )
@@ -227,7 +231,7 @@ class ColwiseParallel(_FusableStyle, _torch_style.ColwiseParallel):
         fused: _FusedLinear | None = getattr(mod, "_tpk_fused", None)
         x = inputs[0]
         if fused is not None:
-            if fused.precomputed is not None and fused.precomputed[0] is x:
+            if fused.holds(x):
                 return inputs  # the forward returns the grouped gather's output
             layout = x.placements[0] if isinstance(x, DTensor) else input_layouts[0]
             if _sharded_dim(layout, x.ndim) is not None:

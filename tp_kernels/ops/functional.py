@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
 from tp_kernels.backends import check_backend_name, resolve
 from tp_kernels.ops._checks import (
@@ -25,10 +26,31 @@ def _signature(op: str, a_shape: tuple[int, ...], a: torch.Tensor, dim: int, **o
     return f"{op} a={a_shape} {a.dtype} {a.device.type} dim={dim} {opts}"
 
 
-def _backend_when_compiling(backend: str | None) -> str:
-    """While torch.compile traces, the choice is left to the op at run time (see ``library.py``):
-    the registry's state (context, environment, availability probes) is not traceable."""
-    return check_backend_name(backend, argument="backend") if backend is not None else ""
+def _validated(
+    op: str,
+    group: dist.ProcessGroup,
+    a: object,
+    backend: str | None,
+    local_check: Callable[[], tuple],
+    signature: Callable[[tuple, str], str],
+) -> tuple[tuple, str]:
+    """``(local_check(), backend name)``, with the ranks agreeing on ``signature`` first.
+
+    Eager: the backend is resolved here and :func:`checked` makes every rank raise together.
+    While torch.compile traces, the checks stay local and the choice of backend is left to the op
+    at run time (``""`` or the name asked for, see ``library.py``): the registry's state (context,
+    environment, availability probes) is not traceable.
+    """
+    if torch.compiler.is_compiling():
+        name = check_backend_name(backend, argument="backend") if backend is not None else ""
+        return local_check(), name
+
+    def check() -> tuple[tuple, str]:
+        args = local_check()
+        name = resolve(backend, op, group, args[0])
+        return (args, name), signature(args, name)
+
+    return checked(op, group, _device_of(a), check)
 
 
 def _device_of(t: object) -> torch.device:
@@ -65,27 +87,28 @@ def all_gather_matmul(
     """
     op = "all_gather_matmul"
     pg = resolve_group(group, op=op)
-    if torch.compiler.is_compiling():
-        a, bs, dim = check_all_gather_matmul(a_shard, bs, gather_dim)
-        name = _backend_when_compiling(backend)
-    else:
 
-        def check() -> tuple[tuple, str]:
-            a, checked_bs, dim = check_all_gather_matmul(a_shard, bs, gather_dim)
-            name = resolve(backend, op, pg, a)
-            sig = _signature(
-                op,
-                tuple(a.shape),
-                a,
-                dim,
-                backend=name,
-                bs=len(checked_bs),
-                return_a=return_a,
-                save=save_gathered_a,
-            )
-            return (a, checked_bs, dim, name), sig
+    def signature(args: tuple, name: str) -> str:
+        a, checked_bs, dim = args
+        return _signature(
+            op,
+            tuple(a.shape),
+            a,
+            dim,
+            backend=name,
+            bs=len(checked_bs),
+            return_a=return_a,
+            save=save_gathered_a,
+        )
 
-        a, bs, dim, name = checked(op, pg, _device_of(a_shard), check)
+    (a, bs, dim), name = _validated(
+        op,
+        pg,
+        a_shard,
+        backend,
+        lambda: check_all_gather_matmul(a_shard, bs, gather_dim),
+        signature,
+    )
     world = pg.size()
     lead = a.movedim(dim, 0)
     rows_shape = lead.shape[:-1]
@@ -126,27 +149,28 @@ def matmul_reduce_scatter(
     """
     op = "matmul_reduce_scatter"
     pg = resolve_group(group, op=op)
-    if torch.compiler.is_compiling():
-        a, b, dim = check_matmul_reduce_scatter(a, b, scatter_dim, reduce_op, pg, bias)
-        name = _backend_when_compiling(backend)
-    else:
 
-        def check() -> tuple[tuple, str]:
-            a_, b_, dim = check_matmul_reduce_scatter(a, b, scatter_dim, reduce_op, pg, bias)
-            name = resolve(backend, op, pg, a_)
-            sig = _signature(
-                op,
-                tuple(a_.shape[:-1]),
-                a_,
-                dim,
-                n=b_.shape[1],
-                backend=name,
-                reduce_op=reduce_op,
-                bias=bias is not None,
-            )
-            return (a_, b_, dim, name), sig
+    def signature(args: tuple, name: str) -> str:
+        a_, b_, dim = args
+        return _signature(
+            op,
+            tuple(a_.shape[:-1]),
+            a_,
+            dim,
+            n=b_.shape[1],
+            backend=name,
+            reduce_op=reduce_op,
+            bias=bias is not None,
+        )
 
-        a, b, dim, name = checked(op, pg, _device_of(a), check)
+    (a, b, dim), name = _validated(
+        op,
+        pg,
+        a,
+        backend,
+        lambda: check_matmul_reduce_scatter(a, b, scatter_dim, reduce_op, pg, bias),
+        signature,
+    )
     lead = a.movedim(dim, 0)
     rows_shape = lead.shape[:-1]
     out = matmul_reduce_scatter_2d(
