@@ -102,11 +102,13 @@ def test_ag_matmul_consumer(dtype, world_size, rank, m, k, ns):
     outs = [torch.full((world_size * m, n), NAN, dtype=dtype) for n in ns]
     a_out = torch.full((world_size * m, k), NAN, dtype=dtype)
     order = torch.empty(world_size, dtype=torch.int64)
-    status = kernels.ag_matmul_consumer(
+    status = kernels.new_status(world_size, torch.device("cpu"))
+    kernels.ag_matmul_consumer(
         _addresses(shards),
         signal_ptrs,
         bs,
         outs,
+        status=status,
         rank=rank,
         world_size=world_size,
         channel=CHANNEL,
@@ -132,6 +134,7 @@ def test_matmul_rs_producer_and_reduce(dtype, world_size, m, k, n):
     parts_b = [torch.randn(k, n, generator=gen).to(dtype) for _ in range(world_size)]
     buffers = [torch.full((world_size, m, n), NAN, dtype=dtype) for _ in range(world_size)]
     pads, signal_ptrs = _pads(world_size)
+    counters = kernels.new_counters(world_size, torch.device("cpu"))
     for r in range(world_size):
         order = torch.empty(world_size, dtype=torch.int64)
         kernels.matmul_rs_producer(
@@ -139,6 +142,7 @@ def test_matmul_rs_producer_and_reduce(dtype, world_size, m, k, n):
             parts_b[r],
             _addresses(buffers),
             signal_ptrs,
+            counters=counters,
             rank=r,
             world_size=world_size,
             channel=CHANNEL,
@@ -157,10 +161,12 @@ def test_matmul_rs_producer_and_reduce(dtype, world_size, m, k, n):
         outs = {}
         for divisor in (1.0, float(world_size)):
             out = torch.full((m, n), NAN, dtype=dtype)
-            status = kernels.reduce_slots(
+            status = kernels.new_status(world_size, torch.device("cpu"))
+            kernels.reduce_slots(
                 buffers[dst],
                 out,
                 signal_ptrs,
+                status=status,
                 rank=dst,
                 world_size=world_size,
                 channel=CHANNEL,
@@ -180,12 +186,16 @@ def test_reduce_slots_casts_to_out_dtype():
     for s in range(3):
         kernels.signal_ready(signal_ptrs, rank=s, world_size=3, channel=0, epoch=1)
     out = torch.empty(5, 7, dtype=torch.float32)
-    kernels.reduce_slots(slots, out, signal_ptrs, rank=2, world_size=3, channel=0, epoch=1)
+    status = kernels.new_status(3, torch.device("cpu"))
+    kernels.reduce_slots(
+        slots, out, signal_ptrs, status=status, rank=2, world_size=3, channel=0, epoch=1
+    )
     assert torch.equal(out, _fixed_order_sum(slots, 1.0, torch.float32))
 
 
 def test_stale_or_missing_signal_times_out():
-    """A word left at an older epoch (the previous call) or never set must not satisfy a wait."""
+    """A word left at an older epoch (the previous call) or never set must not satisfy a wait;
+    the kernel records the epoch it waited for, and the host raises from that record alone."""
     world_size, m, k, n = 3, 12, 20, 18
     gen = torch.Generator().manual_seed(5)
     shards = [torch.randn(m, k, generator=gen) for _ in range(world_size)]
@@ -196,17 +206,37 @@ def test_stale_or_missing_signal_times_out():
             signal_ptrs, rank=s, world_size=world_size, channel=CHANNEL, epoch=epoch
         )
     out = torch.full((world_size * m, n), NAN)
-    args = (_addresses(shards), signal_ptrs, [b], [out])
-    kw = dict(rank=0, world_size=world_size, channel=CHANNEL, epoch=2, timeout_s=0.2)
+    status = kernels.new_status(world_size, torch.device("cpu"))
+    started = time.monotonic()
+    kernels.ag_matmul_consumer(
+        _addresses(shards),
+        signal_ptrs,
+        [b],
+        [out],
+        status=status,
+        rank=0,
+        world_size=world_size,
+        channel=CHANNEL,
+        epoch=2,
+        timeout_s=0.2,
+    )
+    # Rank 2's first tile waits 0.2 s; its later tiles see the record and give up at once.
+    assert time.monotonic() - started < 5.0
+    assert status.tolist() == [0, 0, 2]
     message = (
         r"ag_matmul_consumer on rank 0 of group 'tp': waited 0.2 s for the signal of "
-        r"rank\(s\) \[2\] \(channel 1, epoch 2, signal words \[5\] of rank 0's pad\)"
+        r"rank\(s\) \[2\] \(epoch 2, channel 1, signal words \[5\] of rank 0's pad\)"
     )
     with pytest.raises(kernels.PeerWaitTimeout, match=message) as info:
-        kernels.ag_matmul_consumer(*args, **kw, group_name="tp")
-    assert info.value.peers == [2]
-    status = kernels.ag_matmul_consumer(*args, **kw, check=False)
-    assert status.tolist() == [0, 0, 1]
+        kernels.raise_on_timeout(
+            status,
+            what="ag_matmul_consumer",
+            rank=0,
+            channel=CHANNEL,
+            timeout_s=0.2,
+            group_name="tp",
+        )
+    assert (info.value.peers, info.value.epoch) == ([2], 2)
     # The ranks that did signal are computed; only rank 2's rows are undefined.
     for s in (0, 1):
         rows = slice(s * m, (s + 1) * m)
@@ -217,17 +247,19 @@ def test_stale_or_missing_signal_times_out():
     pads[1].zero_()
     kernels.signal_ready(signal_ptrs, rank=0, world_size=world_size, channel=0, epoch=4)
     kernels.signal_ready(signal_ptrs, rank=2, world_size=world_size, channel=0, epoch=4)
-    with pytest.raises(kernels.PeerWaitTimeout, match=r"reduce_slots on rank 1.*rank\(s\) \[1\]"):
-        kernels.reduce_slots(
-            slots,
-            torch.empty(m, n),
-            signal_ptrs,
-            rank=1,
-            world_size=world_size,
-            channel=0,
-            epoch=4,
-            timeout_s=0.2,
-        )
+    status = kernels.new_status(world_size, torch.device("cpu"))
+    kernels.reduce_slots(
+        slots,
+        torch.empty(m, n),
+        signal_ptrs,
+        status=status,
+        rank=1,
+        world_size=world_size,
+        channel=0,
+        epoch=4,
+        timeout_s=0.2,
+    )
+    assert status.tolist() == [0, 4, 0]
 
 
 def _bad_ag(**change):
@@ -237,6 +269,7 @@ def _bad_ag(**change):
         signal_ptrs=torch.zeros(world_size, dtype=torch.int64),
         bs=[torch.ones(k, 5)],
         outs=[torch.ones(world_size * m, 5)],
+        status=kernels.new_status(world_size, torch.device("cpu")),
         rank=0,
         world_size=world_size,
         channel=0,
@@ -252,6 +285,7 @@ def _bad_rs(**change):
         b=torch.ones(3, 5),
         slot_ptrs=torch.zeros(2, dtype=torch.int64),
         signal_ptrs=torch.zeros(2, dtype=torch.int64),
+        counters=kernels.new_counters(2, torch.device("cpu")),
         rank=1,
         world_size=2,
         channel=0,
@@ -266,6 +300,7 @@ def _bad_reduce(**change):
         slots=torch.ones(2, 4, 5),
         out=torch.ones(4, 5),
         signal_ptrs=torch.zeros(2, dtype=torch.int64),
+        status=kernels.new_status(2, torch.device("cpu")),
         rank=0,
         world_size=2,
         channel=0,
@@ -295,7 +330,12 @@ def _bad_reduce(**change):
             r"shape \(8, 3\)",
         ),
         (_bad_ag, dict(bs=[torch.ones(8, 5, dtype=torch.int32)]), r"bs\[0\]: dtype torch.int32"),
-        (_bad_ag, dict(bs=[torch.ones(8, 5).t().contiguous().t()]), r"bs\[0\]: must be contig"),
+        (_bad_ag, dict(outs=[torch.ones(5, 8).t()]), r"outs\[0\]: must be contiguous"),
+        (
+            _bad_ag,
+            dict(status=torch.zeros(3, dtype=torch.int32)),
+            r"status: got torch.int32 of shape \(3,\), expected torch.int32 of shape \(2,\)",
+        ),
         (
             _bad_ag,
             dict(outs=[torch.ones(7, 5)]),
@@ -388,11 +428,13 @@ def _rank_ag(m: int, k: int, ns: tuple[int, ...]) -> list[str]:
         outs = [torch.full((world_size * m, n), NAN, dtype=dtype) for n in ns]
         a_out = torch.full((world_size * m, k), NAN, dtype=dtype)
         order = torch.empty(world_size, dtype=torch.int64)
+        status = kernels.new_status(world_size, torch.device("cpu"))
         kernels.ag_matmul_consumer(
             a_ptrs,
             signal_ptrs,
             bs,
             outs,
+            status=status,
             rank=rank,
             world_size=world_size,
             channel=CHANNEL,
@@ -402,6 +444,8 @@ def _rank_ag(m: int, k: int, ns: tuple[int, ...]) -> list[str]:
             order_out=order,
         )
         where = f"call {call} ({dtype}, late rank {_late(world_size, late)})"
+        if status.any():
+            problems.append(f"{where}: a wait timed out: {status.tolist()}")
         if order.tolist() != _rotation(rank, world_size):
             problems.append(f"{where}: tile order {order.tolist()}")
         if not torch.equal(a_out, a):
@@ -419,6 +463,8 @@ def _rank_rs(m: int, k: int, n: int) -> list[str]:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     tag = "test_kernels.rs"
     ws, buffer_ptrs, signal_ptrs = _workspace(tag, world_size * m * n * 4)
+    counters = kernels.new_counters(world_size, torch.device("cpu"))
+    status = kernels.new_status(world_size, torch.device("cpu"))
     problems = []
     for call, (dtype, late) in enumerate(_CALLS):
         gen = torch.Generator().manual_seed(call)
@@ -439,6 +485,7 @@ def _rank_rs(m: int, k: int, n: int) -> list[str]:
             parts_b[rank],
             buffer_ptrs,
             signal_ptrs,
+            counters=counters,
             rank=rank,
             world_size=world_size,
             channel=CHANNEL,
@@ -450,6 +497,7 @@ def _rank_rs(m: int, k: int, n: int) -> list[str]:
             slots,
             out,
             signal_ptrs,
+            status=status,
             rank=rank,
             world_size=world_size,
             channel=CHANNEL,
@@ -457,6 +505,8 @@ def _rank_rs(m: int, k: int, n: int) -> list[str]:
             timeout_s=60.0,
         )
         where = f"call {call} ({dtype}, late rank {_late(world_size, late)})"
+        if status.any():
+            problems.append(f"{where}: a wait timed out: {status.tolist()}")
         if order.tolist() != _rotation(rank + 1, world_size):
             problems.append(f"{where}: destination order {order.tolist()}")
         if not torch.equal(out, _fixed_order_sum(slots, 1.0, dtype)):

@@ -22,21 +22,31 @@ Two paths run this protocol:
 * the Triton path (default on CUDA; on CPU only with ``TP_KERNELS_SYMM_TRITON=1`` and
   ``TRITON_INTERPRET=1``, since the interpreter is slow and serves to test the kernels'
   signalling across processes): the launchers of :mod:`tp_kernels.kernels`, whose epoch signals
-  use channel :data:`_KERNEL_CHANNEL` (never shared with the 0/1 signals). It covers fp32, fp16
-  and bf16; other dtypes, and a reduce-scatter with an ``addend`` (the producer kernel has no
-  addend input), take the torch path.
+  alternate between the channels :data:`_KERNEL_CHANNELS` by call parity (see the protocol in
+  :mod:`tp_kernels.kernels`; never shared with the 0/1 signals). The host does exactly the same
+  on CPU and CUDA: no handshake of its own, nothing that synchronizes with the device, tables
+  built once per buffer, the weight read through its strides. It covers fp32, fp16 and bf16;
+  other dtypes, and a reduce-scatter with an ``addend`` (the producer kernel has no addend
+  input), take the torch path.
 
-Agreement: next to its data every rank writes a header (call number, op, dtype, the shape that
-lays out the buffers, bytes needed) into a small control workspace that never grows; a reader
+Timeouts of the Triton path are recorded by the kernels in a per-group status in host memory
+(pinned on CUDA) and raised at the start of the next call on the group, without waiting for the
+device (on CPU the kernels have finished when the launcher returns, so also right after them).
+The symm backend refuses to be captured in a CUDA graph, before launching anything: its epochs
+are host counters baked into each launch, so a replayed graph would wait for stale epochs.
+
+Agreement (torch path on CPU): next to its data every rank writes a header (call number, op,
+dtype, the shape that lays out the buffers, bytes needed) into a small control workspace that
+never grows; a reader
 checks the peer's header after the peer's signal and before touching its data, so ranks that call
 with different shapes (or ops, or out of step) get a ValueError naming every rank's arguments
 instead of an out-of-bounds read. On a mismatch a rank still collects every peer's signal before
 raising, so each signal is consumed in the call that raised it and the next call starts clean.
 Growing the data workspace is collective (:func:`tp_kernels.symm.get_workspace`), so a rank that
 needs more room first exchanges headers with every peer and grows only if all ask the same;
-otherwise all raise. On CUDA the headers live in device memory and reading them would
-synchronize the host on every call, so they are not checked there: the ops layer's consistency
-check (``TP_KERNELS_CHECK_CONSISTENCY=1``) is what catches mismatched calls on CUDA.
+otherwise all raise. The Triton path and CUDA do not check headers (on CUDA reading them would
+synchronize the host on every call): the ops layer's consistency check (on by default for CPU
+tensors, ``TP_KERNELS_CHECK_CONSISTENCY=1`` on CUDA) is what catches mismatched calls there.
 
 Buffer reuse: double buffering. Call ``c`` uses half ``c % 2`` of the data and header
 workspaces. A rank signals in call ``c`` only after returning from call ``c-1``, so once rank
@@ -60,10 +70,9 @@ the group's own threads (gloo) or stream (NCCL) and overlaps as well.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -76,7 +85,8 @@ _CTL_TAG = "tp_kernels.backends.symm.ctl"
 _DATA_TAG = "tp_kernels.backends.symm.data"
 # Channel 0 is left to SymmWorkspace.barrier (used when a workspace is set up).
 _READY = 1
-_KERNEL_CHANNEL = 2
+# The kernels' epoch signals: call c uses _KERNEL_CHANNELS[c % 2].
+_KERNEL_CHANNELS = (2, 3)
 # Header words: call number, op, dtype code, three dims, bytes of one half needed.
 _HEADER_WORDS = 7
 _CTL_BYTES = 4096
@@ -124,13 +134,33 @@ def _grown_size(need_half: int) -> int:
 
 
 class _GroupState:
-    """Per (group, device): the control workspace, the data workspace and the call counter."""
+    """Per (group, device): the control workspace, the data workspace, the call counter and,
+    for the kernels, the address tables of the data halves, the timeout status and the producer's
+    tile counters (each made once, not per call)."""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
         self.ctl = symm.get_workspace(group, _CTL_BYTES, device, tag=_CTL_TAG)
         self.data: symm.SymmWorkspace | None = None
+        self.half_ptrs: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.status: torch.Tensor | None = None
+        self.counters: torch.Tensor | None = None
         self.seq = 0
         self.broken: str | None = None
+
+    def grow(self, group: dist.ProcessGroup, nbytes: int) -> None:
+        """Replace the data workspace by one of ``nbytes`` (collective) and its half tables."""
+        self.data = data = symm.get_workspace(group, nbytes, self.ctl.device, tag=_DATA_TAG)
+        ptrs = data.buffer_ptrs()
+        self.half_ptrs = (ptrs.clone(), ptrs + data.nbytes // 2)
+
+    def kernel_state(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(status, counters)`` of the kernels, made on first use."""
+        if self.status is None or self.counters is None:
+            from tp_kernels import kernels
+
+            self.status = kernels.new_status(self.ctl.world_size, self.ctl.device)
+            self.counters = kernels.new_counters(self.ctl.world_size, self.ctl.device)
+        return self.status, self.counters
 
     def headers(self, rank: int) -> torch.Tensor:
         """``rank``'s two headers, int64 [2, _HEADER_WORDS]."""
@@ -166,30 +196,41 @@ class _Call:
         dtype: torch.dtype,
         dims: tuple[int, int, int],
         nbytes: int,
+        *,
+        kernels: bool = False,
     ) -> None:
         if dtype not in _DTYPES:
             raise TypeError(
                 f"symm {_OP_NAMES[op]}: dtype {dtype} is not supported; expected one of "
                 f"{[str(d) for d in _DTYPES]}"
             )
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"symm {_OP_NAMES[op]} on group {group.group_name!r}: cannot be captured in a "
+                "CUDA graph (its signals carry call numbers counted on the host, so a replay "
+                "would wait for stale ones); nothing was launched. Inside graphs use "
+                "backend='reference' or 'pipelined', whose NCCL collectives can be captured"
+            )
         self.state = state = _state(group, device)
+        self.group = group
+        self.rank, self.world = group.rank(), group.size()
+        self.op = op
+        self.raise_recorded_timeout()
         if state.broken is not None:
             raise RuntimeError(
                 f"symm {_OP_NAMES[op]} on group {group.group_name!r}: an earlier call on this "
                 f"group failed at its deadline ({state.broken}); the peers' state is unknown, "
                 "so this group cannot use the symm backend any more"
             )
-        self.group = group
-        self.rank, self.world = group.rank(), group.size()
-        self.op = op
         state.seq += 1
         self.seq = state.seq
         self.parity = self.seq % 2
         self.half = _half_bytes(nbytes)
         self.header = [self.seq, op, _DTYPES.index(dtype), *dims, self.half]
         self._unreceived = self.peers()
-        # See the module docstring: headers are checked where the host can read them cheaply.
-        self.checks_headers = device.type == "cpu"
+        # See the module docstring: headers are checked where the host can read them cheaply,
+        # on the torch path (the Triton path runs the GPU's protocol unchanged on CPU).
+        self.checks_headers = device.type == "cpu" and not kernels
         if self.checks_headers:
             state.headers(self.rank)[self.parity] = torch.tensor(self.header)
 
@@ -210,8 +251,7 @@ class _Call:
             if self.checks_headers and not agreed:
                 self.signal()
                 self.receive_all()
-            nbytes = _grown_size(self.half)
-            state.data = symm.get_workspace(self.group, nbytes, state.ctl.device, tag=_DATA_TAG)
+            state.grow(self.group, _grown_size(self.half))
         return state.data
 
     def view(self, rank: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -221,8 +261,7 @@ class _Call:
 
     def addresses(self) -> torch.Tensor:
         """int64 [W]: the address of this call's half of every rank's data buffer."""
-        ws = self.state.data
-        return ws.buffer_ptrs() + self.parity * (ws.nbytes // 2)
+        return self.state.half_ptrs[self.parity]
 
     def signal(self, peers: Sequence[int] | None = None) -> None:
         """Release: tell ``peers`` (default: all) that this rank's part of the call is in place."""
@@ -279,32 +318,38 @@ class _Call:
             ) from None
 
     def kernel_args(self) -> dict:
-        """The arguments every launcher takes: this rank, the kernels' channel, this call's
-        epoch (the call number, wrapped into the kernels' epoch range)."""
+        """The arguments every launcher takes: this rank, this call's channel (alternating by
+        call parity) and epoch (the call number, wrapped into the kernels' epoch range)."""
         from tp_kernels import kernels
 
         return {
             "rank": self.rank,
             "world_size": self.world,
-            "channel": _KERNEL_CHANNEL,
+            "channel": _KERNEL_CHANNELS[self.parity],
             "epoch": (self.seq - 1) % kernels.MAX_EPOCH + 1,
         }
 
-    def wait_args(self) -> dict:
-        """The extra arguments of the launchers that wait."""
-        return {"timeout_s": symm.get_timeout(), "group_name": self.group.group_name}
-
-    @contextlib.contextmanager
-    def kernel_deadline(self) -> Iterator[None]:
-        """A kernel's deadline error, re-raised as the symm one (and the group marked broken)."""
+    def raise_recorded_timeout(self) -> None:
+        """Raise the deadline error a kernel of this group recorded (in host memory: no wait for
+        the device), and mark the group broken."""
+        status = self.state.status
+        if status is None or not status.any():
+            return
         from tp_kernels import kernels
 
         try:
-            yield
+            kernels.raise_on_timeout(
+                status,
+                what="a symm kernel",
+                rank=self.rank,
+                channel=_KERNEL_CHANNELS[0],
+                timeout_s=symm.get_timeout(),
+                group_name=self.group.group_name,
+            )
         except kernels.PeerWaitTimeout as exc:
             self.state.broken = str(exc)
             raise symm.SymmTimeoutError(
-                f"{self.where}, call {self.seq}: {exc}",
+                f"{self.where}: {exc}",
                 peer=exc.peers[0],
                 channel=exc.channel,
                 timeout_s=exc.timeout_s,
@@ -314,8 +359,11 @@ class _Call:
 def _kernels_unavailable_reason(device: torch.device) -> str | None:
     try:
         from tp_kernels import kernels
-    except ImportError as exc:
-        return f"the Triton kernels cannot be imported ({exc})"
+    except Exception as exc:  # an ImportError, or a Triton too old for the kernels' decorators
+        return f"the Triton kernels cannot be imported ({type(exc).__name__}: {exc})"
+    why = kernels.triton_unsupported_reason()
+    if why is not None:
+        return why
     if device.type == "cpu" and not kernels.INTERPRET:
         return (
             "TP_KERNELS_SYMM_TRITON=1 asks for the Triton kernels on CPU, which run only in "
@@ -358,11 +406,14 @@ class SymmBackend(Backend):
             return (a_shard.clone() if return_a else None), [a_shard @ b for b in bs]
         m, k = a_shard.shape
         dtype = a_shard.dtype
-        call = _Call(group, a_shard.device, _AG, dtype, (m, k, 0), a_shard.nbytes)
+        use_kernels = _use_triton(a_shard.device, dtype)
+        call = _Call(
+            group, a_shard.device, _AG, dtype, (m, k, 0), a_shard.nbytes, kernels=use_kernels
+        )
         a = a_shard.new_empty((world * m, k)) if return_a else None
         outs = [a_shard.new_empty((world * m, b.shape[1])) for b in bs]
-        if _use_triton(a_shard.device, dtype):
-            _ag_triton(call, a_shard, [b.contiguous() for b in bs], outs, a)
+        if use_kernels:
+            _ag_triton(call, a_shard, bs, outs, a)
             return a, outs
         call.data()
         call.view(rank, (m, k), dtype).copy_(a_shard)
@@ -395,6 +446,7 @@ class SymmBackend(Backend):
             return a @ b if addend is None else torch.addmm(addend, a, b)
         m, n = a.shape[0] // world, b.shape[1]
         dtype = a.dtype
+        use_kernels = addend is None and _use_triton(a.device, dtype)
         call = _Call(
             group,
             a.device,
@@ -402,9 +454,10 @@ class SymmBackend(Backend):
             dtype,
             (a.shape[0], n, a.shape[1]),
             a.element_size() * a.shape[0] * n,
+            kernels=use_kernels,
         )
-        if addend is None and _use_triton(a.device, dtype):
-            return _rs_triton(call, a.contiguous(), b.contiguous(), m, n)
+        if use_kernels:
+            return _rs_triton(call, a, b, m, n)
         call.data()
         for dst in [*call.peers(), rank]:
             rows = slice(dst * m, (dst + 1) * m)
@@ -429,18 +482,24 @@ def _ag_triton(
     """The all-gather-matmul of :class:`SymmBackend` by :func:`kernels.ag_matmul_consumer`."""
     from tp_kernels import kernels
 
-    if call.checks_headers:  # the kernel reads peers' rows without asking: agree first
-        call.signal()
-        call.receive_all()
     call.data(agreed=True)
     m, k = a_shard.shape
     call.view(call.rank, (m, k), a_shard.dtype).copy_(a_shard)
     pads = call.state.ctl.signal_pad_ptrs()
-    with call.kernel_deadline():
-        kernels.signal_ready(pads, **call.kernel_args())
-        kernels.ag_matmul_consumer(
-            call.addresses(), pads, bs, outs, a_out=a, **call.kernel_args(), **call.wait_args()
-        )
+    status, _ = call.state.kernel_state()
+    kernels.signal_ready(pads, **call.kernel_args())
+    kernels.ag_matmul_consumer(
+        call.addresses(),
+        pads,
+        bs,
+        outs,
+        a_out=a,
+        status=status,
+        timeout_s=symm.get_timeout(),
+        **call.kernel_args(),
+    )
+    if a_shard.device.type == "cpu":  # the kernels have finished: no reason to wait for later
+        call.raise_recorded_timeout()
 
 
 def _rs_triton(call: _Call, a: torch.Tensor, b: torch.Tensor, m: int, n: int) -> torch.Tensor:
@@ -448,21 +507,23 @@ def _rs_triton(call: _Call, a: torch.Tensor, b: torch.Tensor, m: int, n: int) ->
     and :func:`kernels.reduce_slots`."""
     from tp_kernels import kernels
 
-    if call.checks_headers:  # the producer writes into peers' buffers: agree first
-        call.signal()
-        call.receive_all()
     call.data(agreed=True)
     pads = call.state.ctl.signal_pad_ptrs()
+    status, counters = call.state.kernel_state()
     out = a.new_empty((m, n))
-    with call.kernel_deadline():
-        kernels.matmul_rs_producer(a, b, call.addresses(), pads, **call.kernel_args())
-        kernels.reduce_slots(
-            call.view(call.rank, (call.world, m, n), a.dtype),
-            out,
-            pads,
-            **call.kernel_args(),
-            **call.wait_args(),
-        )
+    kernels.matmul_rs_producer(
+        a, b, call.addresses(), pads, counters=counters, **call.kernel_args()
+    )
+    kernels.reduce_slots(
+        call.view(call.rank, (call.world, m, n), a.dtype),
+        out,
+        pads,
+        status=status,
+        timeout_s=symm.get_timeout(),
+        **call.kernel_args(),
+    )
+    if a.device.type == "cpu":  # the kernels have finished: no reason to wait for later
+        call.raise_recorded_timeout()
     return out
 
 

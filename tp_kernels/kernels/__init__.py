@@ -6,35 +6,51 @@ CPU tensors and CPU shared memory; block sizes are then fixed and small, and bf1
 upcast to fp32 before ``tl.dot`` (the interpreter's bf16 dot is wrong; a bf16 x bf16 product is
 exact in fp32, so the result equals a bf16 MMA with an fp32 accumulator up to summation order).
 
-Layout and signal protocol, shared by every kernel (W ranks, this rank ``r``):
+Supported Triton: :data:`MIN_TRITON` and newer (the versions torch's CUDA wheels pin from torch
+2.10 on: 3.6.0, 3.7.x, and the newest release). ``python -m tp_kernels.kernels.compile_check``
+compiles every variant for sm_90 / sm_80 without a GPU and checks the PTX.
 
-* All matrices are 2-D, row-major and contiguous; a gathered or scattered dimension is rank-major
-  (rows ``[s*m, (s+1)*m)`` belong to rank ``s``).
+Layout and signal protocol, shared by every kernel (W ranks, this rank ``r``), the same on a GPU
+and in the interpreter (only :func:`_poll_acquire` has two bodies: PTX on a GPU, the host clock
+in the interpreter):
+
+* Matrices are 2-D; a gathered or scattered dimension is rank-major (rows ``[s*m, (s+1)*m)``
+  belong to rank ``s``). Symmetric buffers are row-major and contiguous, and every address in a
+  table is a multiple of 16 bytes; other operands are passed with their strides (no copies).
 * Peers are reached through int64 address tables of length W (``buffer_ptrs``, ``signal_ptrs``):
   entry ``s`` is the address, *in this process*, of rank ``s``'s symmetric buffer or signal pad.
+  Callers build a table once per buffer and reuse it: building one is a host-to-device copy.
 * A signal pad is an array of int32 words; word ``channel * W + src`` of rank ``d``'s pad is
   written by rank ``src`` to tell ``d`` something is ready. A writer stores the call's **epoch**
   (release, system scope); a waiter polls its own pad until the word *equals* the epoch it expects
-  (acquire, system scope). Nobody resets a word: the caller keeps one counter per channel and
-  passes 1, 2, 3, ... (wrapping from ``MAX_EPOCH`` back to 1; pads start zeroed). Waiting never
-  consumes a word, so every tile that needs rank ``s`` may wait on the same word; and a signal of
-  call ``k`` cannot satisfy call ``k + 1``'s wait, with no host reset to race against a fast peer
-  that already signals the next call. Exact equality also turns a protocol slip (a peer one call
-  ahead) into a timeout instead of a silent stale read. A channel used with these kernels carries
-  epochs, so it must not also carry ``SymmWorkspace.put_signal`` / ``wait_signal`` (their 0/1
-  protocol) or ``barrier``.
+  (acquire, system scope). Nobody resets a word: the caller numbers its calls 1, 2, 3, ...
+  (wrapping from ``MAX_EPOCH`` back to 1; pads start zeroed). Waiting never consumes a word, so
+  every tile that needs rank ``s`` may wait on the same word, and a kernel may run several times
+  for one call (autotuning does).
+* **Consecutive calls use different channels** (the caller alternates two, by call parity). With
+  one channel a fast peer that has finished call ``c`` stores ``c + 1`` into the word while this
+  rank's late tiles of call ``c`` still wait for ``c``: they would spin to the deadline. With two,
+  the peer's next store into this word is call ``c + 2``'s, and no rank can start call ``c + 2``
+  before every rank has finished call ``c``: every call waits for a signal of every peer, and a
+  rank signals call ``c + 1`` only after its call ``c`` (stream order on a GPU).
 * What the kernels do not order: a rank must not overwrite a buffer that peers may still be
-  reading for the previous call (write-after-read). The caller guarantees it, e.g. with a barrier
-  before reusing a buffer, or by alternating two buffers.
-* Waits are bounded: a wait that runs past ``timeout_s`` marks the peer in an int32 ``status``
-  tensor (shape ``[W]``, 1 = timed out) and the kernel finishes with that peer's rows undefined;
-  the launcher raises :class:`PeerWaitTimeout` unless called with ``check=False``.
+  reading for the previous call (write-after-read). The caller guarantees it, e.g. by alternating
+  two buffer halves by call parity (the argument above then covers the buffers too).
+* Waits are bounded: a wait that runs past ``timeout_s`` stores the epoch it waited for into
+  ``status[s]`` (int32 [W], zero until then, never reset) and the kernel finishes with rank
+  ``s``'s part undefined; a later wait for ``s`` that would have to spin gives up at once. The
+  launchers never read ``status``: on a GPU it lives in pinned host memory (see
+  :func:`new_status`), so the host reads it without synchronizing, at the caller's next call;
+  :func:`raise_on_timeout` turns it into :class:`PeerWaitTimeout`.
+* Launches go to the operands' device (not the current one), and on its current stream.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 
 import torch
 import triton
@@ -43,8 +59,29 @@ import triton.language as tl
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_EPOCH: int = 2**31 - 1
 DEFAULT_TIMEOUT_S: float = 300.0
+# The oldest Triton whose kernels compile_check has compiled and read (torch 2.10/2.11 pin it).
+MIN_TRITON: tuple[int, int] = (3, 6)
+# Scalar arguments that change from call to call, or are the same on no two ranks: Triton must
+# not compile a variant for the values 1 and multiples of 16 (that would compile mid-run, on
+# calls 1, 16, 32, ...), so every kernel lists them in ``do_not_specialize``.
+VARYING_ARGS: tuple[str, ...] = ("rank", "channel", "epoch", "status_addr", "timeout_ns")
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def triton_unsupported_reason(version: str = triton.__version__) -> str | None:
+    """Why the installed Triton cannot build these kernels, or ``None`` if it can."""
+    try:
+        major, minor = (int(part) for part in version.split(".")[:2])
+    except ValueError:
+        return f"cannot read the Triton version {version!r}"
+    if (major, minor) < MIN_TRITON:
+        need = ".".join(map(str, MIN_TRITON))
+        return (
+            f"Triton {version} is older than {need}, the oldest these kernels are compiled and "
+            f"checked with (torch >= 2.10 pins Triton >= {need})"
+        )
+    return None
 
 
 class PeerWaitTimeout(TimeoutError):
@@ -73,12 +110,25 @@ def tl_dtype(dtype: torch.dtype, *, argument: str) -> tl.dtype:
     return _TL_DTYPES[dtype]
 
 
+def _fp32_matmul_uses_tf32() -> bool:
+    """Whether ``torch.matmul`` of fp32 CUDA tensors uses TF32 right now.
+
+    torch >= 2.9 has ``fp32_precision`` ("tf32", "ieee", or "none": ask the legacy flag); reading
+    the legacy ``allow_tf32`` raises once a user has set the new one, so the new one comes first.
+    """
+    matmul = torch.backends.cuda.matmul
+    precision = getattr(matmul, "fp32_precision", "none")
+    if precision != "none":
+        return precision == "tf32"
+    return bool(matmul.allow_tf32)
+
+
 def dot_precision(dtype: torch.dtype) -> str | None:
-    """``input_precision`` for ``tl.dot``: fp32 follows ``torch.backends.cuda.matmul.allow_tf32``
-    like ``torch.matmul`` does; 16-bit operands keep Triton's default."""
+    """``input_precision`` for ``tl.dot``: fp32 follows torch's TF32 setting for CUDA matmuls
+    (see :func:`_fp32_matmul_uses_tf32`); 16-bit operands keep Triton's default."""
     if dtype != torch.float32:
         return None
-    return "tf32" if torch.backends.cuda.matmul.allow_tf32 and not INTERPRET else "ieee"
+    return "tf32" if not INTERPRET and _fp32_matmul_uses_tf32() else "ieee"
 
 
 def gemm_configs() -> list[triton.Config]:
@@ -130,22 +180,46 @@ def check_matrix(
     device: torch.device,
     *,
     argument: str,
+    contiguous: bool = True,
 ) -> None:
-    """A kernel operand must have exactly this shape, dtype and device, and be contiguous."""
+    """A kernel operand must have exactly this shape, dtype and device; ``contiguous``: and be
+    row-major contiguous (operands the kernels index through their strides need not be)."""
     if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != device:
         raise ValueError(
             f"{argument}: got {t.dtype} of shape {tuple(t.shape)} on {t.device}, "
             f"expected {dtype} of shape {tuple(shape)} on {device}"
         )
-    if not t.is_contiguous():
+    if contiguous and not t.is_contiguous():
         raise ValueError(f"{argument}: must be contiguous (row-major), got strides {t.stride()}")
 
 
 def timeout_ns(timeout_s: float) -> int:
-    """A wait's deadline in nanoseconds, as ``tl.atomic_poll`` takes it."""
+    """A wait's deadline in nanoseconds."""
     if not timeout_s > 0:
         raise ValueError(f"timeout_s: got {timeout_s}, expected a positive number of seconds")
     return int(timeout_s * 1e9)
+
+
+def new_status(world_size: int, device: torch.device) -> torch.Tensor:
+    """A zeroed timeout record for kernels on ``device``: int32 [W] that the host can read at any
+    time without synchronizing. For CUDA it is pinned host memory, which kernels write directly
+    (unified addressing); pass its address as ``status_addr``."""
+    pinned = torch.device(device).type == "cuda"
+    return torch.zeros(world_size, dtype=torch.int32, pin_memory=pinned)
+
+
+def check_status(status: torch.Tensor, world_size: int) -> None:
+    """``status`` must be a host tensor as :func:`new_status` makes it."""
+    if status.dtype != torch.int32 or tuple(status.shape) != (world_size,):
+        raise ValueError(
+            f"status: got {status.dtype} of shape {tuple(status.shape)}, "
+            f"expected torch.int32 of shape ({world_size},) (see new_status)"
+        )
+    if status.device.type != "cpu" or not status.is_contiguous():
+        raise ValueError(
+            f"status: got a tensor on {status.device}, expected contiguous host memory "
+            "(pinned for CUDA kernels; see new_status)"
+        )
 
 
 def raise_on_timeout(
@@ -154,39 +228,121 @@ def raise_on_timeout(
     what: str,
     rank: int,
     channel: int,
-    epoch: int,
     timeout_s: float,
     group_name: str | None,
 ) -> None:
-    """Raise :class:`PeerWaitTimeout` if a kernel's ``status`` marks any peer as timed out."""
-    peers = [s for s, failed in enumerate(status.tolist()) if failed]
-    if not peers:
+    """Raise :class:`PeerWaitTimeout` if ``status`` records a wait that ran past its deadline.
+
+    Reads host memory only: it never synchronizes with a device (a kernel still running may
+    record a timeout after this returns; the next check sees it)."""
+    failed = {s: epoch for s, epoch in enumerate(status.tolist()) if epoch}
+    if not failed:
         return
     world_size = status.shape[0]
+    peers = sorted(failed)
     group = f" of group {group_name!r}" if group_name else ""
+    epochs = sorted(set(failed.values()))
     words = [channel * world_size + s for s in peers]
     raise PeerWaitTimeout(
         f"{what} on rank {rank}{group}: waited {timeout_s:g} s for the signal of rank(s) {peers} "
-        f"(channel {channel}, epoch {epoch}, signal words {words} of rank {rank}'s pad) and it "
-        "never came; the peer did not reach this call, or signalled another epoch",
+        f"(epoch {', '.join(map(str, epochs))}, channel {channel}, signal words {words} of rank "
+        f"{rank}'s pad) and it never came; the peer did not reach this call, or signalled "
+        "another epoch",
         peers=peers,
         channel=channel,
-        epoch=epoch,
+        epoch=epochs[0],
         timeout_s=timeout_s,
     )
 
 
+@contextlib.contextmanager
+def on_device(device: torch.device) -> Iterator[None]:
+    """Launch on ``device`` (Triton launches on the current CUDA device and its stream)."""
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            yield
+    else:
+        yield
+
+
+if INTERPRET:
+
+    def _host_clock_ns():
+        return tl.full((), time.monotonic_ns(), tl.int64)
+
+    def _host_pause():
+        time.sleep(20e-6)  # the interpreter polls from Python: leave the core to the peer
+
+    @triton.jit
+    def _poll_acquire(word_ptr, epoch, timeout_ns, status_ptr):
+        """The interpreter's body of the poll below: the same words, the host's clock."""
+        seen = tl.atomic_add(word_ptr, 0, sem="acquire", scope="sys")
+        ok = seen == epoch
+        if not ok:
+            if tl.load(status_ptr, volatile=True) == 0:
+                deadline = _host_clock_ns() + timeout_ns
+                while (seen != epoch) & (_host_clock_ns() < deadline):
+                    _host_pause()
+                    seen = tl.atomic_add(word_ptr, 0, sem="acquire", scope="sys")
+                ok = seen == epoch
+        return ok.to(tl.int32)
+
+else:
+    # Every thread polls on its own (no barrier inside, so no thread can wait for a thread that
+    # left): a word already at the epoch costs one load; otherwise read the peer's timeout
+    # record once (a peer already given up on is not waited for again), then spin on an acquire
+    # load until the word equals the epoch or %globaltimer says the deadline passed. ${:uid}
+    # makes the labels unique where the poll is inlined several times.
+    _POLL_PTX = tl.constexpr(
+        """
+        {
+        .reg .pred %p<3>;
+        .reg .b32 %v;
+        .reg .u64 %t0, %t;
+        mov.u32 $0, 1;
+        ld.acquire.sys.global.b32 %v, [$1];
+        setp.eq.b32 %p0, %v, $2;
+        @%p0 bra DONE${:uid};
+        ld.volatile.global.b32 %v, [$3];
+        setp.ne.b32 %p1, %v, 0;
+        @%p1 bra FAILED${:uid};
+        mov.u64 %t0, %globaltimer;
+        SPIN${:uid}:
+        ld.acquire.sys.global.b32 %v, [$1];
+        setp.eq.b32 %p0, %v, $2;
+        @%p0 bra DONE${:uid};
+        mov.u64 %t, %globaltimer;
+        sub.u64 %t, %t, %t0;
+        setp.lt.u64 %p2, %t, $4;
+        @%p2 bra SPIN${:uid};
+        FAILED${:uid}:
+        mov.u32 $0, 0;
+        DONE${:uid}:
+        }
+        """
+    )
+
+    @triton.jit
+    def _poll_acquire(word_ptr, epoch, timeout_ns, status_ptr):
+        """1 once ``*word_ptr == epoch`` (acquire, system scope); 0 at the deadline, or at once
+        if ``*status_ptr`` already records a timeout."""
+        return tl.inline_asm_elementwise(
+            _POLL_PTX,
+            "=r,l,r,l,l",
+            [word_ptr, epoch, status_ptr, timeout_ns],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+
+
 @triton.jit
-def _wait_signal(word_ptr, epoch, timeout_ns, failed_ptr):
+def _wait_signal(word_ptr, epoch, timeout_ns, status_ptr):
     """Block until ``*word_ptr == epoch`` (acquire, system scope), at most ``timeout_ns``.
 
-    On timeout set ``*failed_ptr = 1``. A wait whose ``*failed_ptr`` is already set returns at
-    once, so the later tiles of a dead peer do not each spend a full timeout.
-    """
-    if tl.load(failed_ptr, volatile=True) == 0:
-        ok = tl.atomic_poll(word_ptr, epoch, sem="acquire", scope="sys", timeout_ns=timeout_ns)
-        if ok == 0:
-            tl.store(failed_ptr, 1)
+    On timeout store ``epoch`` into ``*status_ptr`` (the caller's record for this source)."""
+    ok = _poll_acquire(word_ptr, epoch, timeout_ns.to(tl.int64), status_ptr)
+    tl.store(status_ptr, epoch, mask=ok == 0)
 
 
 @triton.jit
@@ -233,15 +389,24 @@ def store_order(trace: torch.Tensor, order_out: torch.Tensor, world_size: int) -
 
 
 from tp_kernels.kernels.ag_matmul import ag_matmul_consumer, signal_ready  # noqa: E402
-from tp_kernels.kernels.matmul_rs import matmul_rs_producer, reduce_slots  # noqa: E402
+from tp_kernels.kernels.matmul_rs import (  # noqa: E402
+    matmul_rs_producer,
+    new_counters,
+    reduce_slots,
+)
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "INTERPRET",
     "MAX_EPOCH",
+    "MIN_TRITON",
     "PeerWaitTimeout",
     "ag_matmul_consumer",
     "matmul_rs_producer",
+    "new_counters",
+    "new_status",
+    "raise_on_timeout",
     "reduce_slots",
     "signal_ready",
+    "triton_unsupported_reason",
 ]

@@ -27,10 +27,11 @@ from tp_kernels.kernels import (
     _wait_signal,
     check_matrix,
     check_ptr_table,
+    check_status,
     check_world,
     dot_precision,
     new_trace,
-    raise_on_timeout,
+    on_device,
     store_order,
     timeout_ns,
     tl_dtype,
@@ -59,7 +60,7 @@ def _reduce_configs() -> list[triton.Config]:
     return [triton.Config({"BLOCK": b}, num_warps=w) for b in (1024, 2048, 4096) for w in (4, 8)]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rank", "channel", "epoch"])
 def _matmul_rs_kernel(
     a_ptr,
     b_ptr,
@@ -72,6 +73,10 @@ def _matmul_rs_kernel(
     m,
     N,
     K,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
     channel,
     epoch,
     DTYPE: tl.constexpr,
@@ -85,10 +90,11 @@ def _matmul_rs_kernel(
     """One tile of ``P = A @ B`` (fp32 accumulation) for destination ``d``, pushed to ``d``:
 
     ``slots_d[rank, i, n] = sum_k A[d*m + i, k] * B[k, n]``, with ``slots_d`` the [W, m, N] view
-    of the buffer at ``slot_ptrs[d]``. Programs are numbered M-tile-major; M tile ``t`` serves
-    ``d = (rank + 1 + t // cdiv(m, BLOCK_M)) % W``. The tile that completes slot ``d`` (counted in
-    ``counter_ptr[d]``, zero before the launch) stores ``epoch`` into word ``channel * W + rank``
-    of ``d``'s pad (release, system scope).
+    of the buffer at ``slot_ptrs[d]``; A and B are read through their strides. Programs are
+    numbered M-tile-major; M tile ``t`` serves ``d = (rank + 1 + t // cdiv(m, BLOCK_M)) % W``.
+    The tile that completes slot ``d`` (counted in ``counter_ptr[d]``, which it then resets to
+    zero for the next launch) stores ``epoch`` into word ``channel * W + rank`` of ``d``'s pad
+    (release, system scope).
     """
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -103,17 +109,19 @@ def _matmul_rs_kernel(
     row_ok = rows < m
     col_ok = cols < N
     rows64 = rows.to(tl.int64)
+    cols64 = cols.to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
+        ks64 = ks.to(tl.int64)
         a = tl.load(
-            a_ptr + (dst * m + rows64)[:, None] * K + ks[None, :],
+            a_ptr + (dst * m + rows64)[:, None] * stride_am + ks64[None, :] * stride_ak,
             mask=row_ok[:, None] & k_ok[None, :],
             other=0.0,
         )
         b = tl.load(
-            b_ptr + ks[:, None].to(tl.int64) * N + cols[None, :],
+            b_ptr + ks64[:, None] * stride_bk + cols64[None, :] * stride_bn,
             mask=k_ok[:, None] & col_ok[None, :],
             other=0.0,
         )
@@ -121,9 +129,9 @@ def _matmul_rs_kernel(
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-    slots = tl.load(slot_ptrs + dst).to(tl.pointer_type(DTYPE))
+    slots = tl.multiple_of(tl.load(slot_ptrs + dst).to(tl.pointer_type(DTYPE)), 16)
     tl.store(
-        slots + (rank * m + rows64)[:, None] * N + cols[None, :],
+        slots + (rank * m + rows64)[:, None] * N + cols64[None, :],
         _round_to(acc, DTYPE, BF16_BY_HAND),
         mask=row_ok[:, None] & col_ok[None, :],
     )
@@ -132,17 +140,19 @@ def _matmul_rs_kernel(
     tl.debug_barrier()
     done = tl.atomic_add(counter_ptr + dst, 1, sem="acq_rel", scope="sys")
     if done == tiles_per_slot * n_tiles - 1:
+        # Every tile of this slot has counted, so nobody else touches the counter this launch.
+        tl.atomic_xchg(counter_ptr + dst, 0, sem="relaxed", scope="gpu")
         pad = tl.load(signal_ptrs + dst).to(tl.pointer_type(tl.int32))
         tl.atomic_xchg(pad + channel * world_size + rank, epoch, sem="release", scope="sys")
 
 
 @triton.autotune(configs=_reduce_configs(), key=["numel", "OUT_DTYPE"])
-@triton.jit
+@triton.jit(do_not_specialize=["rank", "channel", "epoch", "status_addr", "timeout_ns"])
 def _reduce_slots_kernel(
     slots_ptr,
     out_ptr,
     signal_ptrs,
-    status_ptr,
+    status_addr,
     rank,
     world_size,
     numel,
@@ -158,20 +168,27 @@ def _reduce_slots_kernel(
 
     ``slots`` [W, numel] is this rank's buffer. The sum runs in fp32, slot 0 first, so the result
     does not depend on timing. Before adding slot ``s`` the program waits for ``epoch`` in word
-    ``channel * W + s`` of this rank's pad, so summing the slots already there overlaps with
-    waiting for the rest.
+    ``channel * W + s`` of this rank's pad (on timeout: ``status[s] = epoch``), so summing the
+    slots already there overlaps with waiting for the rest.
     """
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     pad = tl.load(signal_ptrs + rank).to(tl.pointer_type(tl.int32))
+    status = status_addr.to(tl.pointer_type(tl.int32))
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     # Step the pointer slot by slot: s * numel may pass 2**31 in int32.
     ptrs = slots_ptr + offs
     for s in range(world_size):
-        _wait_signal(pad + channel * world_size + s, epoch, timeout_ns, status_ptr + s)
+        _wait_signal(pad + channel * world_size + s, epoch, timeout_ns, status + s)
         acc += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
         ptrs += numel
     tl.store(out_ptr + offs, _round_to(acc / divisor, OUT_DTYPE, BF16_BY_HAND), mask=mask)
+
+
+def new_counters(world_size: int, device: torch.device) -> torch.Tensor:
+    """The zeroed per-destination tile counters of :func:`matmul_rs_producer` (int32 [W]); the
+    kernel leaves them zeroed, so one tensor serves every launch on one stream."""
+    return torch.zeros(world_size, dtype=torch.int32, device=device)
 
 
 def matmul_rs_producer(
@@ -180,6 +197,7 @@ def matmul_rs_producer(
     slot_ptrs: torch.Tensor,
     signal_ptrs: torch.Tensor,
     *,
+    counters: torch.Tensor,
     rank: int,
     world_size: int,
     channel: int,
@@ -189,7 +207,7 @@ def matmul_rs_producer(
     """Push ``(a @ b)[d*m:(d+1)*m]`` into slot ``rank`` of rank d's buffer, for every rank d.
 
     Shapes (W = ``world_size``): ``a`` [W*m, K], ``b`` [K, N], same dtype (fp32, fp16 or bf16) and
-    device, contiguous. Rank d's buffer at ``slot_ptrs[d]`` is viewed as [W, m, N] of that dtype.
+    device, any strides. Rank d's buffer at ``slot_ptrs[d]`` is viewed as [W, m, N] of that dtype.
     Destinations go d = rank+1, rank+2, ..., rank (mod W); once slot ``rank`` of d is complete its
     word ``channel * W + rank`` in d's pad gets ``epoch``. Nothing here waits, so the producer
     cannot deadlock; d must not read the slot before the signal (see :func:`reduce_slots`), and
@@ -198,6 +216,7 @@ def matmul_rs_producer(
     Args:
         slot_ptrs: int64 [W], address of rank d's symmetric buffer in this process.
         signal_ptrs: int64 [W], address of rank d's signal pad.
+        counters: :func:`new_counters` of this device, not shared with a launch on another stream.
         order_out: optional int [W]; receives the destination ranks in the order the kernel first
             touched them (a trace for tests and debugging).
     """
@@ -209,40 +228,44 @@ def matmul_rs_producer(
         )
     m, K = a.shape[0] // world_size, a.shape[1]
     DTYPE = tl_dtype(a.dtype, argument="a")
-    check_matrix(a, tuple(a.shape), a.dtype, a.device, argument="a")
     if b.dim() != 2 or b.shape[1] == 0:
         raise ValueError(f"b: got shape {tuple(b.shape)}, expected [{K}, N] with N >= 1")
     N = b.shape[1]
-    check_matrix(b, (K, N), a.dtype, a.device, argument="b")
+    check_matrix(b, (K, N), a.dtype, a.device, argument="b", contiguous=False)
     check_ptr_table(slot_ptrs, world_size, a.device, argument="slot_ptrs")
     check_ptr_table(signal_ptrs, world_size, a.device, argument="signal_ptrs")
+    check_matrix(counters, (world_size,), torch.int32, a.device, argument="counters")
     if order_out is not None and tuple(order_out.shape) != (world_size,):
         raise ValueError(f"order_out: got shape {tuple(order_out.shape)}, expected ({world_size},)")
 
-    counters = torch.zeros(world_size, dtype=torch.int32, device=a.device)
     trace = new_trace(world_size, a.device) if order_out is not None else counters
     config = _producer_config(m, N, a.dtype)
     grid = (world_size * triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"]),)
-    _matmul_rs_kernel[grid](
-        a,
-        b,
-        slot_ptrs,
-        signal_ptrs,
-        counters,
-        trace,
-        rank,
-        world_size,
-        m,
-        N,
-        K,
-        channel,
-        epoch,
-        DTYPE=DTYPE,
-        TRACE=order_out is not None,
-        BF16_BY_HAND=INTERPRET and a.dtype == torch.bfloat16,
-        INPUT_PRECISION=dot_precision(a.dtype),
-        **config,
-    )
+    with on_device(a.device):
+        _matmul_rs_kernel[grid](
+            a,
+            b,
+            slot_ptrs,
+            signal_ptrs,
+            counters,
+            trace,
+            rank,
+            world_size,
+            m,
+            N,
+            K,
+            a.stride(0),
+            a.stride(1),
+            b.stride(0),
+            b.stride(1),
+            channel,
+            epoch,
+            DTYPE=DTYPE,
+            TRACE=order_out is not None,
+            BF16_BY_HAND=INTERPRET and a.dtype == torch.bfloat16,
+            INPUT_PRECISION=dot_precision(a.dtype),
+            **config,
+        )
     if order_out is not None:
         store_order(trace, order_out, world_size)
 
@@ -252,28 +275,25 @@ def reduce_slots(
     out: torch.Tensor,
     signal_ptrs: torch.Tensor,
     *,
+    status: torch.Tensor,
     rank: int,
     world_size: int,
     channel: int,
     epoch: int,
     divisor: float = 1.0,
     timeout_s: float = DEFAULT_TIMEOUT_S,
-    check: bool = True,
-    group_name: str | None = None,
-) -> torch.Tensor:
+) -> None:
     """``out = (slots[0] + slots[1] + ... + slots[W-1]) / divisor``, summed in fp32 in that order.
 
     Shapes: ``slots`` [W, m, N] (this rank's symmetric buffer; slot s is written by rank s's
     :func:`matmul_rs_producer`), ``out`` [m, N] of any supported dtype (the fp32 sum is cast to
     it); both contiguous on one device. Slot s is read once word ``channel * W + s`` of this
-    rank's pad holds ``epoch``. ``divisor`` is 1 for a sum and W for an average.
+    rank's pad holds ``epoch``. ``divisor`` is 1 for a sum and W for an average. Nothing here
+    synchronizes with the device.
 
     Args:
         signal_ptrs: int64 [W], address of each rank's signal pad; this rank waits on its own.
-        timeout_s, check, group_name: as in :func:`ag_matmul_consumer`.
-
-    Returns:
-        int32 [W] status: ``status[s] == 1`` if the wait for rank s's slot timed out.
+        status, timeout_s: as in :func:`tp_kernels.kernels.ag_matmul_consumer`.
     """
     check_world(rank, world_size, channel, epoch)
     if slots.dim() != 3 or slots.shape[0] != world_size or slots.numel() == 0:
@@ -285,34 +305,24 @@ def reduce_slots(
     OUT_DTYPE = tl_dtype(out.dtype, argument="out")
     check_matrix(out, tuple(slots.shape[1:]), out.dtype, slots.device, argument="out")
     check_ptr_table(signal_ptrs, world_size, slots.device, argument="signal_ptrs")
+    check_status(status, world_size)
     if not divisor > 0:
         raise ValueError(f"divisor: got {divisor}, expected a positive number")
 
-    status = torch.zeros(world_size, dtype=torch.int32, device=slots.device)
     numel = out.numel()
-    _reduce_slots_kernel[lambda meta: (triton.cdiv(numel, meta["BLOCK"]),)](
-        slots,
-        out,
-        signal_ptrs,
-        status,
-        rank,
-        world_size,
-        numel,
-        channel,
-        epoch,
-        timeout_ns(timeout_s),
-        float(divisor),
-        OUT_DTYPE=OUT_DTYPE,
-        BF16_BY_HAND=INTERPRET and out.dtype == torch.bfloat16,
-    )
-    if check:
-        raise_on_timeout(
-            status,
-            what="reduce_slots",
-            rank=rank,
-            channel=channel,
-            epoch=epoch,
-            timeout_s=timeout_s,
-            group_name=group_name,
+    with on_device(slots.device):
+        _reduce_slots_kernel[lambda meta: (triton.cdiv(numel, meta["BLOCK"]),)](
+            slots,
+            out,
+            signal_ptrs,
+            status.data_ptr(),
+            rank,
+            world_size,
+            numel,
+            channel,
+            epoch,
+            timeout_ns(timeout_s),
+            float(divisor),
+            OUT_DTYPE=OUT_DTYPE,
+            BF16_BY_HAND=INTERPRET and out.dtype == torch.bfloat16,
         )
-    return status
