@@ -1,0 +1,346 @@
+"""``python -m tp_kernels.kernels.compile_check``: compile every kernel variant for a GPU
+architecture without a GPU, and check what the PTX must contain.
+
+Every variant the launchers can choose is compiled with Triton's ``ASTSource`` for
+``GPUTarget("cuda", <arch>, 32)``, with the specialization the runtime gives real arguments
+(16-byte aligned pointers, sizes and strides that are multiples of 16) and the autotuner's
+configs. Each PTX file is written to ``--out`` and checked:
+
+* a kernel that waits polls with ``ld.acquire.sys`` and reads ``%globaltimer`` (its deadline);
+* a kernel that signals stores its word with a system-scope release atomic;
+* every GEMM with 16-bit operands uses ``wgmma`` on sm_90 (warpgroup MMA), ``mma.sync`` below.
+
+Exit status 0 when every variant compiles and passes, 1 naming each variant that does not, 2 for
+bad arguments (or ``TRITON_INTERPRET=1``, under which nothing is compiled for a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import re
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["Variant", "check_ptx", "compile_variant", "main", "variants"]
+
+_ARCHS = {"sm_80": 80, "sm_90": 90}
+# Sizes the runtime specializes as multiples of 16 (and pointers as 16-byte aligned).
+_ALIGNED = {"tt.divisibility": 16}
+
+WAIT_PATTERNS = (
+    (r"ld\.acquire\.sys\.global", "an acquire load at system scope (the signal poll)"),
+    (r"%globaltimer", "a read of %globaltimer (the wait's deadline)"),
+)
+SIGNAL_PATTERNS = (
+    (r"atom\.global\.(sys\.release|release\.sys)\.", "a release atomic at system scope"),
+)
+GEMM16_PATTERNS = {
+    90: ((r"wgmma\.mma_async", "wgmma (sm_90 warpgroup MMA) in the 16-bit GEMM"),),
+    80: ((r"mma\.sync\.aligned", "mma.sync (tensor cores) in the 16-bit GEMM"),),
+}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One compilation: a kernel, the types of its runtime arguments, its constexprs and launch
+    options, and the patterns its PTX must contain."""
+
+    name: str
+    kernel: object  # a triton JITFunction
+    signature: dict[str, str]
+    constexprs: dict[str, object]
+    aligned: tuple[str, ...]
+    num_warps: int = 4
+    num_stages: int = 3
+    required: tuple[tuple[str, str], ...] = field(default=())
+
+
+def _variant(name, kernel, types, constexprs, aligned, required, **options) -> Variant:
+    signature = {arg: types.get(arg, "constexpr") for arg in kernel.arg_names}
+    missing = [a for a in kernel.arg_names if a not in types and a not in constexprs]
+    if missing:
+        raise ValueError(f"{name}: no type or constexpr value for the arguments {missing}")
+    return Variant(name, kernel, signature, constexprs, aligned, required=required, **options)
+
+
+# The two layouts of a right-hand matrix B [K, N]: row-major, or the transpose of a row-major
+# [N, K] (a Linear's weight, ``w.t()``). The stride that is 1 is specialized to the constant 1 by
+# the runtime, as here; the other is a multiple of 16 in every shape that matters.
+_B_LAYOUTS = {"B=kn": ("stride_bn", "stride_bk"), "B=nk": ("stride_bk", "stride_bn")}
+
+
+def _blocks(config: dict) -> str:
+    return "x".join(str(config[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
+
+
+def variants(arch: int) -> list[Variant]:
+    """Every variant of every kernel the launchers can run on ``arch`` (80 or 90)."""
+    import torch
+    import triton.language as tl
+
+    from tp_kernels.kernels import ag_matmul, matmul_rs
+
+    gemm16 = GEMM16_PATTERNS[90 if arch >= 90 else 80]
+    dtypes = {
+        "fp32": (tl.float32, torch.float32, ("tf32", "ieee")),
+        "fp16": (tl.float16, torch.float16, (None,)),
+        "bf16": (tl.bfloat16, torch.bfloat16, (None,)),
+    }
+    i32 = "i32"
+    found = [
+        _variant(
+            "signal_ready",
+            ag_matmul._signal_ready_kernel,
+            {"signal_ptrs": "*i64", "rank": i32, "world_size": i32, "channel": i32, "epoch": i32},
+            {},
+            ("signal_ptrs",),
+            SIGNAL_PATTERNS,
+            num_warps=1,
+        )
+    ]
+    for dname, (tl_type, torch_type, precisions) in dtypes.items():
+        elem = f"*{dname}"
+        mma = gemm16 if dname != "fp32" else ()
+        for precision, (layout, (unit, other)) in (
+            (p, lay) for p in precisions for lay in _B_LAYOUTS.items()
+        ):
+            tag = f"{dname}{'-' + precision if precision else ''},{layout}"
+            for config in ag_matmul._ag_matmul_kernel.configs:
+                for write_a in (False, True):
+                    types = {
+                        "a_ptrs": "*i64", "signal_ptrs": "*i64", "b_ptr": elem, "c_ptr": elem,
+                        "a_out_ptr": elem, "trace_ptr": "*i64", "status_addr": "i64",
+                        "rank": i32, "world_size": i32, "m": i32, "K": i32, "N": i32,
+                        other: i32, "channel": i32, "epoch": i32, "timeout_ns": "i64",
+                    }  # fmt: skip
+                    found.append(
+                        _variant(
+                            f"ag_matmul[{tag},{_blocks(config.kwargs)},w{config.num_warps}"
+                            f"s{config.num_stages}{',write_a' if write_a else ''}]",
+                            ag_matmul._ag_matmul_kernel.fn,
+                            types,
+                            {
+                                unit: 1,
+                                "DTYPE": tl_type,
+                                "WRITE_A": write_a,
+                                "TRACE": False,
+                                "BF16_BY_HAND": False,
+                                "INPUT_PRECISION": precision,
+                                **config.kwargs,
+                            },  # fmt: skip
+                            (
+                                "a_ptrs",
+                                "signal_ptrs",
+                                "b_ptr",
+                                "c_ptr",
+                                "a_out_ptr",
+                                "m",
+                                "K",
+                                "N",
+                                other,
+                            ),  # fmt: skip
+                            WAIT_PATTERNS + mma,
+                            num_warps=config.num_warps,
+                            num_stages=config.num_stages,
+                        )
+                    )
+            for m, n in ((128, 128), (128, 64), (64, 128), (64, 64)):
+                config = matmul_rs._producer_config(m, n, torch_type)
+                blocks = {k: config[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
+                types = {
+                    "a_ptr": elem, "b_ptr": elem, "slot_ptrs": "*i64", "signal_ptrs": "*i64",
+                    "counter_ptr": "*i32", "trace_ptr": "*i32", "rank": i32,
+                    "world_size": i32, "m": i32, "N": i32, "K": i32, "stride_am": i32,
+                    other: i32, "channel": i32, "epoch": i32,
+                }  # fmt: skip
+                found.append(
+                    _variant(
+                        f"matmul_rs_producer[{tag},{_blocks(blocks)},w{config['num_warps']}"
+                        f"s{config['num_stages']}]",
+                        matmul_rs._matmul_rs_kernel,
+                        types,
+                        {
+                            "stride_ak": 1,
+                            unit: 1,
+                            "DTYPE": tl_type,
+                            "TRACE": False,
+                            "BF16_BY_HAND": False,
+                            "INPUT_PRECISION": precision,
+                            **blocks,
+                        },  # fmt: skip
+                        (
+                            "a_ptr",
+                            "b_ptr",
+                            "slot_ptrs",
+                            "signal_ptrs",
+                            "counter_ptr",
+                            "m",
+                            "N",
+                            "K",
+                            "stride_am",
+                            other,
+                        ),  # fmt: skip
+                        SIGNAL_PATTERNS + mma,
+                        num_warps=config["num_warps"],
+                        num_stages=config["num_stages"],
+                    )
+                )
+        for config in matmul_rs._reduce_slots_kernel.configs:
+            found.append(
+                _variant(
+                    f"reduce_slots[{dname},{config.kwargs['BLOCK']},w{config.num_warps}]",
+                    matmul_rs._reduce_slots_kernel.fn,
+                    {
+                        "slots_ptr": elem,
+                        "out_ptr": elem,
+                        "signal_ptrs": "*i64",
+                        "status_addr": "i64",
+                        "rank": i32,
+                        "world_size": i32,
+                        "numel": i32,
+                        "channel": i32,
+                        "epoch": i32,
+                        "timeout_ns": "i64",
+                        "divisor": "fp32",
+                    },  # fmt: skip
+                    {"OUT_DTYPE": tl_type, "BF16_BY_HAND": False, **config.kwargs},
+                    ("slots_ptr", "out_ptr", "signal_ptrs", "numel"),
+                    WAIT_PATTERNS,
+                    num_warps=config.num_warps,
+                )
+            )
+    return found
+
+
+def check_ptx(ptx: str, required: Sequence[tuple[str, str]]) -> list[str]:
+    """The descriptions of the ``required`` patterns that ``ptx`` lacks."""
+    return [what for pattern, what in required if re.search(pattern, ptx) is None]
+
+
+@dataclass
+class Outcome:
+    """What compiling one variant gave: its PTX file, shared memory, and what is wrong."""
+
+    name: str
+    problems: list[str]
+    ptx_path: str = ""
+    shared_bytes: int = 0
+    seconds: float = 0.0
+
+
+def compile_variant(variant: Variant, arch: int, out_dir: Path) -> Outcome:
+    """Compile ``variant`` for ``sm_<arch>`` (PTX and cubin; ptxas comes with Triton), write its
+    PTX into ``out_dir`` and check it."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    started = time.perf_counter()
+    names = variant.kernel.arg_names
+    attrs = {(names.index(a),): [[k, v] for k, v in _ALIGNED.items()] for a in variant.aligned}
+    source = ASTSource(variant.kernel, variant.signature, variant.constexprs, attrs)
+    try:
+        compiled = triton.compile(
+            source,
+            target=GPUTarget("cuda", arch, 32),
+            options={"num_warps": variant.num_warps, "num_stages": variant.num_stages},
+        )
+    except Exception as exc:  # any compile error is this variant's finding, not a crash
+        first = str(exc).strip().splitlines()
+        return Outcome(variant.name, [f"does not compile: {type(exc).__name__}: {first[:3]}"])
+    ptx = compiled.asm["ptx"]
+    path = out_dir / f"sm_{arch}" / (re.sub(r"[^A-Za-z0-9_.,-]+", "_", variant.name) + ".ptx")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(ptx)
+    missing = [f"PTX lacks {what}" for what in check_ptx(ptx, variant.required)]
+    return Outcome(
+        variant.name,
+        missing,
+        str(path),
+        int(getattr(compiled.metadata, "shared", 0)),
+        time.perf_counter() - started,
+    )
+
+
+def _compile_one(args: tuple[int, int, str]) -> Outcome:
+    index, arch, out_dir = args
+    return compile_variant(variants(arch)[index], arch, Path(out_dir))
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m tp_kernels.kernels.compile_check",
+        description="Compile every tp_kernels Triton kernel variant for a GPU architecture "
+        "without a GPU and check its PTX.",
+    )
+    p.add_argument("--arch", choices=sorted(_ARCHS), default="sm_90")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="where to write the PTX files (default: a new temporary folder)",
+    )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="compilations in parallel (default: one per core)",
+    )
+    p.add_argument(
+        "--only", default="", help="compile only the variants whose name contains this text"
+    )
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit status (see the module docstring)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        parser.error("TRITON_INTERPRET=1 is set: unset it, the interpreter compiles nothing")
+    if args.jobs < 1:
+        parser.error(f"--jobs: got {args.jobs}, expected >= 1")
+    import triton
+
+    arch = _ARCHS[args.arch]
+    out_dir = args.out or Path(tempfile.mkdtemp(prefix="tp_kernels_ptx_"))
+    chosen = [i for i, v in enumerate(variants(arch)) if args.only in v.name]
+    if not chosen:
+        parser.error(f"--only {args.only!r} matches no variant")
+    print(
+        f"compile_check: {len(chosen)} variants for {args.arch} with Triton {triton.__version__}"
+        f", PTX into {out_dir}",
+        flush=True,
+    )
+    started = time.perf_counter()
+    work = [(i, arch, str(out_dir)) for i in chosen]
+    if args.jobs == 1:
+        outcomes = [_compile_one(w) for w in work]
+    else:
+        with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool:
+            outcomes = list(pool.map(_compile_one, work))
+    width = max(len(o.name) for o in outcomes)
+    for o in outcomes:
+        verdict = "ok" if not o.problems else "FAIL: " + "; ".join(o.problems)
+        print(f"  {o.name.ljust(width)}  smem {o.shared_bytes:>6} B  {o.seconds:5.1f} s  {verdict}")
+    failed = [o.name for o in outcomes if o.problems]
+    elapsed = time.perf_counter() - started
+    if failed:
+        print(
+            f"compile_check: {len(failed)} of {len(outcomes)} variants FAILED for {args.arch} "
+            f"({elapsed:.0f} s): {failed}",
+            file=sys.stderr,
+        )
+        return 1
+    print(f"compile_check: all {len(outcomes)} variants ok for {args.arch} ({elapsed:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
