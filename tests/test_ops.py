@@ -99,7 +99,7 @@ def test_backend_selection_precedence(monkeypatch):
 
 def test_available_backends_reports_every_backend():
     avail = tpk.available_backends()
-    assert set(avail) == {"reference", "pipelined", "symm"}
+    assert set(avail) == {"reference", "pipelined", "symm", "torch_symm_mem"}
     assert avail["reference"] == "ok" and avail["pipelined"] == "ok"
     assert isinstance(avail["symm"], str) and avail["symm"]
 

@@ -4,7 +4,9 @@ A backend is chosen per call by, first to last: the op's ``backend=`` argument (
 the innermost :func:`use_backend` context, :func:`set_backend`, the ``TP_KERNELS_BACKEND``
 environment variable, and ``"auto"``. ``"auto"`` picks the fastest backend that can run for the
 group, device and shape (see :func:`resolve`) and logs its choice once per (op, group, shape class)
-at INFO on the ``tp_kernels`` logger.
+at INFO on the ``tp_kernels`` logger. Its order: ``reference`` for a group of one; on CUDA
+``torch_symm_mem`` (PyTorch's fused ops), then ``symm``; on the CPU ``symm``; then ``pipelined``,
+or ``reference`` when a per-rank block is too small to pipeline.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ _MODULES = {
     "reference": "tp_kernels.backends.reference",
     "pipelined": "tp_kernels.backends.pipelined",
     "symm": "tp_kernels.backends.symm",
+    "torch_symm_mem": "tp_kernels.backends.torch_symm_mem",
 }
 BACKEND_NAMES = ("auto", *_MODULES)
 
@@ -106,9 +109,22 @@ def available_backends(device: torch.device | str = "cpu") -> dict[str, str]:
 def _auto_choice(op: str, group: dist.ProcessGroup, a: torch.Tensor) -> tuple[str, str]:
     if group.size() == 1:
         return "reference", "world size 1: there is nothing to overlap"
+    why_not_torch = None
+    if a.device.type == "cuda":
+        # PyTorch's own fused ops come before our Triton kernels (symm) until ours are measured
+        # faster on the user's GPU. On the CPU they cannot run, so CPU choices are unchanged.
+        why_not_torch = _unavailable("torch_symm_mem", group, a.device)
+        if why_not_torch is None:
+            return "torch_symm_mem", "PyTorch's fused symmetric-memory ops can run for this group"
     why_not_symm = _unavailable("symm", group, a.device)
     if why_not_symm is None:
-        return "symm", "symmetric memory is available for this group"
+        why = "symmetric memory is available for this group"
+        if why_not_torch is not None:
+            why += f" (torch_symm_mem unavailable: {why_not_torch})"
+        return "symm", why
+    unavailable = f"symm unavailable ({why_not_symm})"
+    if why_not_torch is not None:
+        unavailable += f", torch_symm_mem unavailable ({why_not_torch})"
     # Below one block per peer there is nothing to overlap the transfer with.
     shard_bytes = (
         a.numel() * a.element_size() // (group.size() if op == "matmul_reduce_scatter" else 1)
@@ -117,10 +133,10 @@ def _auto_choice(op: str, group: dist.ProcessGroup, a: torch.Tensor) -> tuple[st
 
     if shard_bytes < _MIN_BLOCK_BYTES:
         return "reference", (
-            f"symm unavailable ({why_not_symm}); the {shard_bytes} B per-rank "
+            f"{unavailable}; the {shard_bytes} B per-rank "
             f"block is below {_MIN_BLOCK_BYTES} B, too small to pipeline"
         )
-    return "pipelined", f"symm unavailable ({why_not_symm})"
+    return "pipelined", unavailable
 
 
 def resolve(name: str | None, op: str, group: dist.ProcessGroup, a: torch.Tensor) -> str:

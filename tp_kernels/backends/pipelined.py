@@ -13,8 +13,14 @@ It needs nothing but the ProcessGroup (NCCL, gloo, across nodes). On rank ``r`` 
 
 On CUDA the transfers run on the communicator's stream and ``Work.wait()`` only makes the compute
 stream wait for them, so the host never blocks; on gloo the transfers run on gloo's threads.
-Each step's sends and receives go out in one ``batch_isend_irecv`` so NCCL pairs them without
-deadlock.
+
+Every row block travels in its own ``batch_isend_irecv``: the block this rank receives and the
+matching block it sends (see :func:`_exchange`). One block per batch because backends differ in
+what a batch returns: gloo gives one Work per op, NCCL coalesces the whole batch into one Work
+that alone says when any of its ops is done. Waiting every Work of a block's batch before using
+that block is right under both, and still lets each block's matmul start as soon as that block
+(not the whole peer's shard) has landed. The send and the receive share a batch so that NCCL runs
+them as one group: a ring of receives each posted before its rank's send would deadlock.
 """
 
 from __future__ import annotations
@@ -61,6 +67,26 @@ def _row_blocks(start: int, rows: int, chunks: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
+def _exchange(
+    send: torch.Tensor,
+    dst: int,
+    recv: torch.Tensor,
+    src: int,
+    group: dist.ProcessGroup,
+) -> list[dist.Work]:
+    """Post ``send -> dst`` and ``recv <- src`` (group ranks) as one batch; return its Works.
+
+    Neither tensor may be touched (``recv`` read, ``send`` overwritten or freed) until *every*
+    returned Work has been waited: NCCL returns one Work for the whole batch, gloo one per op.
+    """
+    return dist.batch_isend_irecv(
+        [
+            dist.P2POp(dist.isend, send, group=group, group_peer=dst),
+            dist.P2POp(dist.irecv, recv, group=group, group_peer=src),
+        ]
+    )
+
+
 class PipelinedBackend(Backend):
     name = "pipelined"
 
@@ -78,35 +104,27 @@ class PipelinedBackend(Backend):
         outs = [a_shard.new_empty((world * m, b.shape[1])) for b in bs]
         chunks = chunks_for(m, a_shard.shape[1] * a_shard.element_size())
 
-        pending = []  # (rows, works) in the order the blocks are consumed
+        pending = []  # (begin, end, works of the block's batch) in the order they are consumed
         for step in range(1, world):
             src, dst = (rank + step) % world, (rank - step) % world
-            blocks = _row_blocks(src * m, m, chunks)
-            ops = [
-                dist.P2POp(dist.irecv, a[begin:end], group=group, group_peer=src)
-                for begin, end in blocks
-            ]
             # Sent in the same blocks as received: a message is matched whole on the other side.
-            ops += [
-                dist.P2POp(dist.isend, a_shard[begin:end], group=group, group_peer=dst)
-                for begin, end in _row_blocks(0, m, chunks)
-            ]
-            works = dist.batch_isend_irecv(ops)
-            pending.append((blocks, works[: len(blocks)], works[len(blocks) :]))
+            for (begin, end), (s_begin, s_end) in zip(
+                _row_blocks(src * m, m, chunks), _row_blocks(0, m, chunks)
+            ):
+                works = _exchange(a_shard[s_begin:s_end], dst, a[begin:end], src, group)
+                pending.append((begin, end, works))
 
         own = slice(rank * m, (rank + 1) * m)
         a[own].copy_(a_shard)
         for out, b in zip(outs, bs):
             torch.mm(a_shard, b, out=out[own])
-        sends = []
-        for blocks, recvs, send in pending:
-            for (begin, end), work in zip(blocks, recvs):
+        for begin, end, works in pending:
+            # On NCCL one Work stands for the block's send and receive together; the send's
+            # source is the caller's a_shard, alive until we return.
+            for work in works:
                 work.wait()
-                for out, b in zip(outs, bs):
-                    torch.mm(a[begin:end], b, out=out[begin:end])
-            sends.extend(send)
-        for work in sends:
-            work.wait()
+            for out, b in zip(outs, bs):
+                torch.mm(a[begin:end], b, out=out[begin:end])
         return (a if return_a else None), outs
 
     def matmul_reduce_scatter(
@@ -134,15 +152,9 @@ class PipelinedBackend(Backend):
             blocks = _row_blocks(0, m, chunks)
             for begin, end in blocks:
                 block = partial(dst * m + begin, dst * m + end, sent[step - 1, begin:end])
-                works += dist.batch_isend_irecv(
-                    [
-                        dist.P2POp(dist.isend, block, group=group, group_peer=dst),
-                        dist.P2POp(
-                            dist.irecv, received[src, begin:end], group=group, group_peer=src
-                        ),
-                    ]
-                )
+                works += _exchange(block, dst, received[src, begin:end], src, group)
         partial(rank * m, (rank + 1) * m, received[rank])
+        # Every Work of every batch (one per batch on NCCL, one per op on gloo) before the sum.
         for work in works:
             work.wait()
         return _sum_in_rank_order(received)

@@ -1,0 +1,287 @@
+"""The ``pipelined`` backend under NCCL's ``batch_isend_irecv`` contract, on gloo ranks.
+
+gloo returns one Work per point-to-point op of a batch; NCCL coalesces a whole batch into one
+Work. Code that pairs ``works[i]`` with ``ops[i]`` is right on gloo and silently wrong on NCCL.
+These tests run every pipelined case through the public ops, forward and backward, with
+``torch.distributed.batch_isend_irecv`` replaced inside the rank processes by a shim that returns
+what NCCL returns, and compare with the ``reference`` backend and a float64 truth.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+from _numerics import check_close
+
+import tp_kernels as tpk
+from tp_kernels.backends import pipelined
+
+# ---------------------------------------------------------------- NCCL's contract, on gloo
+
+
+class _CoalescedWork:
+    """One Work for a whole batch, as NCCL returns from ``batch_isend_irecv``.
+
+    Why this is faithful to NCCL: there, the ops of a batch run as one ``ncclGroupStart/End``
+    group and ``batch_isend_irecv`` returns ``[work]`` for the group (``_coalescing_manager``'s
+    ``cm.works``); ``work.wait()`` is the only completion guarantee, and it covers every op of the
+    batch, no finer. A received tensor's contents are undefined until then. Here the gloo ops of
+    the batch are posted as usual, but every receive lands in a private buffer and the caller's
+    tensor holds NaN until :meth:`wait` copies the data in: code that reads a block before waiting
+    for its batch reads NaN every time, instead of racing gloo's threads (which usually win).
+    What the shim cannot show is NCCL's deadlock when a receive is posted without its matching
+    send in the same group; the backend keeps each send paired with a receive for that.
+    """
+
+    def __init__(self, works: list, landing: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self._works = works
+        self._landing = landing  # (caller's recv tensor, private buffer gloo receives into)
+        self._done = False
+
+    def wait(self, timeout=None) -> bool:
+        if not self._done:
+            for work in self._works:
+                work.wait()
+            for dst, buf in self._landing:
+                dst.copy_(buf)
+            self._done = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done
+
+
+_batches: list[int] = []  # sizes of the batches the shim served, per rank process
+
+
+def _coalescing(original):
+    def batch_isend_irecv(p2p_op_list: list[dist.P2POp]) -> list[_CoalescedWork]:
+        ops, landing = [], []
+        for op in p2p_op_list:
+            if op.op is dist.irecv:
+                buf = torch.empty_like(op.tensor, memory_format=torch.contiguous_format)
+                op.tensor.fill_(math.nan)
+                landing.append((op.tensor, buf))
+                op = dist.P2POp(
+                    dist.irecv, buf, group=op.group, tag=op.tag, group_peer=op.group_peer
+                )
+            ops.append(op)
+        _batches.append(len(ops))
+        return [_CoalescedWork(original(ops), landing)]
+
+    return batch_isend_irecv
+
+
+@contextlib.contextmanager
+def _nccl_style_batches() -> Iterator[None]:
+    """Within the block, ``dist.batch_isend_irecv`` returns one Work per batch (in this process).
+
+    Restored on exit: the rank processes serve the whole test session.
+    """
+    original = c10d.batch_isend_irecv
+    shim = _coalescing(original)
+    dist.batch_isend_irecv = c10d.batch_isend_irecv = shim
+    _batches.clear()
+    try:
+        yield
+    finally:
+        dist.batch_isend_irecv = c10d.batch_isend_irecv = original
+
+
+def _shim_contract() -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    peer_to, peer_from = (rank + 1) % world, (rank - 1) % world
+    send = torch.full((4,), float(rank))
+    recv = torch.zeros(4)
+    with _nccl_style_batches():
+        works = dist.batch_isend_irecv(
+            [
+                dist.P2POp(dist.isend, send, group_peer=peer_to),
+                dist.P2POp(dist.irecv, recv, group_peer=peer_from),
+            ]
+        )
+        before = recv.clone()
+        for work in works:
+            work.wait()
+    return {
+        "works": len(works),
+        "nan_before_wait": bool(before.isnan().all()),
+        "after": recv.tolist(),
+        "expected": [float(peer_from)] * 4,
+        "restored": dist.batch_isend_irecv is c10d.batch_isend_irecv
+        and dist.batch_isend_irecv.__module__ == "torch.distributed.distributed_c10d",
+    }
+
+
+def test_shim_keeps_nccl_contract(worlds):
+    for rank, got in enumerate(worlds(2).run(_shim_contract)):
+        assert got["works"] == 1, (rank, got)
+        assert got["nan_before_wait"], (rank, got)
+        assert got["after"] == got["expected"], (rank, got)
+        assert got["restored"], (rank, got)
+
+
+# ---------------------------------------------------------------- the cases
+
+
+@dataclasses.dataclass(frozen=True)
+class AGCase:
+    shard: tuple[int, ...]  # a_shard's shape on every rank
+    dim: int
+    ns: tuple[int, ...]
+    chunks: int | None  # pipelined.set_chunks; None: the backend picks from the shape
+    return_a: bool = False
+    dtypes: tuple[torch.dtype, ...] = (torch.float64, torch.float32)
+
+
+AG_CASES = [
+    # 7 rows in 3 blocks of 2, 2, 3 (uneven), two bs, A returned and used.
+    AGCase((7, 5), 0, (3, 2), chunks=3, return_a=True),
+    AGCase((7, 5), 0, (4,), chunks=3),
+    # batch 2 gathered on dim 1: 5*2 = 10 rows per shard, blocks of 3, 3, 4.
+    AGCase((2, 5, 6), 1, (4, 1), chunks=3),
+    AGCase((2, 5, 6), 1, (3,), chunks=4, return_a=True),
+    # 2 MiB per shard: the backend splits each peer transfer into 2 blocks by itself.
+    AGCase((512, 1024), 0, (8,), chunks=None, dtypes=(torch.float32,)),
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class RSCase:
+    rows: tuple[int, ...]  # a's shape without K, with s in place of M (M = W * s)
+    dim: int
+    k: int
+    n: int
+    chunks: int | None
+    reduce_op: str = "sum"
+    bias: bool = False
+    dtypes: tuple[torch.dtype, ...] = (torch.float64, torch.float32)
+
+
+RS_CASES = [
+    RSCase((7,), 0, 6, 5, chunks=3),
+    RSCase((7,), 0, 4, 3, chunks=3, reduce_op="avg", bias=True),
+    # batch 2 scattered on dim 1: 2*5 = 10 rows per destination, blocks of 3, 3, 4.
+    RSCase((2, 5), 1, 4, 6, chunks=3),
+    RSCase((2, 5), 1, 3, 2, chunks=4, reduce_op="avg", bias=True),
+    # 2 MiB per destination (and per gathered grad shard in backward): 2 blocks by itself.
+    RSCase((512,), 0, 8, 1024, chunks=None, dtypes=(torch.float32,)),
+]
+
+
+def _data(seed: int, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(s, generator=g, dtype=torch.float64) for k, s in shapes.items()}
+
+
+def _prepare(data, dtype, magnitude):
+    return {k: (v.abs() if magnitude else v).to(dtype) for k, v in data.items()}
+
+
+def _ag_run(case: AGCase, data, backend: str, dtype, magnitude=False) -> list[torch.Tensor]:
+    """Outputs and grads of one all_gather_matmul call: [outs..., (A), d a_shard, d bs...]."""
+    t = _prepare(data, dtype, magnitude)
+    a_shard = t["a"].clone().requires_grad_()
+    bs = [t[f"b{j}"].clone().requires_grad_() for j in range(len(case.ns))]
+    a, outs = tpk.all_gather_matmul(
+        a_shard, bs, case.dim, dist.group.WORLD, backend=backend, return_a=case.return_a
+    )
+    loss = sum((o * t[f"g{j}"]).sum() for j, o in enumerate(outs))
+    results = [o.detach() for o in outs]
+    if case.return_a:
+        loss = loss + (a * t["ga"]).sum()
+        results.append(a.detach())
+    loss.backward()
+    return [*results, a_shard.grad, *(b.grad for b in bs)]
+
+
+def _rs_run(case: RSCase, data, backend: str, dtype, magnitude=False) -> list[torch.Tensor]:
+    """Outputs and grads of one matmul_reduce_scatter call: [out, d a, d b, (d bias)]."""
+    t = _prepare(data, dtype, magnitude)
+    a, b = t["a"].clone().requires_grad_(), t["b"].clone().requires_grad_()
+    bias = t["bias"].clone().requires_grad_() if case.bias else None
+    out = tpk.matmul_reduce_scatter(
+        a, b, case.dim, dist.group.WORLD, reduce_op=case.reduce_op, backend=backend, bias=bias
+    )
+    (out * t["g"]).sum().backward()
+    return [out.detach(), a.grad, b.grad] + ([bias.grad] if case.bias else [])
+
+
+def _ag_data(case: AGCase, seed: int) -> dict[str, torch.Tensor]:
+    world = dist.get_world_size()
+    full = list(case.shard)
+    full[case.dim % len(full)] *= world
+    shapes = {"a": case.shard, "ga": tuple(full)}
+    for j, n in enumerate(case.ns):
+        shapes[f"b{j}"] = (case.shard[-1], n)
+        shapes[f"g{j}"] = (*full[:-1], n)
+    return _data(seed, shapes)
+
+
+def _rs_data(case: RSCase, seed: int) -> dict[str, torch.Tensor]:
+    world = dist.get_world_size()
+    rows = list(case.rows)
+    out_rows = tuple(rows)
+    rows[case.dim % len(rows)] *= world
+    shapes = {"a": (*rows, case.k), "b": (case.k, case.n), "g": (*out_rows, case.n)}
+    data = _data(seed, shapes)
+    if case.bias:  # replicated: the same on every rank
+        data["bias"] = _data(7, {"bias": (case.n,)})["bias"]
+    return data
+
+
+def _compare(tag: str, run, case, data) -> list[str]:
+    """``pipelined`` against the float64 truth, within twice the reference's own error."""
+    failures = []
+    truth = run(case, data, "reference", torch.float64)
+    magnitude = run(case, data, "reference", torch.float64, magnitude=True)
+    for dtype in case.dtypes:
+        reference = run(case, data, "reference", dtype)
+        with _nccl_style_batches():
+            got = run(case, data, "pipelined", dtype)
+            served = len(_batches)
+        if served == 0:
+            failures.append(f"{tag} {dtype}: the shim served no batch; the test tests nothing")
+        for i, (g, t, r, m) in enumerate(zip(got, truth, reference, magnitude)):
+            msg = check_close(f"result {i}", g, t, r, m)
+            if msg:
+                failures.append(f"{tag} {dtype}: {msg}")
+    return failures
+
+
+def _run_cases(kind: str) -> list[str]:
+    rank = dist.get_rank()
+    cases, run, make = {
+        "ag": (AG_CASES, _ag_run, _ag_data),
+        "rs": (RS_CASES, _rs_run, _rs_data),
+    }[kind]
+    failures = []
+    try:
+        for i, case in enumerate(cases):
+            pipelined.set_chunks(case.chunks)
+            failures += _compare(f"case {i} {case}", run, case, make(case, 100 * i + rank))
+    finally:
+        pipelined.set_chunks(None)
+    return failures
+
+
+def _assert_no_failures(per_rank: list[list[str]]) -> None:
+    lines = [f"rank {r}: {f}" for r, fails in enumerate(per_rank) for f in fails]
+    assert not lines, f"{len(lines)} mismatches:\n" + "\n".join(lines[:30])
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_all_gather_matmul_with_coalesced_batches(worlds, world_size):
+    _assert_no_failures(worlds(world_size).run(_run_cases, "ag"))
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_matmul_reduce_scatter_with_coalesced_batches(worlds, world_size):
+    _assert_no_failures(worlds(world_size).run(_run_cases, "rs"))

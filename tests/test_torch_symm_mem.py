@@ -1,0 +1,402 @@
+"""The ``torch_symm_mem`` backend on CPU: why it cannot run here, and its glue around torch's ops.
+
+PyTorch's ``torch.ops.symm_mem`` fused ops have CUDA kernels only. The glue (argument order, return
+values, the addend, autograd through the ops layer) is tested by registering CPU kernels for the two
+ops under their real schemas, inside the rank processes: gloo implementations of the documented
+semantics (all-gather then matmul; matmul then reduce-scatter) that also record how they were
+called, with the backend's availability forced. Results are compared with the ``reference``
+backend and a float64 truth.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._symmetric_memory  # noqa: F401  (defines torch.ops.symm_mem.*)
+from _numerics import check_close
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+import tp_kernels as tpk
+from tp_kernels import backends
+from tp_kernels._compat import all_gather_single, reduce_scatter_single
+from tp_kernels.backends import torch_symm_mem
+
+NAME = "torch_symm_mem"
+
+# ---------------------------------------------------------------- availability, no group needed
+
+
+def test_unavailable_on_cpu_says_why():
+    avail = tpk.available_backends()
+    assert avail[NAME] != "ok"
+    assert "CUDA" in avail[NAME] and "cpu" in avail[NAME], avail[NAME]
+    on_cuda = tpk.available_backends("cuda")[NAME]
+    if not torch.cuda.is_available():
+        assert "torch.cuda.is_available() is False" in on_cuda, on_cuda
+
+
+def test_registered_as_a_backend():
+    assert NAME in backends.BACKEND_NAMES
+    assert backends.get_backend(NAME) is torch_symm_mem.BACKEND
+
+
+class _FakeGroup:
+    group_name = "fake"
+
+    def size(self) -> int:
+        return 2
+
+
+class _CudaLike:
+    """Just enough of a CUDA tensor for the registry's automatic choice."""
+
+    device = torch.device("cuda", 0)
+    dtype = torch.float32
+    shape = (4096, 1024)
+
+    def numel(self) -> int:
+        return 4096 * 1024
+
+    def element_size(self) -> int:
+        return 4
+
+
+@contextlib.contextmanager
+def _reasons(**why: str | None) -> Iterator[None]:
+    """Backends named here report ``why`` as their unavailability (``None``: available)."""
+    objs = {name: backends.get_backend(name) for name in why}
+    for name, obj in objs.items():
+        obj.unavailable_reason = lambda group, device, _w=why[name]: _w
+    try:
+        yield
+    finally:
+        for obj in objs.values():
+            del obj.unavailable_reason
+
+
+def test_auto_on_cuda_prefers_torch_symm_mem_then_symm():
+    cuda = _CudaLike()
+    with _reasons(torch_symm_mem=None, symm=None):
+        assert backends._auto_choice("all_gather_matmul", _FakeGroup(), cuda)[0] == NAME
+    with _reasons(torch_symm_mem="no NVLink here", symm=None):
+        chosen, why = backends._auto_choice("matmul_reduce_scatter", _FakeGroup(), cuda)
+        assert chosen == "symm" and "torch_symm_mem unavailable: no NVLink here" in why
+    with _reasons(torch_symm_mem="no ops", symm="no heap"):
+        chosen, why = backends._auto_choice("all_gather_matmul", _FakeGroup(), cuda)
+        assert chosen == "pipelined", why
+        assert "symm unavailable (no heap)" in why and "torch_symm_mem unavailable (no ops)" in why
+
+
+def test_auto_on_cpu_never_asks_torch_symm_mem():
+    cpu = torch.ones(4096, 1024)
+    with _reasons(torch_symm_mem=None, symm=None):
+        assert backends._auto_choice("all_gather_matmul", _FakeGroup(), cpu)[0] == "symm"
+    with _reasons(torch_symm_mem=None, symm="no heap"):
+        assert backends._auto_choice("all_gather_matmul", _FakeGroup(), cpu)[0] == "pipelined"
+
+
+def test_enable_for_group_only_where_not_deprecated(monkeypatch):
+    symm_mem = torch.distributed._symmetric_memory
+    calls: list[str] = []
+
+    def enable(name: str) -> None:
+        calls.append(name)
+
+    monkeypatch.setattr(torch_symm_mem, "_enabled_groups", set())
+    monkeypatch.setattr(symm_mem, "enable_symm_mem_for_group", enable)
+    torch_symm_mem._enable_for_group(_FakeGroup())
+    torch_symm_mem._enable_for_group(_FakeGroup())
+    assert calls == ["fake"]  # an older torch: called once per group
+
+    enable.__deprecated__ = "no need to call this function anymore"
+    monkeypatch.setattr(torch_symm_mem, "_enabled_groups", set())
+    torch_symm_mem._enable_for_group(_FakeGroup())
+    assert calls == ["fake"]  # a newer torch: never called
+
+
+def test_return_a_keyword_detected_from_the_schema():
+    # torch 2.13 has it; the result follows the schema of whatever torch is installed.
+    schema = str(torch.ops.symm_mem.fused_all_gather_matmul.default._schema)
+    assert torch_symm_mem._takes_return_a() == ("return_A" in schema)
+
+
+# ---------------------------------------------------------------- availability on gloo ranks
+
+
+def _group_reasons() -> dict[str, str | None]:
+    group = dist.group.WORLD
+    backend = torch_symm_mem.BACKEND
+    saved = os.environ.get("LOCAL_WORLD_SIZE")
+    try:
+        out = {
+            "cpu": backend.unavailable_reason(group, torch.device("cpu")),
+            "cuda": backend.unavailable_reason(group, torch.device("cuda")),
+            "one_host": torch_symm_mem._hosts_reason(group),
+        }
+        os.environ["LOCAL_WORLD_SIZE"] = "1"  # one rank per host: the group spans every host
+        out["one_rank_per_host"] = torch_symm_mem._hosts_reason(group)
+        del os.environ["LOCAL_WORLD_SIZE"]
+        out["unset"] = torch_symm_mem._hosts_reason(group)
+    finally:
+        if saved is not None:
+            os.environ["LOCAL_WORLD_SIZE"] = saved
+    return out
+
+
+def test_unavailable_reasons_for_a_group(worlds):
+    for got in worlds(2).run(_group_reasons):
+        assert "run on CUDA tensors, not cpu" in got["cpu"]
+        assert got["cuda"] and got["cuda"] != "ok"
+        assert got["one_host"] is None
+        assert "global ranks [0, 1] span 2 hosts (LOCAL_WORLD_SIZE=1)" in got["one_rank_per_host"]
+        assert "LOCAL_WORLD_SIZE is ''" in got["unset"]
+
+
+# ---------------------------------------------------------------- the glue, with gloo fakes
+
+_calls: list[tuple] = []
+
+
+def _fake_all_gather_matmul(A, Bs, gather_dim, group_name, *, return_A=True):
+    """``A = all_gather(A_shard, dim=gather_dim)``; ``(A if return_A else None, [A @ B, ...])``."""
+    b_shapes = [tuple(b.shape) for b in Bs]
+    _calls.append(
+        ("ag", tuple(A.shape), b_shapes, gather_dim, group_name, return_A, A.is_contiguous())
+    )
+    group = _resolve_process_group(group_name)
+    lead = A.movedim(gather_dim, 0).contiguous()
+    full = lead.new_empty((group.size() * lead.shape[0], *lead.shape[1:]))
+    all_gather_single(full, lead, group)
+    full = full.movedim(0, gather_dim)
+    return (full.clone() if return_A else None), [torch.matmul(full, b) for b in Bs]
+
+
+def _fake_matmul_reduce_scatter(A, B, reduce_op, scatter_dim, group_name):
+    """``reduce_scatter(A @ B, scatter_dim, reduce_op)`` with reduce_op "sum" or "avg"."""
+    _calls.append(("rs", tuple(A.shape), tuple(B.shape), reduce_op, scatter_dim, group_name))
+    group = _resolve_process_group(group_name)
+    full = torch.matmul(A, B).movedim(scatter_dim, 0).contiguous()
+    out = full.new_empty((full.shape[0] // group.size(), *full.shape[1:]))
+    reduce_scatter_single(out, full, group)
+    if reduce_op == "avg":
+        out /= group.size()
+    return out.movedim(0, scatter_dim).contiguous()
+
+
+@contextlib.contextmanager
+def _fake_torch_ops() -> Iterator[None]:
+    """CPU kernels for torch's two fused ops, and the backend forced available, in this process."""
+    lib = torch.library.Library("symm_mem", "IMPL")
+    lib.impl("fused_all_gather_matmul", _fake_all_gather_matmul, "CPU")
+    lib.impl("fused_matmul_reduce_scatter", _fake_matmul_reduce_scatter, "CPU")
+    torch_symm_mem.BACKEND.unavailable_reason = lambda group, device: None
+    _calls.clear()
+    try:
+        yield
+    finally:
+        del torch_symm_mem.BACKEND.unavailable_reason
+        lib._destroy()  # the rank processes serve the whole session: leave no CPU kernel behind
+
+
+@dataclasses.dataclass(frozen=True)
+class AGCase:
+    shard: tuple[int, ...]
+    dim: int
+    ns: tuple[int, ...]
+    return_a: bool
+
+
+AG_CASES = [
+    AGCase((3, 5), 0, (4,), return_a=False),
+    AGCase((3, 5), 0, (2, 3, 1), return_a=True),
+    AGCase((2, 3, 6), 1, (4, 5), return_a=False),
+    AGCase((2, 3, 6), 1, (2,), return_a=True),
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class RSCase:
+    rows: tuple[int, ...]  # a's shape without K, with s in place of M (M = W * s)
+    dim: int
+    k: int
+    n: int
+    reduce_op: str
+    bias: bool
+
+
+RS_CASES = [
+    RSCase((3,), 0, 5, 4, "sum", bias=False),
+    RSCase((3,), 0, 4, 6, "avg", bias=True),
+    RSCase((2, 3), 1, 4, 5, "sum", bias=True),
+    RSCase((2, 3), 1, 3, 2, "avg", bias=False),
+]
+
+DTYPES = (torch.float64, torch.float32)
+
+
+def _data(seed: int, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(s, generator=g, dtype=torch.float64) for k, s in shapes.items()}
+
+
+def _ag_data(case: AGCase, seed: int) -> dict[str, torch.Tensor]:
+    full = list(case.shard)
+    full[case.dim] *= dist.get_world_size()
+    shapes = {"a": case.shard, "ga": tuple(full)}
+    for j, n in enumerate(case.ns):
+        shapes |= {f"b{j}": (case.shard[-1], n), f"g{j}": (*full[:-1], n)}
+    return _data(seed, shapes)
+
+
+def _rs_data(case: RSCase, seed: int) -> dict[str, torch.Tensor]:
+    rows = list(case.rows)
+    out_rows = tuple(rows)
+    rows[case.dim] *= dist.get_world_size()
+    data = _data(seed, {"a": (*rows, case.k), "b": (case.k, case.n), "g": (*out_rows, case.n)})
+    if case.bias:  # replicated: the same on every rank
+        data["bias"] = _data(7, {"bias": (case.n,)})["bias"]
+    return data
+
+
+def _cast(data, dtype, magnitude):
+    return {k: (v.abs() if magnitude else v).to(dtype) for k, v in data.items()}
+
+
+def _ag_run(case: AGCase, data, backend: str, dtype, magnitude=False) -> list[torch.Tensor]:
+    """[outs..., (A), d a_shard, d bs...] of one all_gather_matmul, forward and backward."""
+    t = _cast(data, dtype, magnitude)
+    a_shard = t["a"].clone().requires_grad_()
+    bs = [t[f"b{j}"].clone().requires_grad_() for j in range(len(case.ns))]
+    a, outs = tpk.all_gather_matmul(
+        a_shard, bs, case.dim, dist.group.WORLD, backend=backend, return_a=case.return_a
+    )
+    loss = sum((o * t[f"g{j}"]).sum() for j, o in enumerate(outs))
+    results = [o.detach() for o in outs]
+    if case.return_a:
+        loss = loss + (a * t["ga"]).sum()  # d A: the addend of the backward's reduce-scatter
+        results.append(a.detach())
+    else:
+        assert a is None
+    loss.backward()
+    return [*results, a_shard.grad, *(b.grad for b in bs)]
+
+
+def _rs_run(case: RSCase, data, backend: str, dtype, magnitude=False) -> list[torch.Tensor]:
+    """[out, d a, d b, (d bias)] of one matmul_reduce_scatter, forward and backward."""
+    t = _cast(data, dtype, magnitude)
+    a, b = t["a"].clone().requires_grad_(), t["b"].clone().requires_grad_()
+    bias = t["bias"].clone().requires_grad_() if case.bias else None
+    out = tpk.matmul_reduce_scatter(
+        a, b, case.dim, dist.group.WORLD, reduce_op=case.reduce_op, backend=backend, bias=bias
+    )
+    (out * t["g"]).sum().backward()
+    return [out.detach(), a.grad, b.grad] + ([bias.grad] if case.bias else [])
+
+
+def _expected_calls(kind: str, case) -> list[tuple]:
+    """The calls the backend should make of torch's ops for one forward and backward."""
+    world, name = dist.get_world_size(), dist.group.WORLD.group_name
+    if kind == "ag":
+        lead = list(case.shard)
+        lead.insert(0, lead.pop(case.dim))  # the gather dim moved to the front, then flattened
+        m, k = int(torch.tensor(lead[:-1]).prod()), lead[-1]
+        ns = sum(case.ns)
+        return [
+            ("ag", (m, k), [(k, n) for n in case.ns], 0, name, case.return_a, True),
+            # backward: d a_shard = rs(cat(d out_j) @ cat(b_j)^T (+ d A))
+            ("rs", (world * m, ns), (ns, k), "sum", 0, name),
+        ]
+    rows = list(case.rows)
+    rows.insert(0, rows.pop(case.dim))
+    m = int(torch.tensor(rows).prod())
+    return [
+        ("rs", (world * m, case.k), (case.k, case.n), "sum", 0, name),  # "avg" divides after
+        # backward: d a = all_gather(d out) @ b^T, with the gathered grad kept for d b
+        ("ag", (m, case.n), [(case.n, case.k)], 0, name, True, True),
+    ]
+
+
+def _run_glue(kind: str) -> list[str]:
+    rank = dist.get_rank()
+    cases, run, make = {
+        "ag": (AG_CASES, _ag_run, _ag_data),
+        "rs": (RS_CASES, _rs_run, _rs_data),
+    }[kind]
+    failures = []
+    for i, case in enumerate(cases):
+        tag = f"case {i} {case}"
+        data = make(case, 100 * i + rank)
+        truth = run(case, data, "reference", torch.float64)
+        magnitude = run(case, data, "reference", torch.float64, magnitude=True)
+        for dtype in DTYPES:
+            reference = run(case, data, "reference", dtype)
+            with _fake_torch_ops():
+                got = run(case, data, NAME, dtype)
+                calls = list(_calls)
+            if calls != _expected_calls(kind, case):
+                failures.append(f"{tag} {dtype}: calls {calls} != {_expected_calls(kind, case)}")
+            if len(got) != len(truth):
+                failures.append(f"{tag} {dtype}: {len(got)} results, expected {len(truth)}")
+            for j, (g, t, r, m) in enumerate(zip(got, truth, reference, magnitude)):
+                msg = check_close(f"result {j}", g, t, r, m)
+                if msg:
+                    failures.append(f"{tag} {dtype}: {msg}")
+    return failures
+
+
+def _assert_no_failures(per_rank: list[list[str]]) -> None:
+    lines = [f"rank {r}: {f}" for r, fails in enumerate(per_rank) for f in fails]
+    assert not lines, f"{len(lines)} mismatches:\n" + "\n".join(lines[:30])
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_all_gather_matmul_through_torch_ops(worlds, world_size):
+    _assert_no_failures(worlds(world_size).run(_run_glue, "ag"))
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_matmul_reduce_scatter_through_torch_ops(worlds, world_size):
+    _assert_no_failures(worlds(world_size).run(_run_glue, "rs"))
+
+
+def _without_return_a_keyword() -> tuple:
+    """An older torch, whose op has no ``return_A``: A comes back anyway and is dropped."""
+    saved = torch_symm_mem._takes_return_a
+    torch_symm_mem._takes_return_a = lambda: False
+    try:
+        with _fake_torch_ops():
+            a, outs = tpk.all_gather_matmul(
+                torch.ones(2, 3), [torch.ones(3, 4)], 0, dist.group.WORLD, backend=NAME
+            )
+            calls = list(_calls)
+    finally:
+        torch_symm_mem._takes_return_a = saved
+    return a, outs[0].shape, calls[0][5]
+
+
+def test_older_torch_without_return_a_keyword(worlds):
+    for a, shape, return_a in worlds(2).run(_without_return_a_keyword):
+        assert a is None and shape == (4, 4)
+        assert return_a is True  # the schema's default when the keyword is not passed
+
+
+def _fakes_removed() -> bool:
+    with _fake_torch_ops():
+        pass
+    try:
+        torch.ops.symm_mem.fused_matmul_reduce_scatter(
+            torch.ones(2, 2), torch.ones(2, 2), "sum", 0, dist.group.WORLD.group_name
+        )
+    except NotImplementedError:
+        return True
+    return False
+
+
+def test_fakes_leave_no_cpu_kernel_behind(worlds):
+    assert all(worlds(2).run(_fakes_removed))
