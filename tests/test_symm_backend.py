@@ -219,6 +219,118 @@ def test_triton_path_across_processes(worlds, world_size):
         }, (rank, result["launches"])
 
 
+# ---------------------------------------------------------------- run-ahead (one protocol)
+
+# How long the lagging rank sleeps between the two launches of each kernel: long enough for its
+# peers to finish the call and start the next one (a few interpreted launches of tiny shapes).
+LAG_S = 0.4
+
+
+@contextlib.contextmanager
+def _launched_twice(lag_rank: int):
+    """Every kernel launched twice per call, as autotuning does on a shape's first call, and
+    rank ``lag_rank`` sleeping between the two launches: its peers run ahead into the next call
+    while its second launch still waits on this call's signals."""
+    from tp_kernels import kernels
+
+    names = ("ag_matmul_consumer", "matmul_rs_producer", "reduce_slots")
+    originals = {name: getattr(kernels, name) for name in names}
+
+    def twice(launch):
+        def run(*args, **kwargs):
+            launch(*args, **kwargs)
+            if dist.get_rank() == lag_rank:
+                time.sleep(LAG_S)
+            launch(*args, **kwargs)
+
+        return run
+
+    for name, launch in originals.items():
+        setattr(kernels, name, twice(launch))
+    try:
+        yield
+    finally:
+        for name, launch in originals.items():
+            setattr(kernels, name, launch)
+
+
+# Which of two groups each call uses: runs of calls on one group (where a fast peer can reach the
+# next call of the same group) and switches between them.
+GROUP_PATTERN = (0, 0, 1, 0, 1, 1, 0, 0, 0, 1, 0, 1, 1, 1, 0, 1, 0, 0, 1, 1, 0, 1)
+
+
+def _run_ahead(lag_rank: int, channels: tuple[int, int], timeout_s: float, calls: int) -> dict:
+    """``calls`` consecutive calls through the symm backend's Triton path (AG, AG, RS, ...) on two
+    process groups used in :data:`GROUP_PATTERN`, shapes growing and shrinking, with
+    :func:`_launched_twice`. Returns the problems, the first error, and each call's start and
+    end time on this rank (to show that peers really ran ahead)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    groups = [dist.new_group(list(range(world))) for _ in range(2)]
+    saved_channels, saved_timeout = symm_backend._KERNEL_CHANNELS, symm.get_timeout()
+    symm_backend._KERNEL_CHANNELS = channels
+    symm.set_timeout(timeout_s)
+    report: dict = {"problems": [], "error": None, "times": []}
+    try:
+        with _triton_path(), _launched_twice(lag_rank):
+            for i in range(calls):
+                group = groups[GROUP_PATTERN[i % len(GROUP_PATTERN)]]
+                m, k, n = 2 + (i * 7) % 9, 6 + (i * 5) % 13, 3 + (i * 3) % 11
+                dtype = (torch.float32, torch.float16, torch.bfloat16)[i % 3]
+                where = f"call {i} (group {GROUP_PATTERN[i % len(GROUP_PATTERN)]}, m={m})"
+                start = time.time()
+                if i % 3 != 2:
+                    shards, bs = _ag_problem(i, world, m, k, (n, n + 2), dtype)
+                    a, outs = BACKEND.all_gather_matmul(shards[rank], bs, group, return_a=True)
+                    report["problems"] += _ag_check(where, a, outs, shards, bs)
+                else:
+                    parts = _rs_problem(i, world, m, k, n, dtype, False)
+                    out = BACKEND.matmul_reduce_scatter(parts[rank]["a"], parts[rank]["b"], group)
+                    if problem := _rs_check(where, out, parts, m):
+                        report["problems"].append(problem)
+                report["times"].append((start, time.time()))
+    except symm.SymmTimeoutError as exc:
+        report["error"] = str(exc)
+    finally:
+        symm_backend._KERNEL_CHANNELS = saved_channels
+        symm.set_timeout(saved_timeout)
+        for group in groups:
+            dist.destroy_process_group(group)
+    return report
+
+
+def _ran_ahead(reports: list[dict], lag_rank: int) -> bool:
+    """Whether some peer started a call before the lagging rank had finished the previous one."""
+    lagging = reports[lag_rank]["times"]
+    return any(
+        r["times"][i + 1][0] < lagging[i][1]
+        for s, r in enumerate(reports)
+        if s != lag_rank
+        for i in range(min(len(lagging), len(r["times"]) - 1))
+    )
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_triton_path_survives_a_lagging_rank(worlds, world_size):
+    """The race of one signal word per source: peers run ahead by a call while the lagging rank
+    launches each kernel a second time. With the channels alternating by call parity, 22 calls
+    on two groups all give the right values; the peers did run ahead."""
+    reports = worlds(world_size).run(_run_ahead, 0, symm_backend._KERNEL_CHANNELS, 60.0, 22)
+    for rank, report in enumerate(reports):
+        assert report["error"] is None and report["problems"] == [], (rank, report)
+        assert len(report["times"]) == 22
+    assert _ran_ahead(reports, 0), [r["times"] for r in reports]
+
+
+def test_one_channel_loses_the_lagging_rank(worlds):
+    """The control that shows the test above exercises the race: with both parities on ONE
+    channel (the protocol before the fix), the lagging rank's second launch waits for a word its
+    peer has already overwritten with the next call's epoch, and runs into its deadline."""
+    reports = worlds(2).run(_run_ahead, 0, (2, 2), 3.0, 2)
+    error = reports[0]["error"]
+    assert error is not None and "signal of rank(s) [1]" in error, reports[0]
+    assert "never came" in error, error
+
+
 # ---------------------------------------------------------------- mismatched calls
 
 
