@@ -8,9 +8,10 @@ views) or through raw addresses (:meth:`SymmWorkspace.buffer_ptrs`,
 
 Two implementations sit behind the one interface:
 
-- CUDA: ``torch.distributed._symmetric_memory`` (``empty`` + ``rendezvous``). Signal operations are
-  kernels queued on the current stream; a wait past its timeout traps on the device (a CUDA error
-  from torch), it cannot raise :class:`SymmTimeoutError`.
+- CUDA: ``torch.distributed._symmetric_memory`` (``empty`` + ``rendezvous``) with torch's ``CUDA``
+  backend, on a group of any backend (gloo or NCCL) whose ranks all run on this host. Signal
+  operations are kernels queued on the current stream; a wait past its timeout traps on the device
+  (a CUDA error from torch), it cannot raise :class:`SymmTimeoutError`.
 - CPU: the POSIX shared-memory heap of the native extension ``tp_kernels._C``: one segment per rank,
   mapped by every rank of the group, which must all run on this host. Each segment's name is
   unlinked as soon as every rank has mapped it, so a crash leaves nothing in ``/dev/shm``. Waits
@@ -23,17 +24,19 @@ it to 1 (release), :meth:`~SymmWorkspace.wait_signal` waits until it is 1 and se
 (acquire). So a signal is never lost or counted twice, and pads are all zero between rounds.
 
 Collective rules: :func:`get_workspace` allocates collectively (the first time for a
-``(group, tag, device)``, and again whenever ``nbytes`` exceeds the current size). Every rank of the
-group must make the same sequence of calls with the same ``nbytes`` and ``tag``. A size mismatch
-at an allocation is detected and raises on every rank; a mismatch that makes some ranks allocate
-and others not cannot be detected without a collective per call, and ends at the process group's
-timeout.
+``(group, tag, device)``, and again, to at least twice the size, whenever ``nbytes`` exceeds the
+current size). Every rank of the group must make the same sequence of calls with the same
+``nbytes`` and ``tag``. A size mismatch at an allocation is detected and raises on every rank; a
+mismatch that makes some ranks allocate and others not cannot be detected without a collective
+per call, and ends at the process group's timeout.
 """
 
 from __future__ import annotations
 
 import abc
 import atexit
+import contextlib
+import importlib
 import math
 import os
 import socket
@@ -148,6 +151,11 @@ def _native() -> ModuleType | None:
 
 
 def _as_device(device: torch.device | str | int, argument: str = "device") -> torch.device:
+    """``device`` as a :class:`torch.device`; a CUDA device without an index gets the current one.
+
+    A given index is kept as it is: the workspace lives on the tensors' own device, which need not
+    be the current one.
+    """
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
@@ -157,6 +165,58 @@ def _as_device(device: torch.device | str | int, argument: str = "device") -> to
     if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return dev
+
+
+def _env_int(name: str) -> int | None:
+    """A non-negative integer environment variable (as torchrun sets them), else ``None``."""
+    raw = os.environ.get(name, "")
+    return int(raw) if raw.isdigit() else None
+
+
+def _spans_hosts_reason(group: dist.ProcessGroup | None, what: str) -> str | None:
+    """Why ``group`` is known to span more than one host, from local facts only; else ``None``.
+
+    Symmetric memory maps every peer's memory into this process, which both implementations can do
+    only for ranks on this host (POSIX shared memory; CUDA IPC handles passed over Unix sockets).
+    torchrun sets ``LOCAL_WORLD_SIZE`` (ranks on this host) and numbers the ranks host by host, so
+    when every host runs ``LOCAL_WORLD_SIZE`` ranks, global rank ``g`` runs on host
+    ``g // LOCAL_WORLD_SIZE``. That layout is trusted only where what torchrun says of this
+    process (``LOCAL_RANK``, ``GROUP_RANK``, ``GROUP_WORLD_SIZE``, when set) fits it; otherwise the
+    one certain fact is that a group larger than ``LOCAL_WORLD_SIZE`` cannot fit on one host.
+    Without ``LOCAL_WORLD_SIZE`` nothing is known here, and :func:`get_workspace` compares
+    hostnames when it allocates.
+    """
+    local = _env_int("LOCAL_WORLD_SIZE")
+    if group is None or not local:
+        return None
+    if group.size() > local:
+        return (
+            f"the group has {group.size()} ranks but only LOCAL_WORLD_SIZE={local} run on this "
+            f"host; {what} needs every rank of the group on one host"
+        )
+    try:
+        ranks = list(dist.get_process_group_ranks(group))
+        rank, world = dist.get_rank(), dist.get_world_size()
+    except (KeyError, RuntimeError, ValueError):
+        return None  # not a group of the default world: nothing more is known locally
+    hosts = _env_int("GROUP_WORLD_SIZE")  # torchrun: the number of hosts (agents)
+    local_rank, host = _env_int("LOCAL_RANK"), _env_int("GROUP_RANK")
+    uniform = (
+        world % local == 0
+        and (hosts is None or hosts * local == world)
+        and (local_rank is None or rank % local == local_rank)
+        and (host is None or rank // local == host)
+    )
+    if not uniform:
+        return None
+    by_host = sorted({g // local for g in ranks})
+    if len(by_host) == 1:
+        return None
+    return (
+        f"the group's ranks (global ranks {ranks}) run on hosts {by_host}: with "
+        f"LOCAL_WORLD_SIZE={local} ranks on every host, global rank g runs on host g // {local}; "
+        f"{what} needs every rank of the group on one host"
+    )
 
 
 def _cpu_unavailable_reason(group: dist.ProcessGroup | None) -> str | None:
@@ -169,13 +229,86 @@ def _cpu_unavailable_reason(group: dist.ProcessGroup | None) -> str | None:
         )
     if not os.path.isdir("/dev/shm"):
         return "/dev/shm does not exist, so POSIX shared memory is unavailable"
-    local = os.environ.get("LOCAL_WORLD_SIZE", "")
-    if group is not None and local.isdigit() and group.size() > int(local):
-        return (
-            f"the group has {group.size()} ranks but only LOCAL_WORLD_SIZE={local} run on this "
-            "host; the CPU heap needs every rank of the group on this host"
+    return _spans_hosts_reason(group, "the CPU heap (POSIX shared memory)")
+
+
+def _symm_mem() -> ModuleType:
+    """``torch.distributed._symmetric_memory`` (looked up in ``sys.modules`` first, like any
+    import)."""
+    return importlib.import_module("torch.distributed._symmetric_memory")
+
+
+# What tp_kernels uses of torch's symmetric memory: the module's allocation and rendezvous, and on
+# the rendezvous handle the peers' addresses, the pad size and the signal operations. All exist
+# from torch 2.7 on. ``signal_pad_size`` is a property of each handle up to torch 2.9 and a static
+# property of the handle class (readable through a handle) since 2.10, which also added the
+# module-level get_signal_pad_size(); only the handle's attribute exists in every supported
+# version.
+_MODULE_API = ("empty", "rendezvous")
+_HANDLE_API = (
+    "buffer_ptrs",
+    "signal_pad_ptrs",
+    "signal_pad_size",
+    "get_buffer",
+    "put_signal",
+    "wait_signal",
+    "barrier",
+)
+
+# The symmetric-memory backend that tp_kernels' kernels can use. They need every peer's buffer and
+# signal pad mapped into this process (``handle.buffer_ptrs`` / ``signal_pad_ptrs``) and the
+# handle's put_signal / wait_signal / barrier working on those pad words. torch's "CUDA" backend
+# provides all of it. What the others lack, as of torch's sources:
+_SUPPORTED_BACKEND = "CUDA"
+_BACKEND_GAPS = {
+    "NVSHMEM": (
+        "its handles' put_signal, wait_signal and barrier do nothing (not implemented in torch), "
+        "and a peer on another node has no address here"
+    ),
+    "NCCL": (
+        "its handles give peer addresses only with NCCL's device API (NCCL >= 2.28), signal "
+        "through NCCL's own signals instead of the pad words the kernels use, and have no barrier"
+    ),
+}
+
+
+def _symm_mem_backend(symm_mem: ModuleType, device: torch.device) -> str | None:
+    """The name of torch's symmetric-memory backend for ``device`` (``None``: none registered).
+
+    torch >= 2.9 says it (``get_backend``, chosen by ``set_backend`` or ``TORCH_SYMMMEM``); torch
+    2.8 chooses it once from ``TORCH_SYMMMEM`` (default ``CUDA``) and cannot be asked; torch 2.7
+    (no NVSHMEM, no ``is_nvshmem_available``) has only the ``CUDA`` backend.
+    """
+    if hasattr(symm_mem, "get_backend"):
+        return symm_mem.get_backend(device)
+    if hasattr(symm_mem, "is_nvshmem_available"):
+        return os.environ.get("TORCH_SYMMMEM", _SUPPORTED_BACKEND)
+    return _SUPPORTED_BACKEND
+
+
+def _backend_reason(symm_mem: ModuleType, device: torch.device) -> str | None:
+    backend = _symm_mem_backend(symm_mem, device)
+    if backend == _SUPPORTED_BACKEND:
+        return None
+    if hasattr(symm_mem, "set_backend"):
+        how = (
+            f"call torch.distributed._symmetric_memory.set_backend({_SUPPORTED_BACKEND!r}) before "
+            f"this process's first symmetric allocation, or start it with "
+            f"TORCH_SYMMMEM={_SUPPORTED_BACKEND}"
         )
-    return None
+    else:
+        how = f"start the process with TORCH_SYMMMEM={_SUPPORTED_BACKEND}"
+    if backend is None:
+        return (
+            f"torch {torch.__version__} has no symmetric-memory backend for {device}; tp_kernels "
+            f"needs the {_SUPPORTED_BACKEND!r} backend (if this build has it: {how})"
+        )
+    gap = _BACKEND_GAPS.get(backend, "tp_kernels' kernels were not written for it")
+    return (
+        f"torch's symmetric-memory backend for {device} is {backend!r}, and {gap}; tp_kernels "
+        f"needs the {_SUPPORTED_BACKEND!r} backend, whose handles map every peer's buffer and "
+        f"signal pad into this process: {how}"
+    )
 
 
 def _cuda_unavailable_reason(device: torch.device, group: dist.ProcessGroup | None) -> str | None:
@@ -184,16 +317,26 @@ def _cuda_unavailable_reason(device: torch.device, group: dist.ProcessGroup | No
     if device.index is not None and device.index >= torch.cuda.device_count():
         return f"{device} does not exist: this process sees {torch.cuda.device_count()} GPUs"
     try:
-        import torch.distributed._symmetric_memory as symm_mem
+        symm_mem = _symm_mem()
     except ImportError as exc:
         return f"torch.distributed._symmetric_memory cannot be imported ({exc})"
-    if not hasattr(symm_mem, "get_signal_pad_size"):
-        return f"torch {torch.__version__} is too old: its symmetric memory has no signal pad size"
-    if group is not None and "nccl" not in str(dist.get_backend(group)):
+    handle_class = getattr(symm_mem, "_SymmetricMemory", None)
+    missing = [name for name in _MODULE_API if not hasattr(symm_mem, name)]
+    missing += [f"handle.{name}" for name in _HANDLE_API if not hasattr(handle_class, name)]
+    if missing:
         return (
-            f"the group's backend is {dist.get_backend(group)!r}; CUDA symmetric memory needs NCCL"
+            f"torch {torch.__version__}'s symmetric memory lacks {', '.join(missing)}, which "
+            "tp_kernels uses (present from torch 2.7 on)"
         )
-    return None
+    why = _backend_reason(symm_mem, device)
+    if why is not None:
+        return why
+    # No check of the group's backend: the CUDA backend's rendezvous exchanges what it needs
+    # through the group's store (any group: gloo or NCCL) and passes CUDA IPC handles (file
+    # descriptors) over Unix sockets between the ranks' processes, which is why all of them must
+    # run on one host. (Recent torch can also use fabric handles across the hosts of one NVLink
+    # domain; tp_kernels keeps to the one-host rule, which it can check.)
+    return _spans_hosts_reason(group, "CUDA symmetric memory (peers' memory mapped over CUDA IPC)")
 
 
 def symm_unavailable_reason(
@@ -201,9 +344,11 @@ def symm_unavailable_reason(
 ) -> str | None:
     """Why symmetric memory cannot be used on ``device`` (and ``group``); ``None`` if it can.
 
-    Only local facts are checked (no communication). On the CPU, that every rank of the group runs
-    on this host is checked against ``LOCAL_WORLD_SIZE`` here when it is set, and for certain (a
-    hostname exchange) by :func:`get_workspace`.
+    Only local facts are checked (no communication). That every rank of the group runs on this
+    host is checked here from torchrun's ``LOCAL_WORLD_SIZE`` when it is set (see
+    :func:`_spans_hosts_reason`), and for certain (a hostname exchange) by :func:`get_workspace`.
+    On CUDA, the group may have any backend (gloo or NCCL); torch's symmetric memory must use its
+    ``CUDA`` backend.
     """
     dev = _as_device(device)
     if dev.type == "cpu":
@@ -420,14 +565,20 @@ class _CudaWorkspace(SymmWorkspace):
     """CUDA implementation: a thin layer over ``torch.distributed._symmetric_memory``."""
 
     def __init__(self, group: dist.ProcessGroup, nbytes: int, device: torch.device) -> None:
-        import torch.distributed._symmetric_memory as symm_mem
-
-        tensor = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
-        handle = symm_mem.rendezvous(tensor, group)
+        symm_mem = _symm_mem()
+        # On ``device``, not the current device: since torch 2.11 symm_mem.empty allocates from a
+        # memory pool that it activates for the current device only.
+        with torch.cuda.device(device):
+            tensor = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+            handle = symm_mem.rendezvous(tensor, group)
+        # The pad size this allocation got, read once: the handle's attribute exists in every
+        # supported torch (symm_mem.get_signal_pad_size only since 2.10), and from 2.10 on it
+        # reports the process-wide setting, which a later set_signal_pad_size could change.
+        pad_bytes = int(handle.signal_pad_size)
         super().__init__(
             group,
             nbytes=nbytes,
-            num_signals=symm_mem.get_signal_pad_size() // (_SIGNAL_WORD_BYTES * group.size()),
+            num_signals=pad_bytes // (_SIGNAL_WORD_BYTES * group.size()),
             device=device,
             buffer_ptrs=list(handle.buffer_ptrs),
             signal_pad_ptrs=list(handle.signal_pad_ptrs),
@@ -472,6 +623,24 @@ _workspaces: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple[str, str], 
 _workspaces = weakref.WeakKeyDictionary()
 atexit.register(_workspaces.clear)
 
+# group -> the CUDA workspaces that a larger one replaced, kept until the group goes. A rank's
+# host runs ahead of its GPU: when the ranks agree to grow, a peer's kernels of an earlier call
+# may still be reading this rank's old buffer, writing into it, or signalling on its pad. Since
+# torch 2.11, symm_mem.empty allocates from a memory pool, so a freed buffer can be handed to the
+# next symmetric tensor while those kernels still run: a use-after-free on the GPU that no error
+# reports. (Before, the free waits for this rank's own device only, not for the peers'.) Knowing
+# that every peer's kernels are done would take a synchronization of every rank's device. Growth
+# at least doubles (see get_workspace), so what is kept is smaller than the newest workspace. On
+# the CPU nothing is kept: every wait and copy there is done when the call returns, and
+# get_workspace's exchange cannot complete before every peer has entered it.
+_replaced: weakref.WeakKeyDictionary[dist.ProcessGroup, list[SymmWorkspace]]
+_replaced = weakref.WeakKeyDictionary()
+atexit.register(_replaced.clear)
+
+
+# torch's CUDA rendezvous refuses ranks whose (host, device index) coincide unless this is "1".
+_ALLOW_SHARED_GPU = "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"
+
 
 def _all_gather(group: dist.ProcessGroup, obj: Any) -> list[Any]:
     out: list[Any] = [None] * group.size()
@@ -488,6 +657,7 @@ def _agree(group: dist.ProcessGroup, nbytes: int, device: torch.device, tag: str
         "nbytes": nbytes,
         "tag": tag,
         "device": device.type,
+        "index": device.index,
         "host": socket.gethostname(),
         "uid": uuid.uuid4().hex,
     }
@@ -505,10 +675,22 @@ def _agree(group: dist.ProcessGroup, nbytes: int, device: torch.device, tag: str
                 "group must ask for the same workspace"
             )
     hosts = [i["host"] for i in infos]
-    if device.type == "cpu" and len(set(hosts)) > 1:
+    if len(set(hosts)) > 1:
         raise RuntimeError(
-            f"{where}: the CPU heap needs every rank on one host, but the ranks run on {hosts}"
+            f"{where}: symmetric memory needs every rank on one host, but the ranks run on {hosts}"
         )
+    if device.type == "cuda" and os.environ.get(_ALLOW_SHARED_GPU) != "1":
+        # torch's rendezvous refuses two ranks on one GPU unless told otherwise; say how here.
+        indices = [i["index"] for i in infos]
+        shared = {d: [r for r, x in enumerate(indices) if x == d] for d in set(indices)}
+        shared = {d: ranks for d, ranks in shared.items() if len(ranks) > 1}
+        if shared:
+            details = "; ".join(f"ranks {ranks} use cuda:{d}" for d, ranks in shared.items())
+            raise RuntimeError(
+                f"{where}: {details}, and CUDA symmetric memory refuses ranks that share a GPU "
+                f"unless {_ALLOW_SHARED_GPU}=1 is set in every rank (as for several ranks on one "
+                "GPU, or ranks that each see a different GPU under the same index)"
+            )
     return infos[0]["uid"]
 
 
@@ -554,6 +736,23 @@ def _allocate_shm(group: dist.ProcessGroup, nbytes: int, uid: str) -> _ShmWorksp
     return workspace
 
 
+def _on_device(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """``device`` made the current CUDA device, where it exists; else nothing changes.
+
+    The agreement's object collective (on an NCCL group) and torch's symmetric allocation work on
+    the current device, and the workspace belongs on ``device``, which need not be the current one.
+    A device that does not exist is left to the agreement, which reports it on every rank.
+    """
+    if (
+        device.type == "cuda"
+        and device.index is not None
+        and torch.cuda.is_available()
+        and device.index < torch.cuda.device_count()
+    ):
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
 def get_workspace(
     group: dist.ProcessGroup,
     nbytes: int,
@@ -564,9 +763,12 @@ def get_workspace(
     """The symmetric workspace of ``(group, tag, device)`` with room for at least ``nbytes`` bytes.
 
     Collective when it allocates: the first call for a ``(group, tag, device)``, and every call
-    whose ``nbytes`` exceeds the current workspace's (the new workspace replaces the old one in the
-    cache; tensors viewing the old one stay valid but are no longer shared). Calls that fit return
-    the cached workspace without communicating. Every rank must ask the same ``nbytes``.
+    whose ``nbytes`` exceeds the current workspace's. Growth is to at least twice the current
+    size, so a slowly growing shape reallocates only O(log) times. The new workspace replaces the
+    old one in the cache: tensors viewing the old one stay valid but are no longer shared; on CUDA
+    the old one is kept until the group goes, since peers' kernels may still use it (see
+    :data:`_replaced`). Calls that fit return the cached workspace without communicating. Every
+    rank must ask the same ``nbytes``.
     """
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group: expected a torch.distributed.ProcessGroup, got {group!r}")
@@ -580,10 +782,16 @@ def get_workspace(
     current = per_group.get(key)
     if current is not None and current.nbytes >= nbytes:
         return current
-    uid = _agree(group, nbytes, dev, tag)
-    if dev.type == "cpu":
-        workspace: SymmWorkspace = _allocate_shm(group, nbytes, uid)
-    else:
-        workspace = _CudaWorkspace(group, nbytes, dev)
+    # The ranks agree on what was asked; the size follows from it and from the current size,
+    # which every rank has the same.
+    size = nbytes if current is None else max(nbytes, 2 * current.nbytes)
+    with _on_device(dev):
+        uid = _agree(group, nbytes, dev, tag)  # raises on every rank if any rank cannot allocate
+        if dev.type == "cpu":
+            workspace: SymmWorkspace = _allocate_shm(group, size, uid)
+        else:
+            workspace = _CudaWorkspace(group, size, dev)
+    if dev.type == "cuda" and current is not None:
+        _replaced.setdefault(group, []).append(current)
     per_group[key] = workspace
     return workspace

@@ -70,7 +70,9 @@ the group's own threads (gloo) or stream (NCCL) and overlaps as well.
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 import weakref
 from collections.abc import Callable, Sequence
 
@@ -179,6 +181,33 @@ def _state(group: dist.ProcessGroup, device: torch.device) -> _GroupState:
     return per_group[key]
 
 
+def unraised_timeouts() -> list[str]:
+    """The deadline errors that kernels recorded and no later call raised (a group's last call
+    timed out): each group's status, read after its device has finished."""
+    found = []
+    for group, per_device in list(_states.items()):
+        for device, state in per_device.items():
+            if state.status is None or state.broken is not None:
+                continue
+            if device.startswith("cuda"):
+                torch.cuda.synchronize(device)  # every wait ends at its deadline: no hang
+            if state.status.any():
+                peers = [s for s, epoch in enumerate(state.status.tolist()) if epoch]
+                found.append(
+                    f"tp_kernels symm: on group {group.group_name!r} ({device}) a kernel waited "
+                    f"past its deadline for rank(s) {peers} (status {state.status.tolist()}); "
+                    "that call's results are undefined"
+                )
+    return found
+
+
+@atexit.register
+def _report_unraised_timeouts() -> None:
+    # An error the next call would have raised must not vanish with the process.
+    for message in unraised_timeouts():
+        print(message, file=sys.stderr)
+
+
 def _use_triton(device: torch.device, dtype: torch.dtype) -> bool:
     if dtype not in _KERNEL_DTYPES:
         return False
@@ -215,7 +244,8 @@ class _Call:
         self.group = group
         self.rank, self.world = group.rank(), group.size()
         self.op = op
-        self.raise_recorded_timeout()
+        if state.broken is None:
+            self.raise_recorded_timeout()
         if state.broken is not None:
             raise RuntimeError(
                 f"symm {_OP_NAMES[op]} on group {group.group_name!r}: an earlier call on this "
@@ -349,7 +379,8 @@ class _Call:
         except kernels.PeerWaitTimeout as exc:
             self.state.broken = str(exc)
             raise symm.SymmTimeoutError(
-                f"{self.where}: {exc}",
+                f"{exc} (recorded by a kernel; raised by the next symm call on the group, "
+                f"{_OP_NAMES[self.op]})",
                 peer=exc.peers[0],
                 channel=exc.channel,
                 timeout_s=exc.timeout_s,

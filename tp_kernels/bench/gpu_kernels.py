@@ -18,9 +18,9 @@ Each launcher first runs once and is checked: the GEMMs against ``torch.mm`` wit
 slot divided by 1 is the slot), the signals by reading the pad. A launcher whose check fails is
 not timed. Then ``--warmup`` calls (the first call of an autotuned kernel also autotunes it) and
 ``--reps`` calls, each between two CUDA events; the table shows the median and the 20th/80th
-percentiles. Timed calls go through the public launchers as the symm backend makes them (with
-``check=False``; every returned status is checked once at the end), so host work inside a
-launcher, such as building its address tables on the device, is part of the time.
+percentiles. Timed calls go through the public launchers as the symm backend makes them (address
+tables, timeout status and tile counters made once; the status, in host memory, is read once at
+the end), so host work inside a launcher is part of the time.
 
 Exit status: 0 when every check passes, 1 when one fails, 2 for bad arguments. Without a CUDA
 device it prints ``no CUDA device: nothing to measure`` and exits 0. ``--device cpu`` runs the
@@ -195,7 +195,8 @@ class Problem:
         self.a_ptrs = self._table(self.a)
         self.slot_ptrs = self._table(self.slots)
         self.pad_ptrs = self._table(self.pad)
-        self.statuses: list[torch.Tensor] = []
+        self.status = kernels_module().new_status(1, device)
+        self.counters = kernels_module().new_counters(1, device)
         self.flops = 2.0 * m * n * k
         self.out_bytes = 2.0 * self.want.numel() * self.want.element_size()
 
@@ -204,30 +205,32 @@ class Problem:
         return torch.tensor([t.data_ptr()], dtype=torch.int64, device=t.device)
 
     def timed_out(self) -> bool:
-        """Whether any wait of any call so far ran past its deadline."""
-        return any(bool(s.any()) for s in self.statuses)
+        """Whether any wait of any call so far ran past its deadline (host memory: no sync)."""
+        return bool(self.status.any())
+
+
+def kernels_module():
+    """:mod:`tp_kernels.kernels`, imported on first use (it imports Triton)."""
+    from tp_kernels import kernels
+
+    return kernels
 
 
 def launchers(p: Problem) -> dict[str, Callable[[], None]]:
-    """Zero-argument calls of each launcher on ``p`` (and of ``torch.mm``), by kernel name.
-
-    Imports :mod:`tp_kernels.kernels`, hence Triton."""
-    from tp_kernels import kernels
-
+    """Zero-argument calls of each launcher on ``p`` (and of ``torch.mm``), by kernel name."""
+    kernels = kernels_module()
     one = {"rank": 0, "world_size": 1, "epoch": EPOCH}
-    wait = {"timeout_s": WAIT_TIMEOUT_S, "check": False}
+    wait = {"timeout_s": WAIT_TIMEOUT_S, "status": p.status}
     return {
         "signal_ready": lambda: kernels.signal_ready(p.pad_ptrs, channel=AG_CHANNEL, **one),
-        "ag_matmul_consumer": lambda: p.statuses.append(
-            kernels.ag_matmul_consumer(
-                p.a_ptrs, p.pad_ptrs, [p.b], [p.c], channel=AG_CHANNEL, **one, **wait
-            )
+        "ag_matmul_consumer": lambda: kernels.ag_matmul_consumer(
+            p.a_ptrs, p.pad_ptrs, [p.b], [p.c], channel=AG_CHANNEL, **one, **wait
         ),
         "matmul_rs_producer": lambda: kernels.matmul_rs_producer(
-            p.a, p.b, p.slot_ptrs, p.pad_ptrs, channel=RS_CHANNEL, **one
+            p.a, p.b, p.slot_ptrs, p.pad_ptrs, counters=p.counters, channel=RS_CHANNEL, **one
         ),
-        "reduce_slots": lambda: p.statuses.append(
-            kernels.reduce_slots(p.slots, p.reduced, p.pad_ptrs, channel=RS_CHANNEL, **one, **wait)
+        "reduce_slots": lambda: kernels.reduce_slots(
+            p.slots, p.reduced, p.pad_ptrs, channel=RS_CHANNEL, **one, **wait
         ),
         BASELINE: lambda: torch.mm(p.a, p.b, out=p.c),
     }

@@ -1,0 +1,161 @@
+"""Rules of the GPU path that a CPU can check: what the CUDA launches and the symm backend do
+without a device (TF32 setting, specialization, launch device, graph capture, deferred timeout
+errors). The protocol itself runs in test_kernels.py and test_symm_backend.py (interpreter), the
+PTX in test_compile_check.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+# The ranks import this module; the interpreter must be chosen before triton is first imported.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from tp_kernels import symm  # noqa: E402
+from tp_kernels.backends import symm as symm_backend  # noqa: E402
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter without TRITON_INTERPRET (kernels built for a GPU)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_fp32_precision_set_the_new_way_is_read_without_raising():
+    """torch >= 2.9: once a user sets ``fp32_precision``, reading ``allow_tf32`` raises; the
+    kernels' choice of tl.dot precision must follow the new setting instead."""
+    done = _python(
+        """
+        import torch
+        from tp_kernels import kernels
+        matmul = torch.backends.cuda.matmul
+        if not hasattr(matmul, "fp32_precision"):
+            print("no fp32_precision"); raise SystemExit
+        for setting, want in (("tf32", "tf32"), ("ieee", "ieee")):
+            matmul.fp32_precision = setting
+            print(setting, kernels.dot_precision(torch.float32) == want)
+        print("fp16", kernels.dot_precision(torch.float16))
+        """
+    )
+    assert done.returncode == 0, done.stderr
+    if "no fp32_precision" not in done.stdout:
+        assert done.stdout.split() == ["tf32", "True", "ieee", "True", "fp16", "None"]
+
+
+def test_call_varying_scalars_are_never_specialized():
+    """Triton compiles a new variant for an int argument equal to 1 or a multiple of 16 unless
+    it is in ``do_not_specialize``: rank, channel, epoch (the call number), the status address
+    and the deadline must not be, or calls 1, 16, 32, ... would each compile mid-run."""
+    done = _python(
+        """
+        from tp_kernels import kernels
+        from tp_kernels.kernels import ag_matmul, matmul_rs
+        kernels_ = [ag_matmul._signal_ready_kernel, ag_matmul._ag_matmul_kernel.fn,
+                    matmul_rs._matmul_rs_kernel, matmul_rs._reduce_slots_kernel.fn]
+        for k in kernels_:
+            for p in k.params:
+                if p.name in kernels.VARYING_ARGS:
+                    print(k.__name__, p.name, p.do_not_specialize)
+        """
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.split("\n")
+    seen = [line for line in lines if line]
+    assert len(seen) == 3 + 5 + 3 + 5, seen  # every varying argument of every kernel
+    assert all(line.endswith(" True") for line in seen), seen
+
+
+def test_kernels_launch_on_the_operands_device(monkeypatch):
+    from tp_kernels import kernels
+
+    entered = []
+
+    class Recorder:
+        def __init__(self, device):
+            entered.append(device)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(torch.cuda, "device", Recorder)
+    with kernels.on_device(torch.device("cuda", 3)):
+        pass
+    with kernels.on_device(torch.device("cpu")):
+        pass
+    assert entered == [torch.device("cuda", 3)]
+
+
+class _Group:
+    group_name = "tp"
+
+
+def test_graph_capture_is_refused_before_anything_runs(monkeypatch):
+    """A captured graph would replay the epochs of the capture and wait for stale signals: the
+    symm backend refuses, on CUDA, before it allocates, signals or launches anything."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+
+    def no_state(*args):
+        raise AssertionError("touched the group's state")
+
+    monkeypatch.setattr(symm_backend, "_state", no_state)
+    with pytest.raises(RuntimeError, match=r"cannot be captured in a CUDA graph.*nothing was"):
+        symm_backend._Call(
+            _Group(), torch.device("cuda", 0), symm_backend._AG, torch.float16, (8, 4, 0), 64
+        )
+
+
+def _recorded_timeout_raises_at_next_call() -> dict:
+    """Rank 0 finds a timeout that a kernel recorded for rank 1 and raises at its next call,
+    without communicating: rank 1 does not call at all."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(list(range(world)))
+    report: dict = {}
+    try:
+        os.environ["TP_KERNELS_SYMM_TRITON"] = "1"
+        a = torch.ones(4, 8)
+        bs = [torch.ones(8, 3)]
+        symm_backend.BACKEND.all_gather_matmul(a, bs, group, return_a=False)  # sets up
+        dist.barrier()
+        if rank == 0:
+            status, _ = symm_backend._state(group, torch.device("cpu")).kernel_state()
+            status[1] = 7  # what a kernel stores when its wait for rank 1's epoch 7 timed out
+            report["unraised"] = symm_backend.unraised_timeouts()
+            try:
+                symm_backend.BACKEND.all_gather_matmul(a, bs, group, return_a=False)
+            except symm.SymmTimeoutError as exc:
+                report |= {"error": str(exc), "peer": exc.peer}
+            try:
+                symm_backend.BACKEND.all_gather_matmul(a, bs, group, return_a=False)
+            except RuntimeError as exc:
+                report["next"] = str(exc)
+            report["after_raise"] = symm_backend.unraised_timeouts()
+        dist.barrier()
+    finally:
+        del os.environ["TP_KERNELS_SYMM_TRITON"]
+        dist.destroy_process_group(group)
+    return report
+
+
+def test_recorded_timeout_is_raised_at_the_next_call(worlds):
+    report = worlds(2).run(_recorded_timeout_raises_at_next_call)[0]
+    assert report["peer"] == 1, report
+    assert "signal of rank(s) [1] (epoch 7" in report["error"], report["error"]
+    assert "cannot use the symm backend any more" in report["next"], report
+    # Until raised, the record is what the exit report prints; once raised, it is not repeated.
+    assert len(report["unraised"]) == 1 and "rank(s) [1]" in report["unraised"][0], report
+    assert report["after_raise"] == [], report
