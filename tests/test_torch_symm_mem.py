@@ -154,7 +154,7 @@ def test_unavailable_reasons_for_a_group(worlds):
         assert "run on CUDA tensors, not cpu" in got["cpu"]
         assert got["cuda"] and got["cuda"] != "ok"
         assert got["one_host"] is None
-        assert "global ranks [0, 1] span 2 hosts (LOCAL_WORLD_SIZE=1)" in got["one_rank_per_host"]
+        assert "2 ranks but only LOCAL_WORLD_SIZE=1 run on this host" in got["one_rank_per_host"]
         assert "LOCAL_WORLD_SIZE is ''" in got["unset"]
 
 

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tp_kernels import symm
 from tp_kernels._compat import reduce_scatter_single
 from tp_kernels.backends.base import Backend
 
@@ -78,8 +79,9 @@ def _missing_ops_reason() -> str | None:
 def _hosts_reason(group: dist.ProcessGroup) -> str | None:
     """Why ``group`` may span more than one host (``None`` when all its ranks are on this one).
 
-    Local facts only: ``LOCAL_WORLD_SIZE`` (set by torchrun) and the group's global ranks, with
-    torchrun's numbering (host ``h`` runs global ranks ``h*L .. h*L+L-1`` for ``L`` local ranks).
+    Local facts only, as for our own symmetric memory (:func:`tp_kernels.symm._spans_hosts_reason`);
+    without ``LOCAL_WORLD_SIZE`` nothing is known, and unlike our workspaces torch's ops have no
+    hostname check of ours behind them, so that counts as a reason too.
     """
     local = os.environ.get("LOCAL_WORLD_SIZE", "")
     if not local.isdigit() or int(local) < 1:
@@ -87,14 +89,7 @@ def _hosts_reason(group: dist.ProcessGroup) -> str | None:
             f"LOCAL_WORLD_SIZE is {local!r}, so whether every rank of the group runs on this host "
             "cannot be told without communication (torchrun sets it)"
         )
-    ranks = dist.get_process_group_ranks(group)
-    hosts = sorted({r // int(local) for r in ranks})
-    if len(hosts) > 1:
-        return (
-            f"the group's global ranks {ranks} span {len(hosts)} hosts "
-            f"(LOCAL_WORLD_SIZE={local}); torch's fused ops need one NVLink domain"
-        )
-    return None
+    return symm._spans_hosts_reason(group, "torch's fused symmetric-memory ops")
 
 
 def _enable_for_group(group: dist.ProcessGroup) -> None:
@@ -136,9 +131,8 @@ class TorchSymmMemBackend(Backend):
         why = _missing_ops_reason()
         if why is not None or group is None:
             return why
-        backend = str(dist.get_backend(group))
-        if "nccl" not in backend:
-            return f"the group's backend is {backend!r}; torch's symmetric memory needs NCCL"
+        # Any group with a store: torch's rendezvous exchanges handles through it (NCCL for real
+        # GPU nodes; gloo where several ranks share one GPU, which NCCL refuses).
         return _hosts_reason(group)
 
     def all_gather_matmul(
