@@ -293,7 +293,10 @@ def _parser() -> argparse.ArgumentParser:
         help="compilations in parallel (default: one per core)",
     )
     p.add_argument(
-        "--only", default="", help="compile only the variants whose name contains this text"
+        "--only",
+        action="append",
+        default=[],
+        help="compile only the variants whose name contains this text (repeatable)",
     )
     return p
 
@@ -310,9 +313,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     arch = _ARCHS[args.arch]
     out_dir = args.out or Path(tempfile.mkdtemp(prefix="tp_kernels_ptx_"))
-    chosen = [i for i, v in enumerate(variants(arch)) if args.only in v.name]
+    chosen = [
+        i
+        for i, v in enumerate(variants(arch))
+        if not args.only or any(text in v.name for text in args.only)
+    ]
     if not chosen:
-        parser.error(f"--only {args.only!r} matches no variant")
+        parser.error(f"--only {args.only} matches no variant")
     print(
         f"compile_check: {len(chosen)} variants for {args.arch} with Triton {triton.__version__}"
         f", PTX into {out_dir}",

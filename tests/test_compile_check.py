@@ -1,0 +1,79 @@
+"""``python -m tp_kernels.kernels.compile_check``: the offline sm_90 compile of the kernels and the
+PTX checks. The whole variant set runs in ``.ci/run`` (minutes); here, the checker itself and a
+few variants, in fresh interpreters without TRITON_INTERPRET."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from tp_kernels.kernels import compile_check
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_check_ptx_names_what_is_missing():
+    ptx = "ld.acquire.sys.global.b32 %v, [%rd1];\nmov.u64 %t0, %globaltimer;"
+    assert compile_check.check_ptx(ptx, compile_check.WAIT_PATTERNS) == []
+    missing = compile_check.check_ptx("ld.global.b32 %v, [%rd1];", compile_check.WAIT_PATTERNS)
+    assert missing == [what for _, what in compile_check.WAIT_PATTERNS]
+    relaxed = "atom.global.gpu.relaxed.exch.b32 %r5, [ %rd5 + 0 ], %r3;"
+    assert compile_check.check_ptx(relaxed, compile_check.SIGNAL_PATTERNS) != []
+
+
+def test_waiting_and_signalling_kernels_compile_for_sm_90(tmp_path):
+    """The signal, the reduction (waits) and one 16-bit all-gather GEMM (waits, wgmma) compile
+    for sm_90 and pass their checks; every PTX file is written."""
+    only = ("signal_ready", "reduce_slots[bf16,1024,w4]", "ag_matmul[bf16,B=nk,64x64x32")
+    args = ["--out", str(tmp_path), "--jobs", "1"] + [x for o in only for x in ("--only", o)]
+    done = _python(
+        f"""
+        from tp_kernels.kernels import compile_check
+        raise SystemExit(compile_check.main({args!r}))
+        """
+    )
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    assert "all 4 variants ok for sm_90" in done.stdout, done.stdout
+    written = sorted(p.name for p in Path(tmp_path, "sm_90").iterdir())
+    assert "signal_ready.ptx" in written and len(written) == 4, written
+    ptx = Path(tmp_path, "sm_90", "signal_ready.ptx").read_text()
+    assert "atom.global.sys.release.exch" in ptx
+
+
+def test_a_variant_that_lacks_a_pattern_fails_by_name(tmp_path):
+    done = _python(
+        f"""
+        from tp_kernels.kernels import compile_check
+        compile_check.SIGNAL_PATTERNS = (("wgmma", "a pattern no signal has"),)
+        raise SystemExit(compile_check.main(
+            ["--out", {str(tmp_path)!r}, "--jobs", "1", "--only", "signal_ready"]
+        ))
+        """
+    )
+    assert done.returncode == 1, done.stdout
+    assert "signal_ready" in done.stderr and "FAILED" in done.stderr, done.stderr
+    assert "PTX lacks a pattern no signal has" in done.stdout, done.stdout
+
+
+def test_interpreter_mode_is_refused():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run(
+        [sys.executable, "-m", "tp_kernels.kernels.compile_check"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and "TRITON_INTERPRET=1 is set" in done.stderr, done.stderr
