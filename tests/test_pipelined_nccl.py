@@ -285,3 +285,22 @@ def test_all_gather_matmul_with_coalesced_batches(worlds, world_size):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_matmul_reduce_scatter_with_coalesced_batches(worlds, world_size):
     _assert_no_failures(worlds(world_size).run(_run_cases, "rs"))
+
+
+def _reasons() -> dict:
+    from tp_kernels.backends import pipelined as backend
+
+    group = dist.group.WORLD
+    return {
+        "cuda": backend.BACKEND.unavailable_reason(group, torch.device("cuda")),
+        "cpu": backend.BACKEND.unavailable_reason(group, torch.device("cpu")),
+    }
+
+
+def test_gloo_group_refuses_cuda_tensors(worlds):
+    """gloo's send/recv hand a tensor's address to a TCP transport that reads host memory: a CUDA
+    tensor there would be a crash, so pipelined says why instead (one GPU shared by several
+    ranks over gloo, as the one-GPU check runs)."""
+    for got in worlds(2).run(_reasons):
+        assert got["cpu"] is None
+        assert "send/recv carry host memory only" in got["cuda"], got

@@ -90,6 +90,22 @@ def _exchange(
 class PipelinedBackend(Backend):
     name = "pipelined"
 
+    def unavailable_reason(
+        self, group: dist.ProcessGroup | None, device: torch.device
+    ) -> str | None:
+        """Why not: gloo's point-to-point send and receive hand the tensor's address to its TCP
+        transport, which reads host memory, so CUDA tensors need a group that moves device
+        memory (NCCL)."""
+        if group is None or torch.device(device).type != "cuda":
+            return None
+        backend = str(dist.get_backend(group))
+        if "gloo" in backend and "nccl" not in backend:
+            return (
+                f"the group's backend is {backend!r}, whose send/recv carry host memory only; "
+                "CUDA tensors need an NCCL group"
+            )
+        return None
+
     def all_gather_matmul(
         self,
         a_shard: torch.Tensor,

@@ -1,0 +1,173 @@
+"""``python -m tp_kernels.bench.gpu_check`` on a CPU: its CPU mode end to end, a wrong result
+reported as FAIL, its arguments, and its tolerance.
+
+The end-to-end runs use one world of 2 ranks and ``--quick`` (2 calls per row, tiny shapes); each
+starts its own gloo ranks (~10 s on 2 cores), so there are two: the passing run in this process,
+and the run with a deliberately wrong backend as ``python -m`` from the source tree, the way the
+check is meant to be started (that also checks that the ranks can unpickle what the module sends
+them when it runs as ``__main__``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tp_kernels.bench import gpu_check as gc
+from tp_kernels.launch import RankError
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICK_CPU = ["--device", "cpu", "--worlds", "2", "--quick"]
+
+
+def _table_rows(out: str) -> dict[tuple[str, str, str], list[str]]:
+    """``{(backend, op, dtype): cells}`` of every table row that names an op."""
+    rows = {}
+    for line in out.splitlines():
+        cells = line.split()
+        if len(cells) >= 6 and cells[1] in gc.OPS:
+            rows[(cells[0], cells[1], cells[2])] = cells
+    return rows
+
+
+def test_cpu_mode_passes_every_check(monkeypatch, capsys):
+    monkeypatch.delenv(gc.FAULT_ENV, raising=False)
+    status = gc.main(QUICK_CPU)
+    out = capsys.readouterr().out
+    assert status == 0, out
+    rows = _table_rows(out)
+    calls = str(2 * gc.QUICK_CASES["cpu"])  # forward and backward of each call
+    for label in ("pipelined", "symm", gc.TRITON_LABEL):
+        for op in gc.OPS:
+            for dtype in ("fp32", "fp16", "bf16"):
+                cells = rows[(label, op, dtype)]
+                assert cells[3] == calls and cells[5] == "ok", cells
+                assert float(cells[4]) <= 1.0
+    # A backend that cannot run on a CPU gets a row saying why, and does not fail the run.
+    assert any(line.startswith("torch_symm_mem") and " n/a " in line for line in out.splitlines())
+    assert "== world of 2 ranks (cpu)" in out
+    assert "cuBLAS timing skipped: --device cpu" in out
+    assert f"torch {torch.__version__}" in out
+    assert out.rstrip().endswith("PASS: every check passed")
+
+
+def test_a_wrong_result_is_reported_as_fail():
+    env = {**os.environ, "PYTHONPATH": str(ROOT), gc.FAULT_ENV: "pipelined"}
+    cmd = [sys.executable, "-m", "tp_kernels.bench.gpu_check", *QUICK_CPU]
+    cmd += ["--backends", "pipelined", "symm", "--dtypes", "bf16"]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    out = proc.stdout
+    assert proc.returncode == 1, out + proc.stderr
+    assert f"TEST HOOK {gc.FAULT_ENV}=pipelined" in out
+    rows = _table_rows(out)
+    # all_gather_matmul's outputs are wrong; matmul_reduce_scatter's backward gathers with them.
+    for op in gc.OPS:
+        assert rows[("pipelined", op, "bf16")][5] == "FAIL", rows
+        assert float(rows[("pipelined", op, "bf16")][4]) > 1.0
+        assert rows[("symm", op, "bf16")][5] == "ok", rows
+    assert "FAIL: 2 failed or skipped" in out
+
+
+class _WorldWithBrokenTriton:
+    """Stands in for LocalWorld: every backend is available and passes, except that symm's
+    Triton path raises on every rank, as it does while its kernels and launchers disagree."""
+
+    runs: list[str] = []
+
+    def __init__(self, world_size: int, **_: object) -> None:
+        self.world_size = world_size
+
+    def run(self, fn, *args):
+        if fn is gc.rank_backends:
+            return [{"pipelined": "ok", "symm": "ok", gc.TRITON_LABEL: "ok"}] * self.world_size
+        task = args[0]
+        self.runs.append(task.label)
+        if task.label == gc.TRITON_LABEL:
+            raise RankError(
+                "rank_row failed in a local world of 2 ranks\n--- rank 0 raised:\nTraceback "
+                "(most recent call last):\n  ...\nTypeError: ag_matmul_consumer() got an "
+                "unexpected keyword argument 'group_name'\n--- rank 1 raised:\nTraceback (most "
+                "recent call last):\n  ...\nTypeError: ag_matmul_consumer() got an unexpected "
+                "keyword argument 'group_name'"
+            )
+        row = gc.RankRow(0.25, "call 1 out[0], rank 0", 2 * len(task.cases), [])
+        return [row] * self.world_size
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_backend_that_raises_fails_its_row_and_skips_the_rest(monkeypatch, capsys):
+    monkeypatch.setattr(gc, "LocalWorld", _WorldWithBrokenTriton)
+    monkeypatch.delenv(gc.FAULT_ENV, raising=False)
+    assert gc.main([*QUICK_CPU, "--dtypes", "fp32", "bf16"]) == 1
+    out = capsys.readouterr().out
+    rows = _table_rows(out)
+    first = rows[(gc.TRITON_LABEL, gc.AG, "fp32")]
+    assert first[3:6] == ["-", "-", "FAIL"], first
+    assert "raised: rank 0: TypeError: ag_matmul_consumer() got an unexpected keyword" in out
+    # The world's symm state is unknown after that: the path's other rows are skipped.
+    later = [rows[(gc.TRITON_LABEL, op, d)] for op in gc.OPS for d in ("fp32", "bf16")][1:]
+    assert all(" ".join(cells[3:6]) == "- - skipped" for cells in later), later
+    assert _WorldWithBrokenTriton.runs.count(gc.TRITON_LABEL) == 1
+    for label in ("pipelined", "symm"):
+        assert all(rows[(label, op, "bf16")][5] == "ok" for op in gc.OPS)
+    assert "FAIL: 4 failed or skipped" in out
+
+
+def test_no_cuda_device_says_what_cpu_mode_does(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # as other test modules leave it
+    assert gc.main([]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("no CUDA device") and "`--device cpu` runs" in out
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--worlds", "1"],
+        ["--worlds", str(gc.MAX_WORLD + 1)],
+        ["--dtypes", "fp64"],
+        ["--device", "cpu", "--backends", "no_such_backend"],
+        ["--timeout-s", "0"],
+    ],
+)
+def test_bad_arguments_exit_2(argv):
+    with pytest.raises(SystemExit) as exit_info:
+        gc.main(argv)
+    assert exit_info.value.code == 2
+
+
+def test_error_ratio():
+    truth = torch.tensor([[1.0, -2.0], [3.0, 0.5]], dtype=torch.float64)
+    mag = truth.abs()
+    exact = truth.to(torch.bfloat16)  # these values are exact in bf16
+    assert gc.error_ratio(exact, truth, exact, mag) == 0.0
+    # Off by half the floor (2e-2 x max|mag| = 0.06) with an exact reference: ratio 0.5.
+    off = exact.clone()
+    off[0, 0] += 0.03125  # a bf16 step at 1.0 is 2^-7; 1.03125 is exact
+    assert gc.error_ratio(off, truth, exact, mag) == pytest.approx(0.03125 / 0.06)
+    assert gc.error_ratio(exact[:1], truth, exact, mag) == math.inf
+    assert gc.error_ratio(exact.float(), truth, exact, mag) == math.inf
+    nan = exact.clone()
+    nan[1, 1] = math.nan
+    assert gc.error_ratio(nan, truth, exact, mag) == math.inf
+
+
+def test_rank_errors_are_summarized_per_rank():
+    text = (
+        "rank_row failed in a local world of 3 ranks\n"
+        "--- rank 0 raised:\nTraceback (most recent call last):\n  ...\nTypeError: bad launch\n"
+        "--- rank 2 raised:\nTraceback (most recent call last):\n  ...\nTypeError: bad launch\n"
+        "--- ranks [1] gave no answer within 60 s (hung)"
+    )
+    assert gc.summarize_rank_error(text) == (
+        "rank 0: TypeError: bad launch; ranks [1] gave no answer within 60 s (hung)"
+    )

@@ -1,0 +1,858 @@
+"""``python -m tp_kernels.bench.gpu_check``: the GPU path of both fused ops, with several ranks on
+one GPU, checked against float64; then the kernels' tile GEMMs timed against cuBLAS.
+
+What runs (``--device cuda``, the default, on a machine with one GPU):
+
+1. For each world size of ``--worlds`` (default 2, then 4), a :class:`~tp_kernels.launch.LocalWorld`
+   of that many local ranks. Their process group is gloo, since NCCL refuses two ranks on one GPU;
+   every rank calls ``torch.cuda.set_device(0)`` and works on ``cuda:0``, and the ranks'
+   environment has ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1`` so that CUDA symmetric memory
+   accepts ranks that share a device, and ``TP_KERNELS_TIMEOUT_S`` so that no symm wait is longer
+   than ``--symm-timeout-s``. The backends come from :func:`tp_kernels.available_backends`: each
+   one listed as ``"ok"`` for the device (and for the world's group) runs; ``symm`` and
+   ``pipelined`` must run, a backend that cannot (``torch_symm_mem`` where it is missing, for one)
+   gets a row saying why.
+2. For each backend, op and dtype (fp32, bf16, fp16) one row: a sequence of calls of the public op
+   (:func:`tp_kernels.all_gather_matmul` or :func:`tp_kernels.matmul_reduce_scatter`), forward and
+   backward, over shapes that are not multiples of 16 or of a tile (K=1000 and 744, N=72, 136,
+   ..., a different N for each ``b`` and for each rank, a different K for each rank in the
+   reduce-scatter), with a batch dim (``gather_dim``/``scatter_dim`` 1 of ``[B, S, K]``),
+   ``return_a`` with a gradient fed into the returned ``a``, several ``bs``, a bias and
+   ``reduce_op="avg"``. Shapes shrink and grow again, so symm's workspace grows between calls;
+   each call is 2 fused calls (forward, then the other op in backward), so symm runs 60
+   consecutive calls per world (36 with ``--quick``), alternating its two buffer halves.
+3. The tile-GEMM timing: :func:`tp_kernels.bench.gpu_kernels.main` at M=8192 N=3584 K=8192 bf16,
+   in this process once the worlds are gone (``--skip-timing`` leaves it out).
+
+What is checked, on every rank ``r`` of ``W``, for every call: the whole problem is drawn from a
+seed (on the CPU, in fp32, rounded once to the dtype), so each rank rebuilds every rank's shards.
+
+* ``a, outs = all_gather_matmul(a_shard, bs, d)``; with ``A = cat_s a_shard(s)`` along ``d``, the
+  upstream gradients ``G[s][j]`` of rank ``s``'s ``outs[j]`` and ``GA[s]`` of its ``a``:
+  ``outs[j] = A @ bs_r[j]``, ``a = A``, ``grad a_shard = chunk_r(sum_s sum_j G[s][j] @ bs_s[j]^T +
+  sum_s GA[s])``, ``grad bs_r[j] = A^T G[r][j]`` (leading dims flattened).
+* ``out = matmul_reduce_scatter(a_r, b_r, d, bias=bias)``; with the whole ``a = [.., W*m, ..,
+  K]`` (rank ``r`` holds its columns ``K_r``, and the rows ``K_r`` of the whole ``b``), ``c = a @
+  b`` (``/ W`` for avg) and the upstream gradient ``G`` of the whole output: ``out = chunk_r(c) +
+  bias``, ``grad a_r = (G @ b^T)[.., K_r]``, ``grad b_r = (a^T G)[K_r]`` (both ``/ W`` for avg),
+  ``grad bias = G`` summed over all its rows.
+
+Each result is compared with the same formula in float64 on the rank (the truth). Tolerance, the
+rule of the fused-op tests (tests/_numerics.py), per result: ``2 * max|ref - truth| + FLOOR[dtype]
+* max|mag|``, where ``ref`` is the same formula computed on one device in the dtype (its own
+rounding, doubled: the fused path may err as much, the other way) and ``mag`` is the formula on
+absolute values (the size of the terms summed, which bounds every rounding of a sum, even where
+the terms cancel). See :data:`FLOOR` for why each floor. The table shows, per row, the largest
+``max|got - truth| / tolerance`` over every result, call and rank; a row passes when it is at
+most 1, nothing had the wrong shape or dtype, and the op counters (:func:`tp_kernels.comm_stats`)
+saw exactly 2 fused calls per call on that backend.
+
+Nothing waits forever: every row has a deadline (``--timeout-s``, 120 s: the first symm row of
+a world compiles and autotunes the Triton kernels); a rank that raises, crashes or misses it
+fails that row with its error, the world is torn down and started again for the next row, and
+the backend's remaining rows in that world are skipped (its state there is unknown). A rank that
+raises ends the row within seconds; a rank that crashes while a peer waits for it in a gloo
+collective costs the whole deadline (the survivor is only stopped then).
+
+``--device cpu`` (no GPU needed) runs what can run on a CPU: the same worlds of gloo ranks on CPU
+tensors, every backend that is available there, and symm twice: on its default torch path, and as
+``symm[triton]`` on its Triton path in Triton's interpreter (the ranks' environment has
+``TRITON_INTERPRET=1`` from the start, before Triton is imported, and ``TP_KERNELS_SYMM_TRITON=1``
+is set for those rows); tiny shapes, the interpreter is slow. The cuBLAS timing is skipped with a
+line saying why. Without CUDA and without ``--device cpu`` it says there is no CUDA device and
+exits 0.
+
+Expected time. One H200 (estimates, not measured yet: this was written on a machine without a GPU):
+starting a world ~10 s; the symm rows compile and autotune the Triton kernels (~1-2 min over the
+2-rank world's six symm rows, little in the 4-rank world, whose ranks find Triton's cache filled);
+every other row takes about a second; the timing ~30-60 s (compiling and autotuning included): 3-5
+minutes in all, plus up to one deadline per world for each backend that hangs. ``--quick`` runs 3
+calls per row instead of 5 and 10 timed GEMM calls instead of 50; ``--worlds 2`` and ``--dtypes``
+trim further. ``--device cpu`` on 2 cores (measured, on a shared machine): 1.3-2.3 min in all, of
+which the 2-rank world 24-39 s and the 4-rank world 52-95 s (starting it ~17 s; each interpreted
+Triton row 2-8 s); ``--quick --worlds 2`` 30-40 s.
+
+Exit status: 0 when every check passes, 1 when one fails, 2 for bad arguments.
+
+Test hook: ``TP_KERNELS_GPU_CHECK_FAULT=<backend>`` (e.g. ``pipelined`` or ``symm[triton]``) makes
+that backend's ``all_gather_matmul`` add 1000 to the first element of its first output, in every
+rank, for the rows of that backend; every check that sees that output must then FAIL (the header
+says when the hook is on). It exists so that a test can see a wrong result reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.metadata
+import math
+import os
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from tp_kernels.bench.protocol import DTYPES
+from tp_kernels.launch import LocalWorld, RankError
+
+__all__ = [
+    "FAULT_ENV",
+    "FLOOR",
+    "NO_CUDA_MESSAGE",
+    "AGCase",
+    "RSCase",
+    "error_ratio",
+    "main",
+    "parse_args",
+]
+
+AG, RS = "all_gather_matmul", "matmul_reduce_scatter"
+OPS = (AG, RS)
+TRITON_LABEL = "symm[triton]"
+# Reported by name when absent, so a missing backend is visible; which backends run is read from
+# tp_kernels.available_backends(). On one GPU the ranks share a gloo group (NCCL refuses two ranks
+# on one device), over which pipelined cannot move CUDA tensors: there it reports why, as n/a.
+REQUIRED = {"cuda": ("symm",), "cpu": ("symm", TRITON_LABEL, "pipelined")}
+OPTIONAL = ("torch_symm_mem", "pipelined")
+FAULT_ENV = "TP_KERNELS_GPU_CHECK_FAULT"
+FAULT_ADDEND = 1000.0
+NO_CUDA_MESSAGE = (
+    "no CUDA device: torch {torch} sees none, so there is no GPU path to check. "
+    "`--device cpu` runs the same worlds on CPU tensors instead (gloo ranks, the pipelined "
+    "backend, and the symm backend on its torch path and on its Triton path in Triton's "
+    "interpreter, with tiny shapes) and skips the cuBLAS timing."
+)
+TIMING_ARGV = ["--M", "8192", "--N", "3584", "--K", "8192", "--dtype", "bf16"]
+
+# Largest error allowed beyond twice the one-device reference's own, as a fraction of the largest
+# |term| summed (max |mag|). Worlds here have W <= 4 ranks (argparse enforces --worlds <= 4), and
+# the fused paths round each of the W partial sums to the dtype (reduce-scatter slots, a
+# reduction in the dtype) where the one-device computation rounds once: W roundings of half an
+# ulp of at most |mag| each. fp16 (11-bit significand): 4 * 2^-11 = 1.95e-3 -> 2e-3. bf16
+# (8 bits): 4 * 2^-8 = 1.6e-2 -> 2e-2. fp32: 4 * 2^-24 = 2.4e-7 plus fp32 accumulation-order
+# noise of two different GEMMs (cuBLAS vs Triton tiles, K <= 2000 terms) -> 2e-6. The same floors
+# as tests/_numerics.py, so this check and the fused-op tests hold results to one rule.
+FLOOR = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+MAX_WORLD = 4
+
+
+@dataclass(frozen=True)
+class AGCase:
+    """One ``all_gather_matmul`` call: ``a_shard`` of shape ``shard`` on every rank, gathered
+    along ``dim``; rank ``r``'s ``bs[j]`` is ``[K, ns[j] + r * n_step]``; ``return_a`` returns the
+    gathered ``a`` and feeds a gradient into it."""
+
+    shard: tuple[int, ...]
+    dim: int
+    ns: tuple[int, ...]
+    n_step: int = 0
+    return_a: bool = False
+
+
+@dataclass(frozen=True)
+class RSCase:
+    """One ``matmul_reduce_scatter`` call whose output on every rank is ``rows + (n,)``,
+    scattered along ``dim``; rank ``r`` holds ``K_r = k + r * k_step`` columns of ``a``."""
+
+    rows: tuple[int, ...]
+    dim: int
+    k: int
+    n: int
+    k_step: int = 0
+    reduce_op: str = "sum"
+    bias: bool = False
+
+
+# Shapes grow, shrink and grow again, so symm's workspace is reallocated between calls; none of
+# K or N is a multiple of 16. --quick takes the first QUICK_CASES of each list.
+GPU_CASES = {
+    AG: (
+        AGCase((2, 64, 1000), 1, (72, 136), n_step=8, return_a=True),
+        AGCase((96, 1000), 0, (72,)),
+        AGCase((2, 160, 1000), 1, (200, 72, 40), return_a=True),
+        AGCase((3, 40, 744), 1, (72,), n_step=8),
+        AGCase((4, 256, 1000), 1, (72, 264), return_a=True),
+    ),
+    RS: (
+        RSCase((2, 64), 1, 1000, 72, k_step=8, bias=True),
+        RSCase((96,), 0, 1000, 200, reduce_op="avg"),
+        RSCase((2, 160), 1, 1000, 136, bias=True),
+        RSCase((3, 40), 1, 744, 72, k_step=8, reduce_op="avg", bias=True),
+        RSCase((4, 256), 1, 1000, 264),
+    ),
+}
+# Tiny: the interpreter runs every 16x16x16 tile in Python.
+CPU_CASES = {
+    AG: (
+        AGCase((2, 5, 24), 1, (9, 17), n_step=1, return_a=True),
+        AGCase((7, 20), 0, (6,)),
+        AGCase((3, 4, 40), 1, (33, 5), return_a=True),
+    ),
+    RS: (
+        RSCase((2, 5), 1, 24, 9, k_step=1, bias=True),
+        RSCase((7,), 0, 20, 6, reduce_op="avg"),
+        RSCase((3, 4), 1, 40, 33, k_step=2, bias=True),
+    ),
+}
+QUICK_CASES = {"cuda": 3, "cpu": 2}
+
+
+# ---------------------------------------------------------------- the comparison
+
+
+def error_ratio(
+    got: torch.Tensor, truth: torch.Tensor, reference: torch.Tensor, magnitude: torch.Tensor
+) -> float:
+    """``max|got - truth| / (2 max|reference - truth| + FLOOR[dtype] max|magnitude|)``.
+
+    ``truth`` is float64; ``reference`` is the same result computed on one device in the dtype of
+    ``got``; ``magnitude`` the result on absolute values. At most 1 means within tolerance; ``inf``
+    for a wrong shape or dtype, or a NaN.
+    """
+    if got.shape != truth.shape or got.dtype != reference.dtype:
+        return math.inf
+    err = (got.double() - truth).abs().max().item() if got.numel() else 0.0
+    ref_err = (reference.double() - truth).abs().max().item() if got.numel() else 0.0
+    scale = magnitude.abs().max().item() if got.numel() else 0.0
+    tol = 2.0 * ref_err + FLOOR[got.dtype] * max(scale, 1e-30)
+    ratio = err / tol
+    return math.inf if math.isnan(ratio) else ratio
+
+
+# ---------------------------------------------------------------- on each rank
+
+
+@dataclass(frozen=True)
+class RowTask:
+    """What one row runs on every rank."""
+
+    label: str  # the backend as the table names it ("symm[triton]": symm's Triton path on CPU)
+    backend: str  # the backend= name given to the ops
+    op: str
+    dtype: str
+    cases: tuple
+    device: str  # "cuda" or "cpu"
+    seed: int
+
+
+@dataclass
+class RankRow:
+    """One rank's verdict on a row: the largest error ratio and where, the fused calls the op
+    counters saw on the backend, and anything wrong that is not a number."""
+
+    ratio: float
+    worst: str
+    calls: int
+    problems: list[str]
+
+
+def _rank_device(kind: str) -> torch.device:
+    if kind == "cuda":
+        torch.cuda.set_device(0)  # every rank shares the one GPU
+        return torch.device("cuda", 0)
+    return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def _symm_triton(on: bool) -> Iterator[None]:
+    """On CPU, symm takes its Triton path while ``TP_KERNELS_SYMM_TRITON=1`` (read per call)."""
+    if not on:
+        yield
+        return
+    before = os.environ.get("TP_KERNELS_SYMM_TRITON")
+    os.environ["TP_KERNELS_SYMM_TRITON"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["TP_KERNELS_SYMM_TRITON"]
+        else:
+            os.environ["TP_KERNELS_SYMM_TRITON"] = before
+
+
+@contextlib.contextmanager
+def _injected_fault(label: str, backend: str) -> Iterator[None]:
+    """The test hook of the module docstring: while ``FAULT_ENV`` names ``label``, the backend's
+    ``all_gather_matmul`` returns a first output that is off by ``FAULT_ADDEND`` in one element."""
+    if os.environ.get(FAULT_ENV) != label:
+        yield
+        return
+    from tp_kernels.backends import get_backend
+
+    impl = get_backend(backend)
+    original = impl.all_gather_matmul
+
+    def wrong(*args, **kwargs):
+        a, outs = original(*args, **kwargs)
+        outs[0][0, 0] += FAULT_ADDEND
+        return a, outs
+
+    # An instance attribute shadows the method of the (singleton) backend for this row only.
+    impl.all_gather_matmul = wrong
+    try:
+        yield
+    finally:
+        del impl.all_gather_matmul
+
+
+def rank_backends(device_kind: str) -> dict[str, str]:
+    """``{label: "ok" or why not}`` on this rank: :func:`tp_kernels.available_backends` for the
+    device, then each backend's own check for this world's group (what a call with
+    ``backend=name`` asks); on CPU also ``symm[triton]``, with ``TP_KERNELS_SYMM_TRITON=1``."""
+    import tp_kernels
+    from tp_kernels.backends import get_backend
+
+    device = _rank_device(device_kind)
+    group = dist.group.WORLD
+
+    def status(name: str) -> str:
+        try:
+            why = tp_kernels.available_backends(device).get(name, "not in available_backends()")
+            if why != "ok":
+                return why
+            reason = get_backend(name).unavailable_reason(group, device)
+        except Exception as exc:  # a broken backend module is a finding, not a crash here
+            return f"raised {type(exc).__name__}: {exc}"
+        return "ok" if reason is None else f"cannot run on this world's gloo group: {reason}"
+
+    statuses = {name: status(name) for name in tp_kernels.available_backends(device)}
+    if device_kind == "cpu" and "symm" in statuses:
+        with _symm_triton(True):
+            statuses[TRITON_LABEL] = status("symm")
+    return statuses
+
+
+def _randn(gen: torch.Generator, shape: Sequence[int], dtype: torch.dtype, device) -> torch.Tensor:
+    # Drawn in fp32 on the CPU from one generator, so every rank draws the same whole problem;
+    # rounded once to the dtype: those are the values every computation, the truth included, sees.
+    return torch.randn(*shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
+
+
+def _as(t: torch.Tensor, f64: bool, absolute: bool) -> torch.Tensor:
+    """``t`` for one of the three computations: the truth (float64), the one-device reference (its
+    own dtype) or the magnitude (float64 of ``|t|``)."""
+    t = t.abs() if absolute else t
+    return t.double() if f64 else t
+
+
+def _ag_math(a, bs, gs, gas, rank: int, dim: int) -> list[torch.Tensor]:
+    """Rank ``rank``'s ``[outs..., a, grad a_shard, grad bs...]`` (``a`` only when ``gas``) of the
+    whole problem, in the dtype of the tensors given. ``bs[s][j]``, ``gs[s][j]``: rank ``s``'s
+    weights and its outputs' upstream gradients; ``gas[s]``: the gradient of rank ``s``'s ``a``."""
+    world, k = len(bs), a.shape[-1]
+    outs = [a @ b for b in bs[rank]]
+    # One product over every rank's outputs, as the fused backward makes one per rank.
+    grad_a = (
+        torch.cat([g for row in gs for g in row], dim=-1)
+        @ torch.cat([b for row in bs for b in row], dim=1).t()
+    )
+    if gas is not None:
+        for ga in gas:
+            grad_a = grad_a + ga
+    flat = a.reshape(-1, k).t()
+    grad_bs = [flat @ g.reshape(-1, g.shape[-1]) for g in gs[rank]]
+    returned = [a] if gas is not None else []
+    return [*outs, *returned, grad_a.chunk(world, dim)[rank], *grad_bs]
+
+
+def _ag_items(case: AGCase, dtype, device, rank: int, world: int, seed: int, backend: str):
+    """``(names, got, truth, reference, magnitude)`` of one all_gather_matmul call."""
+    import tp_kernels
+
+    gen = torch.Generator().manual_seed(seed)
+    full = list(case.shard)
+    full[case.dim] *= world
+    k = full[-1]
+    widths = [[n + r * case.n_step for n in case.ns] for r in range(world)]
+    a = _randn(gen, full, dtype, device)
+    bs = [[_randn(gen, (k, n), dtype, device) for n in row] for row in widths]
+    gs = [[_randn(gen, (*full[:-1], n), dtype, device) for n in row] for row in widths]
+    gas = [_randn(gen, full, dtype, device) for _ in range(world)] if case.return_a else None
+
+    a_shard = a.chunk(world, case.dim)[rank].contiguous().requires_grad_()
+    mine = [b.clone().requires_grad_() for b in bs[rank]]
+    a_out, outs = tp_kernels.all_gather_matmul(
+        a_shard, mine, case.dim, dist.group.WORLD, backend=backend, return_a=case.return_a
+    )
+    tensors, grads = list(outs), list(gs[rank])
+    if case.return_a:
+        tensors.append(a_out)
+        grads.append(gas[rank])
+    torch.autograd.backward(tensors, grads)
+    got = [o.detach() for o in outs] + ([a_out.detach()] if case.return_a else [])
+    got += [a_shard.grad, *(b.grad for b in mine)]
+
+    def on(f64: bool, absolute: bool) -> list[torch.Tensor]:
+        c = lambda t: _as(t, f64, absolute)
+        return _ag_math(
+            c(a),
+            [[c(b) for b in row] for row in bs],
+            [[c(g) for g in row] for row in gs],
+            None if gas is None else [c(t) for t in gas],
+            rank,
+            case.dim,
+        )
+
+    names = [f"out[{j}]" for j in range(len(outs))] + (["a"] if case.return_a else [])
+    names += ["grad a_shard"] + [f"grad b[{j}]" for j in range(len(mine))]
+    return names, got, on(True, False), on(False, False), on(True, True)
+
+
+def _rs_math(a, b, bias, g, rank: int, world: int, case: RSCase, ks: slice) -> list[torch.Tensor]:
+    """Rank ``rank``'s ``[out, grad a, grad b(, grad bias)]`` of the whole problem, in the dtype
+    of the tensors given."""
+    n = b.shape[1]
+    c = a @ b
+    grad_a = g @ b.t()
+    grad_b = a.reshape(-1, a.shape[-1]).t() @ g.reshape(-1, n)
+    if case.reduce_op == "avg":
+        c, grad_a, grad_b = c / world, grad_a / world, grad_b / world
+    if bias is None:
+        return [c.chunk(world, case.dim)[rank], grad_a[..., ks], grad_b[ks]]
+    out = (c + bias).chunk(world, case.dim)[rank]
+    # The bias is replicated: its gradient is the whole output's, summed over every row.
+    return [out, grad_a[..., ks], grad_b[ks], g.reshape(-1, n).sum(0)]
+
+
+def _rs_items(case: RSCase, dtype, device, rank: int, world: int, seed: int, backend: str):
+    """``(names, got, truth, reference, magnitude)`` of one matmul_reduce_scatter call."""
+    import tp_kernels
+
+    gen = torch.Generator().manual_seed(seed)
+    rows = list(case.rows)
+    rows[case.dim] *= world
+    widths = [case.k + r * case.k_step for r in range(world)]
+    start = sum(widths[:rank])
+    ks = slice(start, start + widths[rank])
+    a = _randn(gen, (*rows, sum(widths)), dtype, device)
+    b = _randn(gen, (sum(widths), case.n), dtype, device)
+    bias = _randn(gen, (case.n,), dtype, device) if case.bias else None
+    g = _randn(gen, (*rows, case.n), dtype, device)
+
+    a_r = a[..., ks].contiguous().requires_grad_()
+    b_r = b[ks].contiguous().requires_grad_()
+    bias_r = bias.clone().requires_grad_() if bias is not None else None
+    out = tp_kernels.matmul_reduce_scatter(
+        a_r,
+        b_r,
+        case.dim,
+        dist.group.WORLD,
+        reduce_op=case.reduce_op,
+        backend=backend,
+        bias=bias_r,
+    )
+    out.backward(g.chunk(world, case.dim)[rank])
+    got = [out.detach(), a_r.grad, b_r.grad] + ([bias_r.grad] if bias is not None else [])
+
+    def on(f64: bool, absolute: bool) -> list[torch.Tensor]:
+        c = lambda t: None if t is None else _as(t, f64, absolute)
+        return _rs_math(c(a), c(b), c(bias), c(g), rank, world, case, ks)
+
+    names = ["out", "grad a", "grad b"] + (["grad bias"] if bias is not None else [])
+    return names, got, on(True, False), on(False, False), on(True, True)
+
+
+def rank_row(task: RowTask) -> RankRow:
+    """Run one row's calls on this rank and compare every result (see the module docstring)."""
+    import tp_kernels
+
+    device = _rank_device(task.device)
+    dist_rank, world = dist.get_rank(), dist.get_world_size()
+    dtype = DTYPES[task.dtype]
+    items = _ag_items if task.op == AG else _rs_items
+    ratio, worst, problems = -1.0, "-", []
+    with _symm_triton(task.label == TRITON_LABEL), _injected_fault(task.label, task.backend):
+        tp_kernels.reset_comm_stats()
+        for i, case in enumerate(task.cases):
+            seed = task.seed + 100 * i + (0 if task.op == AG else 50)
+            names, got, truth, ref, mag = items(
+                case, dtype, device, dist_rank, world, seed, task.backend
+            )
+            for name, g, t, r, m in zip(names, got, truth, ref, mag, strict=True):
+                value = error_ratio(g, t, r, m)
+                if g.shape != t.shape or g.dtype != dtype:
+                    problems.append(
+                        f"call {i + 1} {name}: {tuple(g.shape)} {g.dtype}, expected "
+                        f"{tuple(t.shape)} {dtype}"
+                    )
+                if name == "a" and not torch.equal(g, r):  # a copy: the same bits or wrong
+                    problems.append(f"call {i + 1}: the returned a is not the gathered shards")
+                if value > ratio:
+                    ratio, worst = value, f"call {i + 1} {name}, rank {dist_rank}"
+        if device.type == "cuda":
+            torch.cuda.synchronize(
+                device
+            )  # an asynchronous CUDA error fails this row, not the next
+        stats = tp_kernels.comm_stats()
+    calls = sum(stats.total(kind=op, backend=task.backend) for op in OPS)
+    return RankRow(ratio, worst, calls, problems)
+
+
+# ---------------------------------------------------------------- the driver
+
+
+@dataclass
+class Row:
+    """One line of a world's table."""
+
+    label: str
+    op: str = "-"
+    dtype: str = "-"
+    result: str = "ok"  # ok, FAIL, n/a (cannot run here, and need not), skipped (not run)
+    calls: str = "-"
+    ratio: str = "-"
+    seconds: str = "-"
+    detail: str = ""
+    failure: str = ""  # the full story of a FAIL, printed under the table
+
+    @property
+    def failed(self) -> bool:
+        return self.result in ("FAIL", "skipped")
+
+
+HEADER = ("backend", "op", "dtype", "calls", "max err/tol", "result", "s", "detail")
+
+
+def render(rows: Sequence[Row]) -> str:
+    """The rows as a left-aligned text table under :data:`HEADER`."""
+    cells = [HEADER] + [
+        (r.label, r.op, r.dtype, r.calls, r.ratio, r.result, r.seconds, _short(r.detail))
+        for r in rows
+    ]
+    widths = [max(len(line[c]) for line in cells) for c in range(len(HEADER))]
+    return "\n".join("  ".join(v.ljust(w) for v, w in zip(line, widths)).rstrip() for line in cells)
+
+
+def _short(text: str, limit: int = 110) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def summarize_rank_error(text: str) -> str:
+    """The last line of each rank's traceback (deduplicated) and the hung or crashed ranks, from
+    the message of a :class:`~tp_kernels.launch.RankError`."""
+    found: list[str] = []
+    blocks = text.split("\n--- ")
+    for block in blocks[1:]:
+        head, _, body = block.partition("\n")
+        if head.endswith("raised:"):
+            lines = [line for line in body.splitlines() if line.strip()]
+            last = lines[-1].strip() if lines else "(no traceback)"
+            line = f"{head[: -len(' raised:')]}: {last}"
+        else:
+            line = head
+        if line.split(": ", 1)[-1] not in [f.split(": ", 1)[-1] for f in found]:
+            found.append(line)
+    return "; ".join(found) or text.splitlines()[0]
+
+
+def _tail(text: str, lines: int = 14) -> str:
+    """The first failing rank's traceback, last ``lines`` lines, indented."""
+    first = text.split("\n--- ")
+    body = first[1] if len(first) > 1 else text
+    kept = body.splitlines()[-lines:]
+    return "\n".join("      " + line for line in kept)
+
+
+def _verdict(task: RowTask, results: list[RankRow], seconds: float) -> Row:
+    expected = 2 * len(task.cases)  # forward, then the other fused op in backward
+    worst = max(results, key=lambda r: r.ratio)
+    problems = [p for r in results for p in r.problems]
+    calls = sorted({r.calls for r in results})
+    if calls != [expected]:
+        problems.append(
+            f"the op counters saw {calls} fused calls on {task.backend!r} per rank, expected "
+            f"{expected}"
+        )
+    ok = worst.ratio <= 1.0 and not problems
+    ratio = "inf" if math.isinf(worst.ratio) else f"{worst.ratio:.3g}"
+    detail = f"worst: {worst.worst}" + (f"; {'; '.join(problems)}" if problems else "")
+    return Row(
+        task.label,
+        task.op,
+        task.dtype,
+        "ok" if ok else "FAIL",
+        "/".join(str(c) for c in calls),
+        ratio,
+        f"{seconds:.1f}",
+        detail,
+        "" if ok else detail,
+    )
+
+
+def _rank_env(device: str, symm_timeout_s: float) -> dict[str, str]:
+    env = {"TP_KERNELS_TIMEOUT_S": f"{symm_timeout_s:g}"}
+    if device == "cuda":
+        # CUDA symmetric memory refuses two ranks on one device unless this is set.
+        env["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
+    else:
+        # Before Triton is first imported in the rank: the interpreter is chosen at import.
+        env["TRITON_INTERPRET"] = "1"
+    return env
+
+
+def _labels_in_order(statuses: dict[str, str], device: str) -> list[str]:
+    """Every label, required and optional names that were not listed included; the interpreted
+    Triton path last (slowest)."""
+    labels = list(statuses)
+    for name in (*REQUIRED[device], *OPTIONAL):
+        if name not in labels:
+            labels.append(name)
+    return sorted(labels, key=lambda label: label == TRITON_LABEL)
+
+
+def _agreed(per_rank: list[dict[str, str]]) -> dict[str, str]:
+    """``"ok"`` where every rank says so, else every rank's reason."""
+    out: dict[str, str] = {}
+    for label in per_rank[0]:
+        whys = {r: s.get(label, "not listed") for r, s in enumerate(per_rank)}
+        bad = {r: w for r, w in whys.items() if w != "ok"}
+        reasons = sorted(set(bad.values()))
+        out[label] = "ok" if not bad else "; ".join(reasons)
+    return out
+
+
+def check_world(world_size: int, args: argparse.Namespace) -> list[Row]:
+    """Every row of one world (see the module docstring)."""
+    device = args.device
+    cases = GPU_CASES if device == "cuda" else CPU_CASES
+    if args.quick:
+        cases = {op: c[: QUICK_CASES[device]] for op, c in cases.items()}
+    world = LocalWorld(
+        world_size, timeout_s=args.timeout_s, env=_rank_env(device, args.symm_timeout_s)
+    )
+    try:
+        try:
+            statuses = _agreed(world.run(rank_backends, device))
+        except RankError as exc:
+            return [
+                Row(
+                    "(world)",
+                    result="FAIL",
+                    detail=summarize_rank_error(str(exc)),
+                    failure=str(exc),
+                )
+            ]
+        rows = []
+        for label in _labels_in_order(statuses, device):
+            if args.backends and label not in args.backends:
+                continue
+            status = statuses.get(label, "not registered in tp_kernels.available_backends()")
+            if status != "ok":
+                required = label in REQUIRED[device]
+                why = f"{'required, but ' if required else ''}not available: {status}"
+                rows.append(
+                    Row(
+                        label,
+                        result="FAIL" if required else "n/a",
+                        detail=why,
+                        failure=why if required else "",
+                    )
+                )
+                continue
+            rows += _backend_rows(world, label, cases, args)
+        return rows
+    finally:
+        world.close()
+
+
+def _backend_rows(world: LocalWorld, label: str, cases: dict, args: argparse.Namespace) -> list:
+    backend = "symm" if label == TRITON_LABEL else label
+    rows: list[Row] = []
+    broken = ""
+    for op in OPS:
+        for dtype in args.dtypes:
+            if broken:
+                rows.append(Row(label, op, dtype, "skipped", detail=broken))
+                continue
+            task = RowTask(label, backend, op, dtype, cases[op], args.device, seed=1234)
+            started = time.perf_counter()
+            try:
+                results = world.run(rank_row, task)
+            except RankError as exc:
+                # The world was torn down (the next run starts a fresh one); the backend's state
+                # in it is unknown, so its remaining rows here are not run.
+                seconds = time.perf_counter() - started
+                summary = summarize_rank_error(str(exc))
+                rows.append(
+                    Row(
+                        label,
+                        op,
+                        dtype,
+                        "FAIL",
+                        seconds=f"{seconds:.1f}",
+                        detail=f"raised: {summary}",
+                        failure=f"raised: {summary}\n{_tail(str(exc))}",
+                    )
+                )
+                broken = f"not run: {label} raised in {op} {dtype} in this world"
+                continue
+            row = _verdict(task, results, time.perf_counter() - started)
+            rows.append(row)
+            print(f"[world {world.world_size}] {label} {op} {dtype}: {row.result}", flush=True)
+    return rows
+
+
+def time_gemms(quick: bool) -> bool:
+    """The tile GEMMs against cuBLAS, by :func:`tp_kernels.bench.gpu_kernels.main`; True if its
+    checks passed."""
+    argv = TIMING_ARGV + (["--warmup", "2", "--reps", "10"] if quick else [])
+    print(f"\n== tile GEMMs vs cuBLAS: python -m tp_kernels.bench.gpu_kernels {' '.join(argv)}")
+    try:
+        from tp_kernels.bench import gpu_kernels
+
+        status = gpu_kernels.main(argv)
+    except SystemExit as exc:  # its argument errors
+        status = exc.code
+    except Exception as exc:  # a broken launcher is a failed check, reported, not a crash
+        print(f"FAIL: gpu_kernels raised {type(exc).__name__}: {exc}", flush=True)
+        return False
+    print(f"gpu_kernels exit status {status}: {'ok' if status == 0 else 'FAIL'}", flush=True)
+    return status == 0
+
+
+def _versions(device: str) -> str:
+    try:
+        triton_version = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        triton_version = "not installed"
+    gpu = torch.cuda.get_device_name(0) if device == "cuda" else "none (--device cpu)"
+    return (
+        f"torch {torch.__version__}, triton {triton_version}, python {sys.version.split()[0]}, "
+        f"GPU: {gpu}"
+    )
+
+
+def _world_size(text: str) -> int:
+    value = int(text)
+    if not 2 <= value <= MAX_WORLD:
+        raise argparse.ArgumentTypeError(f"must be between 2 and {MAX_WORLD}, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m tp_kernels.bench.gpu_check",
+        description="Check both fused ops, forward and backward, with 2 and 4 ranks on one GPU, "
+        "through every backend that can run, against float64; then time the kernels' tile "
+        "GEMMs against cuBLAS.",
+    )
+    p.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cuda (default: every rank on cuda:0), or cpu: what can run without a "
+        "GPU (CPU tensors, symm's Triton path in the interpreter)",
+    )
+    p.add_argument(
+        "--worlds",
+        type=_world_size,
+        nargs="+",
+        default=[2, 4],
+        metavar="W",
+        help=f"world sizes to run, in order (2..{MAX_WORLD}; default: 2 4)",
+    )
+    p.add_argument("--dtypes", choices=list(DTYPES), nargs="+", default=list(DTYPES))
+    p.add_argument(
+        "--backends",
+        nargs="+",
+        metavar="NAME",
+        help="only these backends (default: every one tp_kernels.available_backends "
+        f"lists; on cpu also {TRITON_LABEL})",
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="fewer calls per row and fewer timed GEMM calls"
+    )
+    p.add_argument("--skip-timing", action="store_true", help="leave out the cuBLAS timing")
+    p.add_argument(
+        "--timeout-s",
+        type=_seconds,
+        default=120.0,
+        help="deadline of one row on every rank, compiling included (default 120)",
+    )
+    p.add_argument(
+        "--symm-timeout-s",
+        type=_seconds,
+        default=60.0,
+        help="TP_KERNELS_TIMEOUT_S of the ranks: symm's signal waits (default 60)",
+    )
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line; exits with status 2 on bad arguments."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.backends:
+        import tp_kernels
+
+        known = set(tp_kernels.available_backends()) | set(REQUIRED[args.device]) | set(OPTIONAL)
+        unknown = sorted(set(args.backends) - known)
+        if unknown:
+            parser.error(f"--backends: unknown {unknown}; known here: {sorted(known)}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit status (see the module docstring)."""
+    args = parse_args(argv)
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            print(NO_CUDA_MESSAGE.format(torch=torch.__version__))
+            return 0
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            # The ranks and gpu_kernels would inherit it, and the interpreter runs no CUDA tensor.
+            _parser().error("TRITON_INTERPRET=1 is set: unset it to check the GPU")
+    print(f"tp_kernels.bench.gpu_check --device {args.device}: {_versions(args.device)}")
+    quick = " (--quick)" if args.quick else ""
+    print(f"worlds {args.worlds}, dtypes {args.dtypes}{quick}; gloo process groups", flush=True)
+    if os.environ.get(FAULT_ENV):
+        print(
+            f"TEST HOOK {FAULT_ENV}={os.environ[FAULT_ENV]}: that backend's all_gather_matmul "
+            "returns a wrong element; its checks must FAIL"
+        )
+    failed: list[str] = []
+    for world_size in args.worlds:
+        started = time.perf_counter()
+        rows = check_world(world_size, args)
+        where = "cuda:0, shared" if args.device == "cuda" else "cpu"
+        print(f"\n== world of {world_size} ranks ({where}), {time.perf_counter() - started:.0f} s")
+        print(render(rows))
+        for row in rows:
+            if row.result == "FAIL":
+                print(f"  FAIL {row.label} {row.op} {row.dtype}: {row.failure}")
+            if row.failed:
+                failed.append(f"world {world_size}: {row.label} {row.op} {row.dtype}")
+        sys.stdout.flush()
+    if args.device == "cpu":
+        print(
+            "\ncuBLAS timing skipped: --device cpu has no cuBLAS and no GPU to time the "
+            "tile GEMMs on"
+        )
+    elif args.skip_timing:
+        print("\ncuBLAS timing skipped (--skip-timing)")
+    elif not time_gemms(args.quick):
+        failed.append("tile GEMM timing (gpu_kernels)")
+    if failed:
+        print(f"\nFAIL: {len(failed)} failed or skipped: " + "; ".join(failed))
+        return 1
+    print("\nPASS: every check passed")
+    return 0
+
+
+if __name__ == "__main__":
+    # Run through the imported module, so that what the ranks unpickle (tasks, rank functions)
+    # has the module's real name rather than __main__.
+    from tp_kernels.bench.gpu_check import main as _main
+
+    raise SystemExit(_main())
