@@ -9,9 +9,9 @@ What runs (``--device cuda``, the default, on a machine with one GPU):
    environment has ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1`` so that CUDA symmetric memory
    accepts ranks that share a device, and ``TP_KERNELS_TIMEOUT_S`` so that no symm wait is longer
    than ``--symm-timeout-s``. The backends come from :func:`tp_kernels.available_backends`: each
-   one listed as ``"ok"`` for the device (and for the world's group) runs; ``symm`` and
-   ``pipelined`` must run, a backend that cannot (``torch_symm_mem`` where it is missing, for one)
-   gets a row saying why.
+   one listed as ``"ok"`` for the device (and for the world's group) runs; ``symm`` must run, a
+   backend that cannot gets a row saying why (``pipelined``: gloo's send/recv carry host memory
+   only, so on one GPU it cannot run; ``torch_symm_mem`` where torch lacks its ops).
 2. For each backend, op and dtype (fp32, bf16, fp16) one row: a sequence of calls of the public op
    (:func:`tp_kernels.all_gather_matmul` or :func:`tp_kernels.matmul_reduce_scatter`), forward and
    backward, over shapes that are not multiples of 16 or of a tile (K=1000 and 744, N=72, 136,
