@@ -51,3 +51,9 @@ def check_close(
     if not err <= tol:
         return f"{name}: max abs error {err:.3e} > tolerance {tol:.3e}"
     return None
+
+
+def assert_no_failures(per_rank: list[list[str]]) -> None:
+    """Fail with every rank's mismatches (the first 30) when any rank reported one."""
+    lines = [f"rank {r}: {f}" for r, fails in enumerate(per_rank) for f in fails]
+    assert not lines, f"{len(lines)} mismatches:\n" + "\n".join(lines[:30])

@@ -5,23 +5,18 @@ few variants, in fresh interpreters without TRITON_INTERPRET."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
-from tp_kernels.kernels import compile_check
+# The session's kernels run in the interpreter, chosen before triton is first imported (importing
+# compile_check imports tp_kernels.kernels); the compilations below run in fresh interpreters.
+os.environ["TRITON_INTERPRET"] = "1"
 
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
-def _python(code: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+from _processes import run_without_interpreter  # noqa: E402
+
+from tp_kernels.kernels import compile_check  # noqa: E402
 
 
 def test_check_ptx_names_what_is_missing():
@@ -38,7 +33,7 @@ def test_waiting_and_signalling_kernels_compile_for_sm_90(tmp_path):
     for sm_90 and pass their checks; every PTX file is written."""
     only = ("signal_ready", "reduce_slots[bf16,1024,w4]", "ag_matmul[bf16,B=nk,64x64x32")
     args = ["--out", str(tmp_path), "--jobs", "1"] + [x for o in only for x in ("--only", o)]
-    done = _python(
+    done = run_without_interpreter(
         f"""
         from tp_kernels.kernels import compile_check
         raise SystemExit(compile_check.main({args!r}))
@@ -53,7 +48,7 @@ def test_waiting_and_signalling_kernels_compile_for_sm_90(tmp_path):
 
 
 def test_a_variant_that_lacks_a_pattern_fails_by_name(tmp_path):
-    done = _python(
+    done = run_without_interpreter(
         f"""
         from tp_kernels.kernels import compile_check
         compile_check.SIGNAL_PATTERNS = (("wgmma", "a pattern no signal has"),)

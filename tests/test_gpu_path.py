@@ -6,9 +6,6 @@ PTX in test_compile_check.py."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import textwrap
 
 # The ranks import this module; the interpreter must be chosen before triton is first imported.
 os.environ["TRITON_INTERPRET"] = "1"
@@ -16,27 +13,16 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from _processes import run_without_interpreter  # noqa: E402
 
 from tp_kernels import symm  # noqa: E402
 from tp_kernels.backends import symm as symm_backend  # noqa: E402
 
 
-def _python(code: str) -> subprocess.CompletedProcess:
-    """Run ``code`` in a fresh interpreter without TRITON_INTERPRET (kernels built for a GPU)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-
-
 def test_fp32_precision_set_the_new_way_is_read_without_raising():
     """torch >= 2.9: once a user sets ``fp32_precision``, reading ``allow_tf32`` raises; the
     kernels' choice of tl.dot precision must follow the new setting instead."""
-    done = _python(
+    done = run_without_interpreter(
         """
         import torch
         from tp_kernels import kernels
@@ -58,7 +44,7 @@ def test_call_varying_scalars_are_never_specialized():
     """Triton compiles a new variant for an int argument equal to 1 or a multiple of 16 unless
     it is in ``do_not_specialize``: rank, channel, epoch (the call number), the status address
     and the deadline must not be, or calls 1, 16, 32, ... would each compile mid-run."""
-    done = _python(
+    done = run_without_interpreter(
         """
         from tp_kernels import kernels
         from tp_kernels.kernels import ag_matmul, matmul_rs
@@ -159,3 +145,65 @@ def test_recorded_timeout_is_raised_at_the_next_call(worlds):
     # Until raised, the record is what the exit report prints; once raised, it is not repeated.
     assert len(report["unraised"]) == 1 and "rank(s) [1]" in report["unraised"][0], report
     assert report["after_raise"] == [], report
+
+
+def test_triton_older_than_the_kernels_support_is_named(monkeypatch):
+    """torch 2.7-2.9's CUDA wheels pin Triton 3.3-3.5, which the kernels do not support:
+    available_backends() must say so for symm instead of "ok" followed by a crash."""
+    from tp_kernels import kernels
+
+    assert kernels.triton_unsupported_reason("3.6.0") is None
+    assert kernels.triton_unsupported_reason("3.9.0+git1234") is None
+    assert "Triton 3.5.1 is older than 3.6" in kernels.triton_unsupported_reason("3.5.1")
+    monkeypatch.setattr(kernels, "triton_unsupported_reason", lambda: "Triton 3.4.0 is older")
+    monkeypatch.setenv("TP_KERNELS_SYMM_TRITON", "1")
+    why = symm_backend.BACKEND.unavailable_reason(None, torch.device("cpu"))
+    assert why == "Triton 3.4.0 is older", why
+
+
+def _launch_arguments() -> list[dict]:
+    """Four all-gather calls on the Triton path with a transposed weight (a Linear's ``w.t()``):
+    what the consumer launcher was given each time."""
+    from tp_kernels import kernels
+
+    seen = []
+    launch = kernels.ag_matmul_consumer
+
+    def record(a_ptrs, signal_ptrs, bs, outs, **kwargs):
+        seen.append(
+            {
+                "table": a_ptrs.data_ptr(),
+                "status": kwargs["status"].data_ptr(),
+                "b_is_w_t": [b.stride() == (1, b.shape[0]) for b in bs],
+                "b_is_the_weight": [b.data_ptr() == w.data_ptr() for b, w in zip(bs, weights)],
+                "channel": kwargs["channel"],
+            }
+        )
+        launch(a_ptrs, signal_ptrs, bs, outs, **kwargs)
+
+    weights = [torch.randn(6, 8), torch.randn(3, 8)]  # [N, K] each, as Linear weights
+    os.environ["TP_KERNELS_SYMM_TRITON"] = "1"
+    kernels.ag_matmul_consumer = record
+    try:
+        for _ in range(4):
+            symm_backend.BACKEND.all_gather_matmul(
+                torch.randn(4, 8), [w.t() for w in weights], dist.group.WORLD, return_a=False
+            )
+    finally:
+        kernels.ag_matmul_consumer = launch
+        del os.environ["TP_KERNELS_SYMM_TRITON"]
+    return seen
+
+
+def test_triton_path_makes_no_per_call_tables_or_weight_copies(worlds):
+    """The host side of a call builds nothing on the device: the peers' address table of each
+    buffer half and the status are made once and reused; the weight goes in as it is (its
+    strides), not copied; consecutive calls alternate the two channels."""
+    for seen in worlds(2).run(_launch_arguments):
+        assert len(seen) == 4
+        assert seen[0]["table"] == seen[2]["table"] != seen[1]["table"] == seen[3]["table"]
+        assert len({s["status"] for s in seen}) == 1
+        assert all(s["b_is_w_t"] == [True, True] for s in seen), seen
+        assert all(s["b_is_the_weight"] == [True, True] for s in seen), seen
+        channels = [s["channel"] for s in seen]
+        assert channels[0] == channels[2] != channels[1] == channels[3], channels

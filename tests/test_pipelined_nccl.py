@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
-from _numerics import check_close
+from _numerics import assert_no_failures, check_close
 
 import tp_kernels as tpk
 from tp_kernels.backends import pipelined
@@ -272,19 +272,14 @@ def _run_cases(kind: str) -> list[str]:
     return failures
 
 
-def _assert_no_failures(per_rank: list[list[str]]) -> None:
-    lines = [f"rank {r}: {f}" for r, fails in enumerate(per_rank) for f in fails]
-    assert not lines, f"{len(lines)} mismatches:\n" + "\n".join(lines[:30])
-
-
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_all_gather_matmul_with_coalesced_batches(worlds, world_size):
-    _assert_no_failures(worlds(world_size).run(_run_cases, "ag"))
+    assert_no_failures(worlds(world_size).run(_run_cases, "ag"))
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_matmul_reduce_scatter_with_coalesced_batches(worlds, world_size):
-    _assert_no_failures(worlds(world_size).run(_run_cases, "rs"))
+    assert_no_failures(worlds(world_size).run(_run_cases, "rs"))
 
 
 def _reasons() -> dict:

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._symmetric_memory  # noqa: F401  (defines torch.ops.symm_mem.*)
-from _numerics import check_close
+from _numerics import assert_no_failures, check_close
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 import tp_kernels as tpk
@@ -350,19 +350,14 @@ def _run_glue(kind: str) -> list[str]:
     return failures
 
 
-def _assert_no_failures(per_rank: list[list[str]]) -> None:
-    lines = [f"rank {r}: {f}" for r, fails in enumerate(per_rank) for f in fails]
-    assert not lines, f"{len(lines)} mismatches:\n" + "\n".join(lines[:30])
-
-
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_all_gather_matmul_through_torch_ops(worlds, world_size):
-    _assert_no_failures(worlds(world_size).run(_run_glue, "ag"))
+    assert_no_failures(worlds(world_size).run(_run_glue, "ag"))
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_matmul_reduce_scatter_through_torch_ops(worlds, world_size):
-    _assert_no_failures(worlds(world_size).run(_run_glue, "rs"))
+    assert_no_failures(worlds(world_size).run(_run_glue, "rs"))
 
 
 def _without_return_a_keyword() -> tuple:
