@@ -222,12 +222,14 @@ def test_triton_path_across_processes(worlds, world_size):
 # ---------------------------------------------------------------- run-ahead (one protocol)
 
 # How long the lagging rank sleeps between the two launches of each kernel: long enough for its
-# peers to finish the call and start the next one (a few interpreted launches of tiny shapes).
+# peers to finish the call and start the next one (a few interpreted launches of tiny shapes); the
+# control, which must see the race on its first call, leaves them more room on a loaded machine.
 LAG_S = 0.4
+CONTROL_LAG_S = 1.5
 
 
 @contextlib.contextmanager
-def _launched_twice(lag_rank: int):
+def _launched_twice(lag_rank: int, lag_s: float):
     """Every kernel launched twice per call, as autotuning does on a shape's first call, and
     rank ``lag_rank`` sleeping between the two launches: its peers run ahead into the next call
     while its second launch still waits on this call's signals."""
@@ -240,7 +242,7 @@ def _launched_twice(lag_rank: int):
         def run(*args, **kwargs):
             launch(*args, **kwargs)
             if dist.get_rank() == lag_rank:
-                time.sleep(LAG_S)
+                time.sleep(lag_s)
             launch(*args, **kwargs)
 
         return run
@@ -259,7 +261,9 @@ def _launched_twice(lag_rank: int):
 GROUP_PATTERN = (0, 0, 1, 0, 1, 1, 0, 0, 0, 1, 0, 1, 1, 1, 0, 1, 0, 0, 1, 1, 0, 1)
 
 
-def _run_ahead(lag_rank: int, channels: tuple[int, int], timeout_s: float, calls: int) -> dict:
+def _run_ahead(
+    lag_rank: int, lag_s: float, channels: tuple[int, int], timeout_s: float, calls: int
+) -> dict:
     """``calls`` consecutive calls through the symm backend's Triton path (AG, AG, RS, ...) on two
     process groups used in :data:`GROUP_PATTERN`, shapes growing and shrinking, with
     :func:`_launched_twice`. Returns the problems, the first error, and each call's start and
@@ -271,7 +275,7 @@ def _run_ahead(lag_rank: int, channels: tuple[int, int], timeout_s: float, calls
     symm.set_timeout(timeout_s)
     report: dict = {"problems": [], "error": None, "times": []}
     try:
-        with _triton_path(), _launched_twice(lag_rank):
+        with _triton_path(), _launched_twice(lag_rank, lag_s):
             for i in range(calls):
                 group = groups[GROUP_PATTERN[i % len(GROUP_PATTERN)]]
                 m, k, n = 2 + (i * 7) % 9, 6 + (i * 5) % 13, 3 + (i * 3) % 11
@@ -314,7 +318,7 @@ def test_triton_path_survives_a_lagging_rank(worlds, world_size):
     """The race of one signal word per source: peers run ahead by a call while the lagging rank
     launches each kernel a second time. With the channels alternating by call parity, 22 calls
     on two groups all give the right values; the peers did run ahead."""
-    reports = worlds(world_size).run(_run_ahead, 0, symm_backend._KERNEL_CHANNELS, 60.0, 22)
+    reports = worlds(world_size).run(_run_ahead, 0, LAG_S, symm_backend._KERNEL_CHANNELS, 60.0, 22)
     for rank, report in enumerate(reports):
         assert report["error"] is None and report["problems"] == [], (rank, report)
         assert len(report["times"]) == 22
@@ -325,7 +329,7 @@ def test_one_channel_loses_the_lagging_rank(worlds):
     """The control that shows the test above exercises the race: with both parities on ONE
     channel (the protocol before the fix), the lagging rank's second launch waits for a word its
     peer has already overwritten with the next call's epoch, and runs into its deadline."""
-    reports = worlds(2).run(_run_ahead, 0, (2, 2), 3.0, 2)
+    reports = worlds(2).run(_run_ahead, 0, CONTROL_LAG_S, (2, 2), 3.0, 2)
     error = reports[0]["error"]
     assert error is not None and "signal of rank(s) [1]" in error, reports[0]
     assert "never came" in error, error
