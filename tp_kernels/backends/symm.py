@@ -272,13 +272,13 @@ class _Call:
         """The other ranks, ``r+1, r+2, ...`` (mod W)."""
         return [(self.rank + k) % self.world for k in range(1, self.world)]
 
-    def data(self, *, agreed: bool = False) -> symm.SymmWorkspace:
+    def data(self) -> symm.SymmWorkspace:
         """The data workspace, grown when too small for this call. Growing is collective, so
-        unless the headers are ``agreed`` already (or cannot be checked), every rank first
-        exchanges them and all grow only if all ask the same."""
+        where headers are checked every rank first exchanges them and all grow only if all ask
+        the same (elsewhere :func:`tp_kernels.symm.get_workspace` compares the sizes asked)."""
         state = self.state
         if state.data is None or state.data.nbytes // 2 < self.half:
-            if self.checks_headers and not agreed:
+            if self.checks_headers:
                 self.signal()
                 self.receive_all()
             state.grow(self.group, _grown_size(self.half))
@@ -513,7 +513,7 @@ def _ag_triton(
     """The all-gather-matmul of :class:`SymmBackend` by :func:`kernels.ag_matmul_consumer`."""
     from tp_kernels import kernels
 
-    call.data(agreed=True)
+    call.data()
     m, k = a_shard.shape
     call.view(call.rank, (m, k), a_shard.dtype).copy_(a_shard)
     pads = call.state.ctl.signal_pad_ptrs()
@@ -538,7 +538,7 @@ def _rs_triton(call: _Call, a: torch.Tensor, b: torch.Tensor, m: int, n: int) ->
     and :func:`kernels.reduce_slots`."""
     from tp_kernels import kernels
 
-    call.data(agreed=True)
+    call.data()
     pads = call.state.ctl.signal_pad_ptrs()
     status, counters = call.state.kernel_state()
     out = a.new_empty((m, n))

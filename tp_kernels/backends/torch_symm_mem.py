@@ -24,10 +24,11 @@ symmetric-memory barriers only on the peers' fused ops.
 
 Requirements (checked by :meth:`TorchSymmMemBackend.unavailable_reason` without communication):
 CUDA tensors; a torch build whose ``torch.distributed._symmetric_memory`` imports and defines both
-ops; every rank of the group on this host (an NVLink domain; from ``LOCAL_WORLD_SIZE``). Any
-group with a store will do for the rendezvous (NCCL on GPU nodes; gloo where ranks share one GPU). Torch 2.7 .. 2.13 differ in two ways, both feature-detected: before
-``return_A`` existed, the gathered ``A`` is always returned (and dropped here when not asked
-for); before ``enable_symm_mem_for_group`` was deprecated, it is called once per group.
+ops; every rank of the group on this host (an NVLink domain; from ``LOCAL_WORLD_SIZE``). Any group
+with a store will do for the rendezvous (NCCL on GPU nodes; gloo where ranks share one GPU).
+Torch 2.7 .. 2.13 differ in two ways, both feature-detected: before ``return_A`` existed, the
+gathered ``A`` is always returned (and dropped here when not asked for); before
+``enable_symm_mem_for_group`` was deprecated, it is called once per group.
 
 What was not run where this was written (a CPU machine, no GPU): torch's CUDA kernels behind the
 two ops, the overlap of the addend's reduce-scatter with them, and the availability checks on a
