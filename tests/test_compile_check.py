@@ -10,6 +10,7 @@ import os
 # compile_check imports tp_kernels.kernels); the compilations below run in fresh interpreters.
 os.environ["TRITON_INTERPRET"] = "1"
 
+import re  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -41,6 +42,9 @@ def test_waiting_and_signalling_kernels_compile_for_sm_90(tmp_path):
     )
     assert done.returncode == 0, (done.stdout, done.stderr)
     assert "all 4 variants ok for sm_90" in done.stdout, done.stdout
+    # Resources from Triton's own ptxas, per variant: registers per thread and spilled bytes.
+    usage = re.findall(r"regs +(\d+) +spills +(\d+) B", done.stdout)
+    assert len(usage) == 4 and all(int(regs) > 0 for regs, _ in usage), done.stdout
     written = sorted(p.name for p in Path(tmp_path, "sm_90").iterdir())
     assert "signal_ready.ptx" in written and len(written) == 4, written
     ptx = Path(tmp_path, "sm_90", "signal_ready.ptx").read_text()

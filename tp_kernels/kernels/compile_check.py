@@ -8,7 +8,12 @@ configs. Each PTX file is written to ``--out`` and checked:
 
 * a kernel that waits polls with ``ld.acquire.sys`` and reads ``%globaltimer`` (its deadline);
 * a kernel that signals stores its word with a system-scope release atomic;
-* every GEMM with 16-bit operands uses ``wgmma`` on sm_90 (warpgroup MMA), ``mma.sync`` below.
+* every GEMM with 16-bit operands uses ``wgmma`` on sm_90 (warpgroup MMA), ``mma.sync`` below;
+* every GEMM feeds its main loop with asynchronous copies (``cp.async`` or TMA's
+  ``cp.async.bulk.tensor``): without them its loads are not pipelined behind the math.
+
+Each variant's PTX is also assembled by the ``ptxas`` that comes with Triton (``-v``), and the
+table reports its registers per thread, its spill stores and loads, and its shared memory.
 
 Exit status 0 when every variant compiles and passes, 1 naming each variant that does not, 2 for
 bad arguments (or ``TRITON_INTERPRET=1``, under which nothing is compiled for a GPU).
@@ -20,6 +25,7 @@ import argparse
 import concurrent.futures
 import os
 import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -39,6 +45,9 @@ WAIT_PATTERNS = (
 )
 SIGNAL_PATTERNS = (
     (r"atom\.global\.(sys\.release|release\.sys)\.", "a release atomic at system scope"),
+)
+ASYNC_COPY_PATTERNS = (
+    (r"cp\.async\.(cg|ca|bulk\.tensor)", "asynchronous copies (cp.async) feeding the GEMM"),
 )
 GEMM16_PATTERNS = {
     90: ((r"wgmma\.mma_async", "wgmma (sm_90 warpgroup MMA) in the 16-bit GEMM"),),
@@ -145,7 +154,7 @@ def variants(arch: int) -> list[Variant]:
                                 "N",
                                 other,
                             ),  # fmt: skip
-                            WAIT_PATTERNS + mma,
+                            WAIT_PATTERNS + ASYNC_COPY_PATTERNS + mma,
                             num_warps=config.num_warps,
                             num_stages=config.num_stages,
                         )
@@ -186,7 +195,7 @@ def variants(arch: int) -> list[Variant]:
                             "stride_am",
                             other,
                         ),  # fmt: skip
-                        SIGNAL_PATTERNS + mma,
+                        SIGNAL_PATTERNS + ASYNC_COPY_PATTERNS + mma,
                         num_warps=config["num_warps"],
                         num_stages=config["num_stages"],
                     )
@@ -225,13 +234,35 @@ def check_ptx(ptx: str, required: Sequence[tuple[str, str]]) -> list[str]:
 
 @dataclass
 class Outcome:
-    """What compiling one variant gave: its PTX file, shared memory, and what is wrong."""
+    """What compiling one variant gave: its PTX file, resources, and what is wrong."""
 
     name: str
     problems: list[str]
     ptx_path: str = ""
     shared_bytes: int = 0
+    registers: int = -1
+    spill_bytes: int = -1
     seconds: float = 0.0
+
+
+def ptxas_usage(ptx_path: Path, arch: int) -> tuple[int, int]:
+    """``(registers per thread, spill stores + loads in bytes)`` of the PTX at ``ptx_path``, as
+    Triton's own ``ptxas -v`` reports them for ``sm_<arch>`` (``sm_90a`` for Hopper's wgmma)."""
+    import triton.knobs
+
+    gpu = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+    done = subprocess.run(
+        [triton.knobs.nvidia.ptxas.path, "-v", "--gpu-name", gpu, str(ptx_path), "-o", os.devnull],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    report = done.stdout + done.stderr
+    registers = re.search(r"Used (\d+) registers", report)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    if registers is None or spills is None:
+        raise ValueError(f"ptxas -v printed no register or spill counts: {report[:300]!r}")
+    return int(registers.group(1)), int(spills.group(1)) + int(spills.group(2))
 
 
 def compile_variant(variant: Variant, arch: int, out_dir: Path) -> Outcome:
@@ -259,11 +290,14 @@ def compile_variant(variant: Variant, arch: int, out_dir: Path) -> Outcome:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(ptx)
     missing = [f"PTX lacks {what}" for what in check_ptx(ptx, variant.required)]
+    registers, spill_bytes = ptxas_usage(path, arch)
     return Outcome(
         variant.name,
         missing,
         str(path),
         int(getattr(compiled.metadata, "shared", 0)),
+        registers,
+        spill_bytes,
         time.perf_counter() - started,
     )
 
@@ -335,7 +369,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     width = max(len(o.name) for o in outcomes)
     for o in outcomes:
         verdict = "ok" if not o.problems else "FAIL: " + "; ".join(o.problems)
-        print(f"  {o.name.ljust(width)}  smem {o.shared_bytes:>6} B  {o.seconds:5.1f} s  {verdict}")
+        print(
+            f"  {o.name.ljust(width)}  smem {o.shared_bytes:>6} B  regs {o.registers:>3}  "
+            f"spills {o.spill_bytes:>4} B  {o.seconds:5.1f} s  {verdict}"
+        )
     failed = [o.name for o in outcomes if o.problems]
     elapsed = time.perf_counter() - started
     if failed:
