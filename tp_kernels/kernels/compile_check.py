@@ -247,12 +247,13 @@ class Outcome:
 
 def ptxas_usage(ptx_path: Path, arch: int) -> tuple[int, int]:
     """``(registers per thread, spill stores + loads in bytes)`` of the PTX at ``ptx_path``, as
-    Triton's own ``ptxas -v`` reports them for ``sm_<arch>`` (``sm_90a`` for Hopper's wgmma)."""
-    import triton.knobs
+    Triton's own ``ptxas -v`` reports them for ``sm_<arch>`` (``sm_90a`` for Hopper's wgmma): the
+    binary Triton itself assembles that architecture with (versions differ in which it bundles)."""
+    from triton.backends.nvidia.compiler import get_ptxas
 
     gpu = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
     done = subprocess.run(
-        [triton.knobs.nvidia.ptxas.path, "-v", "--gpu-name", gpu, str(ptx_path), "-o", os.devnull],
+        [get_ptxas(arch).path, "-v", "--gpu-name", gpu, str(ptx_path), "-o", os.devnull],
         capture_output=True,
         text=True,
         check=True,
