@@ -5,6 +5,8 @@ Usage::
     python -m tp_kernels.bench [ag_matmul|matmul_rs|all ...] [--world-size 2] [--M 4096 --K 2048
         --N 2048] [--dtype fp32|fp16|bf16] [--rounds R] [--warmup N] [--providers P ...]
         [--threads T] [--out PATH]
+    python -m tp_kernels.bench model [--gpu h100] [--tp 8] [--model llama3-70b]   (the cost
+        model's plan of a whole model, see tp_kernels.bench.model)
 
 Without a launcher it starts ``--world-size`` local gloo ranks
 (:class:`tp_kernels.launch.LocalWorld`) on this machine; under ``torchrun`` (``RANK`` and
@@ -236,6 +238,10 @@ def main(argv: Sequence[str] | None = None, *, world: LocalWorld | None = None) 
     from torchrun's environment, or a new :class:`LocalWorld` of ``--world-size`` gloo ranks.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["model"]:  # the cost model's plan: nothing to time, no ranks
+        from tp_kernels.bench import model
+
+        return model.main(argv[1:])
     args = parse_args(argv)
     cfg = BenchConfig(
         M=args.M,
