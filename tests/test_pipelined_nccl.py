@@ -18,9 +18,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+from _fused_runs import ag_data, ag_run, rs_data, rs_run
 from _numerics import assert_no_failures, check_close
 
-import tp_kernels as tpk
 from tp_kernels.backends import pipelined
 
 # ---------------------------------------------------------------- NCCL's contract, on gloo
@@ -176,67 +176,6 @@ RS_CASES = [
 ]
 
 
-def _data(seed: int, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {k: torch.randn(s, generator=g, dtype=torch.float64) for k, s in shapes.items()}
-
-
-def _prepare(data, dtype, magnitude):
-    return {k: (v.abs() if magnitude else v).to(dtype) for k, v in data.items()}
-
-
-def _ag_run(case: AGCase, data, backend: str, dtype, magnitude=False) -> list[torch.Tensor]:
-    """Outputs and grads of one all_gather_matmul call: [outs..., (A), d a_shard, d bs...]."""
-    t = _prepare(data, dtype, magnitude)
-    a_shard = t["a"].clone().requires_grad_()
-    bs = [t[f"b{j}"].clone().requires_grad_() for j in range(len(case.ns))]
-    a, outs = tpk.all_gather_matmul(
-        a_shard, bs, case.dim, dist.group.WORLD, backend=backend, return_a=case.return_a
-    )
-    loss = sum((o * t[f"g{j}"]).sum() for j, o in enumerate(outs))
-    results = [o.detach() for o in outs]
-    if case.return_a:
-        loss = loss + (a * t["ga"]).sum()
-        results.append(a.detach())
-    loss.backward()
-    return [*results, a_shard.grad, *(b.grad for b in bs)]
-
-
-def _rs_run(case: RSCase, data, backend: str, dtype, magnitude=False) -> list[torch.Tensor]:
-    """Outputs and grads of one matmul_reduce_scatter call: [out, d a, d b, (d bias)]."""
-    t = _prepare(data, dtype, magnitude)
-    a, b = t["a"].clone().requires_grad_(), t["b"].clone().requires_grad_()
-    bias = t["bias"].clone().requires_grad_() if case.bias else None
-    out = tpk.matmul_reduce_scatter(
-        a, b, case.dim, dist.group.WORLD, reduce_op=case.reduce_op, backend=backend, bias=bias
-    )
-    (out * t["g"]).sum().backward()
-    return [out.detach(), a.grad, b.grad] + ([bias.grad] if case.bias else [])
-
-
-def _ag_data(case: AGCase, seed: int) -> dict[str, torch.Tensor]:
-    world = dist.get_world_size()
-    full = list(case.shard)
-    full[case.dim % len(full)] *= world
-    shapes = {"a": case.shard, "ga": tuple(full)}
-    for j, n in enumerate(case.ns):
-        shapes[f"b{j}"] = (case.shard[-1], n)
-        shapes[f"g{j}"] = (*full[:-1], n)
-    return _data(seed, shapes)
-
-
-def _rs_data(case: RSCase, seed: int) -> dict[str, torch.Tensor]:
-    world = dist.get_world_size()
-    rows = list(case.rows)
-    out_rows = tuple(rows)
-    rows[case.dim % len(rows)] *= world
-    shapes = {"a": (*rows, case.k), "b": (case.k, case.n), "g": (*out_rows, case.n)}
-    data = _data(seed, shapes)
-    if case.bias:  # replicated: the same on every rank
-        data["bias"] = _data(7, {"bias": (case.n,)})["bias"]
-    return data
-
-
 def _compare(tag: str, run, case, data) -> list[str]:
     """``pipelined`` against the float64 truth, within twice the reference's own error."""
     failures = []
@@ -259,8 +198,8 @@ def _compare(tag: str, run, case, data) -> list[str]:
 def _run_cases(kind: str) -> list[str]:
     rank = dist.get_rank()
     cases, run, make = {
-        "ag": (AG_CASES, _ag_run, _ag_data),
-        "rs": (RS_CASES, _rs_run, _rs_data),
+        "ag": (AG_CASES, ag_run, ag_data),
+        "rs": (RS_CASES, rs_run, rs_data),
     }[kind]
     failures = []
     try:

@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._symmetric_memory  # noqa: F401  (defines torch.ops.symm_mem.*)
+from _fused_runs import ag_data, ag_run, rs_data, rs_run
 from _numerics import assert_no_failures, check_close
 from torch.distributed.distributed_c10d import _resolve_process_group
 
@@ -240,65 +241,6 @@ RS_CASES = [
 DTYPES = (torch.float64, torch.float32)
 
 
-def _data(seed: int, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {k: torch.randn(s, generator=g, dtype=torch.float64) for k, s in shapes.items()}
-
-
-def _ag_data(case: AGCase, seed: int) -> dict[str, torch.Tensor]:
-    full = list(case.shard)
-    full[case.dim] *= dist.get_world_size()
-    shapes = {"a": case.shard, "ga": tuple(full)}
-    for j, n in enumerate(case.ns):
-        shapes |= {f"b{j}": (case.shard[-1], n), f"g{j}": (*full[:-1], n)}
-    return _data(seed, shapes)
-
-
-def _rs_data(case: RSCase, seed: int) -> dict[str, torch.Tensor]:
-    rows = list(case.rows)
-    out_rows = tuple(rows)
-    rows[case.dim] *= dist.get_world_size()
-    data = _data(seed, {"a": (*rows, case.k), "b": (case.k, case.n), "g": (*out_rows, case.n)})
-    if case.bias:  # replicated: the same on every rank
-        data["bias"] = _data(7, {"bias": (case.n,)})["bias"]
-    return data
-
-
-def _cast(data, dtype, magnitude):
-    return {k: (v.abs() if magnitude else v).to(dtype) for k, v in data.items()}
-
-
-def _ag_run(case: AGCase, data, backend: str, dtype, magnitude=False) -> list[torch.Tensor]:
-    """[outs..., (A), d a_shard, d bs...] of one all_gather_matmul, forward and backward."""
-    t = _cast(data, dtype, magnitude)
-    a_shard = t["a"].clone().requires_grad_()
-    bs = [t[f"b{j}"].clone().requires_grad_() for j in range(len(case.ns))]
-    a, outs = tpk.all_gather_matmul(
-        a_shard, bs, case.dim, dist.group.WORLD, backend=backend, return_a=case.return_a
-    )
-    loss = sum((o * t[f"g{j}"]).sum() for j, o in enumerate(outs))
-    results = [o.detach() for o in outs]
-    if case.return_a:
-        loss = loss + (a * t["ga"]).sum()  # d A: the addend of the backward's reduce-scatter
-        results.append(a.detach())
-    else:
-        assert a is None
-    loss.backward()
-    return [*results, a_shard.grad, *(b.grad for b in bs)]
-
-
-def _rs_run(case: RSCase, data, backend: str, dtype, magnitude=False) -> list[torch.Tensor]:
-    """[out, d a, d b, (d bias)] of one matmul_reduce_scatter, forward and backward."""
-    t = _cast(data, dtype, magnitude)
-    a, b = t["a"].clone().requires_grad_(), t["b"].clone().requires_grad_()
-    bias = t["bias"].clone().requires_grad_() if case.bias else None
-    out = tpk.matmul_reduce_scatter(
-        a, b, case.dim, dist.group.WORLD, reduce_op=case.reduce_op, backend=backend, bias=bias
-    )
-    (out * t["g"]).sum().backward()
-    return [out.detach(), a.grad, b.grad] + ([bias.grad] if case.bias else [])
-
-
 def _expected_calls(kind: str, case) -> list[tuple]:
     """The calls the backend should make of torch's ops for one forward and backward."""
     world, name = dist.get_world_size(), dist.group.WORLD.group_name
@@ -325,8 +267,8 @@ def _expected_calls(kind: str, case) -> list[tuple]:
 def _run_glue(kind: str) -> list[str]:
     rank = dist.get_rank()
     cases, run, make = {
-        "ag": (AG_CASES, _ag_run, _ag_data),
-        "rs": (RS_CASES, _rs_run, _rs_data),
+        "ag": (AG_CASES, ag_run, ag_data),
+        "rs": (RS_CASES, rs_run, rs_data),
     }[kind]
     failures = []
     for i, case in enumerate(cases):
