@@ -7,6 +7,12 @@ rank ``d = r+1, r+2, ..., r`` (mod W, its own last), stores them into slot ``r``
 and then stores the epoch into word ``channel * W + r`` of ``d``'s pad. :func:`reduce_slots`
 waits for each slot's word and sums the slots in fp32, slot 0 first.
 
+The partials cross the link in the operands' dtype (a bf16 GEMM sends bf16 partials), rounded
+once from the fp32 accumulator: fp32 partials would double the bytes on the link, which is what
+this op is bound by whenever it is worth fusing. The sum then runs in fp32, so the result is
+rounded W + 1 times in all, fewer than a ring reduce-scatter in bf16 (NCCL's, and so PyTorch's),
+which rounds after every hop; the tests hold the result to twice the error of that reference.
+
 One signal per slot, raised by the slot's last tile: each tile counts itself on a per-slot atomic
 counter (acq_rel, after a CTA barrier, so its stores are ordered before the count), and the tile
 that brings the count to the slot's tile total releases the word. That keeps the protocol's one
