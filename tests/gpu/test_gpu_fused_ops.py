@@ -35,7 +35,7 @@ import tp_kernels as tpk
 
 pytestmark = pytest.mark.gpu
 
-BACKENDS = ("reference", "pipelined", "symm")
+BACKENDS = ("reference", "pipelined", "symm", "torch_symm_mem")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 AG_NAMES = ("outs", "grad a_shard", "grad bs")
 RS_NAMES = ("out", "grad a", "grad b", "grad bias")

@@ -73,7 +73,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 import tp_kernels
-from tp_kernels.bench.ops import FUSED_BACKENDS
+from tp_kernels.bench.ops import FUSED_BACKENDS, runnable_backends
 from tp_kernels.bench.protocol import ROOF, BenchCase, BenchConfig, register
 from tp_kernels.models.llama import Llama, LlamaConfig, TransformerBlock, rope_tables
 from tp_kernels.plans import check_tp_compatible, llama_tp_plan
@@ -273,14 +273,9 @@ def llama_block(cfg: BenchConfig, group: dist.ProcessGroup, device: torch.device
         return tp_kernels.parallelize_module(block, mesh, _block_plan(model, **plan_kwargs))
 
     steps: dict[str, _Step] = {BASELINE: _Step(parallel(styles="torch"), x, g, rope)}
-    skipped: dict[str, str] = {}
-    status = tp_kernels.available_backends(device)
-    for backend in FUSED_BACKENDS:
-        why = status.get(backend, "not listed by tp_kernels.available_backends()")
-        if why == "ok":
-            steps[backend] = _Step(parallel(backend=backend), x, g, rope)
-        else:
-            skipped[backend] = why
+    runnable, skipped = runnable_backends(group, device)
+    for backend in runnable:
+        steps[backend] = _Step(parallel(backend=backend), x, g, rope)
     steps["auto"] = _Step(parallel(backend="auto"), x, g, rope)
     steps[ROOF] = _Step(_roof_block(base, model, world, rank), x_full, g_full, rope)
 

@@ -7,9 +7,9 @@ On each rank ``r`` of ``W`` ranks (``M`` divisible by ``W``, which the CLI check
 * ``matmul_rs``: ``a [M, K]``, ``b [K, N]`` (both different on every rank) ->
   ``out = reduce_scatter(a @ b, dim 0, sum)`` ``[M/W, N]``.
 
-Providers: ``reference``, ``pipelined``, ``symm`` (the :mod:`tp_kernels` backends, when
-``tp_kernels.available_backends()`` says ``"ok"``), ``torch_symm_mem`` (PyTorch's
-``torch.ops.symm_mem`` fused ops; CUDA with NCCL only) and ``roof``: the same ``[M, K] @ [K, N]``
+Providers: ``reference``, ``pipelined``, ``symm``, ``torch_symm_mem`` (the :mod:`tp_kernels`
+backends, each where it can run for the group and device; ``torch_symm_mem`` is PyTorch's
+``torch.ops.symm_mem`` fused ops behind tp_kernels' op) and ``roof``: the same ``[M, K] @ [K, N]``
 matmul with no communication, the compute-only limit. Every provider does ``2*M*N*K`` flops per
 rank.
 """
@@ -17,18 +17,17 @@ rank.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 import tp_kernels
+from tp_kernels.backends import get_backend
 from tp_kernels.bench.protocol import REFERENCE, ROOF, BenchCase, BenchConfig, Provider, register
 
-FUSED_BACKENDS = (REFERENCE, "pipelined", "symm")
-TORCH_SYMM_MEM = "torch_symm_mem"
-OP_PROVIDERS = (*FUSED_BACKENDS, TORCH_SYMM_MEM, ROOF)
+FUSED_BACKENDS = (REFERENCE, "pipelined", "symm", "torch_symm_mem")
+OP_PROVIDERS = (*FUSED_BACKENDS, ROOF)
 
 
 def matmul_tolerance(dtype: torch.dtype, k: int, roundings: int) -> float:
@@ -58,24 +57,19 @@ def _randn(
     return t.to(device=device, dtype=cfg.torch_dtype)
 
 
-def _torch_symm_mem_status(group: dist.ProcessGroup, device: torch.device) -> str:
-    """``"ok"`` when PyTorch's fused symmetric-memory ops can run for ``group``, else why not."""
-    if device.type != "cuda":
-        return f"needs CUDA tensors; this run is on {device.type}"
-    if dist.get_backend(group) != "nccl":
-        return f"needs an NCCL group; this group is {dist.get_backend(group)}"
-    try:
-        from torch.distributed import _symmetric_memory as symm_mem
-    except ImportError as err:
-        return f"torch.distributed._symmetric_memory does not import: {err}"
-    if not hasattr(torch.ops.symm_mem, "fused_all_gather_matmul"):
-        return "this torch build has no torch.ops.symm_mem.fused_all_gather_matmul"
-    # Older torch versions need this before the fused ops run; newer ones deprecate it (with a
-    # FutureWarning) as unnecessary.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        symm_mem.enable_symm_mem_for_group(group.group_name)
-    return "ok"
+def runnable_backends(
+    group: dist.ProcessGroup, device: torch.device
+) -> tuple[list[str], dict[str, str]]:
+    """The backends of :data:`FUSED_BACKENDS` that can run for ``group`` on ``device``, and why
+    each of the others cannot."""
+    runnable, skipped = [], {}
+    for backend in FUSED_BACKENDS:
+        why = get_backend(backend).unavailable_reason(group, device)
+        if why is None:
+            runnable.append(backend)
+        else:
+            skipped[backend] = why
+    return runnable, skipped
 
 
 def _op_case(
@@ -85,26 +79,13 @@ def _op_case(
     device: torch.device,
     *,
     fused: Callable[[str], Provider],
-    torch_fused: Provider,
     roof: Provider,
     shapes: dict[str, list[int]],
     roundings: int,
 ) -> BenchCase:
     """The case of one fused op: ``fused(backend)`` is the tp_kernels provider of ``backend``."""
-    status = tp_kernels.available_backends(device)
-    providers: dict[str, Provider] = {}
-    skipped: dict[str, str] = {}
-    for backend in FUSED_BACKENDS:
-        why = status.get(backend, "not listed by tp_kernels.available_backends()")
-        if why == "ok":
-            providers[backend] = fused(backend)
-        else:
-            skipped[backend] = why
-    why = _torch_symm_mem_status(group, device)
-    if why == "ok":
-        providers[TORCH_SYMM_MEM] = torch_fused
-    else:
-        skipped[TORCH_SYMM_MEM] = why
+    runnable, skipped = runnable_backends(group, device)
+    providers: dict[str, Provider] = {backend: fused(backend) for backend in runnable}
     providers[ROOF] = roof
     return BenchCase(
         name=name,
@@ -132,9 +113,6 @@ def ag_matmul(cfg: BenchConfig, group: dist.ProcessGroup, device: torch.device) 
         fused=lambda backend: (
             lambda: tp_kernels.all_gather_matmul(a_shard, [b], 0, group, backend=backend)[1]
         ),
-        torch_fused=lambda: torch.ops.symm_mem.fused_all_gather_matmul(
-            a_shard, [b], 0, group.group_name, return_A=False
-        )[1],
         roof=lambda: [a_full @ b],
         shapes={"a_shard": list(a_shard.shape), "b": list(b.shape), "out": [cfg.M, cfg.N]},
         roundings=1,
@@ -157,9 +135,6 @@ def matmul_rs(cfg: BenchConfig, group: dist.ProcessGroup, device: torch.device) 
         device,
         fused=lambda backend: (
             lambda: tp_kernels.matmul_reduce_scatter(a, b, 0, group, backend=backend)
-        ),
-        torch_fused=lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(
-            a, b, "sum", 0, group.group_name
         ),
         roof=lambda: a @ b,
         shapes={"a": list(a.shape), "b": list(b.shape), "out": [cfg.M // world, cfg.N]},
