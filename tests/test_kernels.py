@@ -47,6 +47,16 @@ def _pads(world_size: int, channels: int = 2) -> tuple[list[torch.Tensor], torch
     return pads, _addresses(pads)
 
 
+def _gather_scratch(world_size: int, m: int) -> dict[str, torch.Tensor]:
+    """The consumer's local-arrival flags and tile ticket, fresh (zero)."""
+    from tp_kernels.kernels.ag_matmul import flag_words
+
+    return {
+        "flags": torch.zeros(flag_words(world_size, m), dtype=torch.int32),
+        "sched": torch.zeros(2, dtype=torch.int32),
+    }
+
+
 def _rotation(start: int, world_size: int) -> list[int]:
     return [(start + k) % world_size for k in range(world_size)]
 
@@ -113,7 +123,8 @@ def test_ag_matmul_consumer(dtype, world_size, rank, m, k, ns):
         world_size=world_size,
         channel=CHANNEL,
         epoch=7,
-        a_out=a_out,
+        a_local=a_out,
+        **_gather_scratch(world_size, m),
         order_out=order,
     )
     assert status.tolist() == [0] * world_size
@@ -213,6 +224,8 @@ def test_stale_or_missing_signal_times_out():
         signal_ptrs,
         [b],
         [out],
+        a_local=torch.full((world_size * m, k), NAN),
+        **_gather_scratch(world_size, m),
         status=status,
         rank=0,
         world_size=world_size,
@@ -269,6 +282,8 @@ def _bad_ag(**change):
         signal_ptrs=torch.zeros(world_size, dtype=torch.int64),
         bs=[torch.ones(k, 5)],
         outs=[torch.ones(world_size * m, 5)],
+        a_local=torch.ones(world_size * m, k),
+        **_gather_scratch(world_size, m),
         status=kernels.new_status(world_size, torch.device("cpu")),
         rank=0,
         world_size=world_size,
@@ -331,6 +346,12 @@ def _bad_reduce(**change):
         ),
         (_bad_ag, dict(bs=[torch.ones(8, 5, dtype=torch.int32)]), r"bs\[0\]: dtype torch.int32"),
         (_bad_ag, dict(outs=[torch.ones(5, 8).t()]), r"outs\[0\]: must be contiguous"),
+        (
+            _bad_ag,
+            dict(flags=torch.zeros(1, dtype=torch.int32)),
+            r"flags: got torch.int32 of shape \(1,\), expected int32 with at least 2 words",
+        ),
+        (_bad_ag, dict(a_local=torch.ones(8, 7)), r"a_local: got torch.float32 of shape \(8, 7\)"),
         (
             _bad_ag,
             dict(status=torch.zeros(3, dtype=torch.int32)),
@@ -439,7 +460,8 @@ def _rank_ag(m: int, k: int, ns: tuple[int, ...]) -> list[str]:
             world_size=world_size,
             channel=CHANNEL,
             epoch=epoch,
-            a_out=a_out,
+            a_local=a_out,
+            **_gather_scratch(world_size, m),
             timeout_s=60.0,
             order_out=order,
         )

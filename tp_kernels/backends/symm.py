@@ -5,8 +5,10 @@ data workspace that every rank of the group maps (see "Buffer reuse" below):
 
 * all-gather -> matmul: ``r`` copies ``a_shard [m, K]`` into its own buffer and signals every
   peer; it multiplies its own shard first, then, for ``s = r+1, r+2, ...`` (mod W), waits for
-  ``s``'s signal and multiplies ``s``'s rows straight out of ``s``'s buffer (zero copy):
-  ``outs[j][s*m:(s+1)*m] = A_s @ bs[j]``. ``A`` is copied out only when ``return_a``.
+  ``s``'s signal, reads ``s``'s rows from ``s``'s buffer once, into the local gathered ``A``
+  [W*m, K], and multiplies them from there: ``outs[j][s*m:(s+1)*m] = A_s @ bs[j]``. Every
+  remote byte crosses the link once, however many ``bs`` and column tiles there are; ``A`` is
+  what ``return_a`` returns.
 * matmul -> reduce-scatter: each rank's buffer is viewed as ``slots [W, m, N]``. ``r`` computes
   ``(a @ b + addend)[d*m:(d+1)*m]`` straight into slot ``r`` of rank ``d``'s buffer for
   ``d = r+1, ..., r`` (own last), signalling ``d`` after each, then waits for its ``W-1`` incoming
@@ -147,6 +149,8 @@ class _GroupState:
         self.half_ptrs: tuple[torch.Tensor, torch.Tensor] | None = None
         self.status: torch.Tensor | None = None
         self.counters: torch.Tensor | None = None
+        self.sched: torch.Tensor | None = None
+        self.flags: torch.Tensor | None = None
         self.seq = 0
         self.broken: str | None = None
 
@@ -156,14 +160,26 @@ class _GroupState:
         ptrs = data.buffer_ptrs()
         self.half_ptrs = (ptrs.clone(), ptrs + data.nbytes // 2)
 
-    def kernel_state(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(status, counters)`` of the kernels, made on first use."""
-        if self.status is None or self.counters is None:
+    def kernel_state(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(status, counters, sched)`` of the kernels, made on first use."""
+        if self.status is None or self.counters is None or self.sched is None:
             from tp_kernels import kernels
 
-            self.status = kernels.new_status(self.ctl.world_size, self.ctl.device)
-            self.counters = kernels.new_counters(self.ctl.world_size, self.ctl.device)
-        return self.status, self.counters
+            world, device = self.ctl.world_size, self.ctl.device
+            self.status = kernels.new_status(world, device)
+            self.counters = kernels.new_counters(world, device)
+            self.sched = torch.zeros(2, dtype=torch.int32, device=device)
+        return self.status, self.counters, self.sched
+
+    def flags_for(self, m: int) -> torch.Tensor:
+        """The all-gather's local-arrival flags, enough for ``m`` rows per rank (grown, never
+        reset: each call waits for its own epoch)."""
+        from tp_kernels.kernels.ag_matmul import flag_words
+
+        need = flag_words(self.ctl.world_size, m)
+        if self.flags is None or self.flags.numel() < need:
+            self.flags = torch.zeros(need, dtype=torch.int32, device=self.ctl.device)
+        return self.flags
 
     def headers(self, rank: int) -> torch.Tensor:
         """``rank``'s two headers, int64 [2, _HEADER_WORDS]."""
@@ -445,26 +461,26 @@ class SymmBackend(Backend):
         call = _Call(
             group, a_shard.device, _AG, dtype, (m, k, 0), a_shard.nbytes, kernels=use_kernels
         )
-        a = a_shard.new_empty((world * m, k)) if return_a else None
+        # The gathered A: each peer's rows are read from its memory once, into here, and every
+        # matmul reads them from here (it is also what return_a gives).
+        a = a_shard.new_empty((world * m, k))
         outs = [a_shard.new_empty((world * m, b.shape[1])) for b in bs]
         if use_kernels:
             _ag_triton(call, a_shard, bs, outs, a)
-            return a, outs
+            return (a if return_a else None), outs
         call.data()
         call.view(rank, (m, k), dtype).copy_(a_shard)
         call.signal()
         for s in [rank, *call.peers()]:
+            rows = slice(s * m, (s + 1) * m)
             if s == rank:
-                shard = a_shard
+                a[rows].copy_(a_shard)
             else:
                 call.receive(s)
-                shard = call.view(s, (m, k), dtype)
-            rows = slice(s * m, (s + 1) * m)
+                a[rows].copy_(call.view(s, (m, k), dtype))
             for out, b in zip(outs, bs):
-                torch.mm(shard, b, out=out[rows])
-            if a is not None:
-                a[rows].copy_(shard)
-        return a, outs
+                torch.mm(a[rows], b, out=out[rows])
+        return (a if return_a else None), outs
 
     def matmul_reduce_scatter(
         self,
@@ -512,23 +528,26 @@ def _ag_triton(
     a_shard: torch.Tensor,
     bs: list[torch.Tensor],
     outs: list[torch.Tensor],
-    a: torch.Tensor | None,
+    a: torch.Tensor,
 ) -> None:
-    """The all-gather-matmul of :class:`SymmBackend` by :func:`kernels.ag_matmul_consumer`."""
+    """The all-gather-matmul of :class:`SymmBackend` by :func:`kernels.ag_matmul_consumer`,
+    which gathers into ``a`` (each peer's rows read once) and multiplies from it."""
     from tp_kernels import kernels
 
     call.data()
     m, k = a_shard.shape
     call.view(call.rank, (m, k), a_shard.dtype).copy_(a_shard)
     pads = call.state.ctl.signal_pad_ptrs()
-    status, _ = call.state.kernel_state()
+    status, _, sched = call.state.kernel_state()
     kernels.signal_ready(pads, **call.kernel_args())
     kernels.ag_matmul_consumer(
         call.addresses(),
         pads,
         bs,
         outs,
-        a_out=a,
+        a_local=a,
+        flags=call.state.flags_for(m),
+        sched=sched,
         status=status,
         timeout_s=symm.get_timeout(),
         **call.kernel_args(),
@@ -544,7 +563,7 @@ def _rs_triton(call: _Call, a: torch.Tensor, b: torch.Tensor, m: int, n: int) ->
 
     call.data()
     pads = call.state.ctl.signal_pad_ptrs()
-    status, counters = call.state.kernel_state()
+    status, counters, _ = call.state.kernel_state()
     out = a.new_empty((m, n))
     kernels.matmul_rs_producer(
         a, b, call.addresses(), pads, counters=counters, **call.kernel_args()

@@ -1,10 +1,17 @@
-"""All-gather consumer GEMM: ``C = all_gather(A_s, s = 0..W-1) @ B`` by pulling from peers.
+"""All-gather consumer GEMM: ``C = all_gather(A_s, s = 0..W-1) @ B``, each remote byte read once.
 
 Rank ``s`` publishes its shard ``A_s [m, K]`` in its symmetric buffer, then calls
 :func:`signal_ready`, which stores the call's epoch into word ``channel * W + s`` of every rank's
-pad (its own included). :func:`ag_matmul_consumer` on rank ``r`` walks its M tiles starting with
-rank ``r``'s rows, then ``r+1``'s, ... (mod W); before a tile of rank ``s``'s rows it waits on that
-word of its own pad and then loads ``A_s`` straight through ``s``'s buffer address.
+pad (its own included). :func:`ag_matmul_consumer` on rank ``r`` walks its output tiles starting
+with rank ``r``'s rows, then ``r+1``'s, ... (mod W). The first column tile of each M tile is its
+**puller**: it waits on that word of its own pad, reads its rows of ``A_s`` straight from ``s``'s
+buffer, stores them into the local gathered ``A`` as it goes, and once its tile is done releases a
+local flag (the epoch) for that M tile. The other column tiles of the M tile acquire the flag and
+read the rows from the local ``A``: every remote byte crosses the link once, however wide ``C``
+is (peer memory is not cached in this GPU's L2, so reading it once per column tile would cross
+the link ``cdiv(N, BLOCK_N)`` times). Tiles are handed out by an atomic ticket in that order, so a
+puller has always started before the tiles that wait for it: no tile can wait for one that is not
+running. Further right-hand matrices of the same call read the local ``A`` only (no waits).
 """
 
 from __future__ import annotations
@@ -43,14 +50,16 @@ def _signal_ready_kernel(signal_ptrs, rank, world_size, channel, epoch):
     tl.atomic_xchg(pad + channel * world_size + rank, epoch, sem="release", scope="sys")
 
 
-@triton.autotune(configs=gemm_configs(), key=["m", "K", "N", "DTYPE", "WRITE_A"])
+@triton.autotune(configs=gemm_configs(), key=["m", "K", "N", "DTYPE", "PULL"])
 @triton.jit(do_not_specialize=["rank", "channel", "epoch", "status_addr", "timeout_ns"])
 def _ag_matmul_kernel(
     a_ptrs,
     signal_ptrs,
     b_ptr,
     c_ptr,
-    a_out_ptr,
+    a_local_ptr,
+    flags_ptr,
+    sched_ptr,
     trace_ptr,
     status_addr,
     rank,
@@ -64,7 +73,7 @@ def _ag_matmul_kernel(
     epoch,
     timeout_ns,
     DTYPE: tl.constexpr,
-    WRITE_A: tl.constexpr,
+    PULL: tl.constexpr,
     TRACE: tl.constexpr,
     BF16_BY_HAND: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
@@ -74,28 +83,26 @@ def _ag_matmul_kernel(
 ):
     """One output tile: ``C[s*m + i, n] = sum_k A_s[i, k] * B[k, n]`` (fp32 accumulation).
 
-    ``a_ptrs[s]``: address of rank s's shard A_s [m, K] (row-major, 16-byte aligned); B [K, N] is
-    read through its strides; C [W*m, N] is row-major. Programs are numbered M-tile-major; M tile
-    ``t`` covers rows of rank ``s = (rank + t // cdiv(m, BLOCK_M)) % W``, so the first programs use
-    this rank's own rows. Before loading A_s the program waits for ``epoch`` in word
-    ``channel * W + s`` of this rank's pad (on timeout: ``status[s] = epoch``). With WRITE_A the
-    programs of the first N tile also store the A_s tile they load into the gathered A [W*m, K].
+    ``a_ptrs[s]``: address of rank s's shard A_s [m, K] in its symmetric buffer (row-major,
+    16-byte aligned); ``a_local`` [W*m, K] is this rank's gathered A; B [K, N] is read through its
+    strides; C [W*m, N] is row-major. Tile ``t`` (M-tile-major) covers rows of rank ``s = (rank +
+    (t // cdiv(N, BLOCK_N)) // cdiv(m, BLOCK_M)) % W``, so the first tiles use this rank's own
+    rows. PULL (the call's first launch): tiles come from the ticket ``sched[0]``; the first
+    column tile of an M tile waits for ``epoch`` in word ``channel * W + s`` of this rank's pad,
+    reads A_s, stores it into ``a_local`` and then releases ``flags[M tile] = epoch``; the other
+    column tiles acquire that flag and read ``a_local``. The last tile to finish (``sched[1]``)
+    zeroes ``sched`` for the next launch. On a timeout ``status[s] = epoch``. Without PULL every
+    tile reads ``a_local``, complete since the first launch (stream order).
     """
-    pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
-    m_tile = pid // n_tiles
-    col_tile = pid % n_tiles
     tiles_per_shard = tl.cdiv(m, BLOCK_M)
+    if PULL:
+        tile = tl.atomic_add(sched_ptr, 1, sem="relaxed", scope="gpu")
+    else:
+        tile = tl.program_id(0)
+    m_tile = tile // n_tiles
+    col_tile = tile % n_tiles
     src = (rank + m_tile // tiles_per_shard) % world_size
-    pad = tl.load(signal_ptrs + rank).to(tl.pointer_type(tl.int32))
-    status = status_addr.to(tl.pointer_type(tl.int32))
-    _wait_signal(pad + channel * world_size + src, epoch, timeout_ns, status + src)
-    if TRACE:
-        _note_first_touch(trace_ptr, src, world_size)
-
-    # Symmetric buffers (and their halves) start on 16-byte multiples; Triton cannot see that
-    # through an address loaded from a table, and without it the loads are not vectorized.
-    a_base = tl.multiple_of(tl.load(a_ptrs + src).to(tl.pointer_type(DTYPE)), 16)
     rows = (m_tile % tiles_per_shard) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < m
@@ -103,16 +110,36 @@ def _ag_matmul_kernel(
     # int64 offsets: W*m*K or W*m*N elements may pass 2**31.
     rows64 = rows.to(tl.int64)
     cols64 = cols.to(tl.int64)
+    local_rows = a_local_ptr + src.to(tl.int64) * m * K
+    puller = PULL & (col_tile == 0)
+    if PULL:
+        # The puller waits for the peer's data, every other tile for the puller's local copy:
+        # one wait, on the address of one word or the other.
+        pad = tl.load(signal_ptrs + rank)
+        ready_word = pad + (channel * world_size + src).to(tl.int64) * 4
+        flag_word = flags_ptr.to(tl.int64) + m_tile.to(tl.int64) * 4
+        word = tl.where(puller, ready_word, flag_word).to(tl.pointer_type(tl.int32))
+        status = status_addr.to(tl.pointer_type(tl.int32))
+        _wait_signal(word, epoch, timeout_ns, status + src)
+        # Symmetric buffers (and their halves) start on 16-byte multiples; Triton cannot see
+        # that through an address loaded from a table.
+        remote = tl.load(a_ptrs + src)
+        a_base = tl.where(puller, remote, local_rows.to(tl.int64)).to(tl.pointer_type(DTYPE))
+        a_base = tl.multiple_of(a_base, 16)
+    else:
+        a_base = local_rows
+    if TRACE:
+        _note_first_touch(trace_ptr, src, world_size)
+
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         a_mask = row_ok[:, None] & k_ok[None, :]
-        a = tl.load(a_base + rows64[:, None] * K + ks[None, :], mask=a_mask, other=0.0)
-        if WRITE_A:
-            if col_tile == 0:
-                a_out = a_out_ptr + (src * m + rows64)[:, None] * K + ks[None, :]
-                tl.store(a_out, a, mask=a_mask)
+        a_offsets = rows64[:, None] * K + ks[None, :]
+        a = tl.load(a_base + a_offsets, mask=a_mask, other=0.0)
+        if PULL:
+            tl.store(local_rows + a_offsets, a, mask=a_mask & puller)
         b = tl.load(
             b_ptr + ks[:, None].to(tl.int64) * stride_bk + cols64[None, :] * stride_bn,
             mask=k_ok[:, None] & col_ok[None, :],
@@ -124,6 +151,16 @@ def _ag_matmul_kernel(
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
     c_tile = c_ptr + (src * m + rows64)[:, None] * N + cols64[None, :]
     tl.store(c_tile, _round_to(acc, DTYPE, BF16_BY_HAND), mask=row_ok[:, None] & col_ok[None, :])
+
+    if PULL:
+        # Every thread's stores of the local rows precede the flag's release.
+        tl.debug_barrier()
+        if puller:
+            tl.atomic_xchg(flags_ptr + m_tile, epoch, sem="release", scope="gpu")
+        done = tl.atomic_add(sched_ptr + 1, 1, sem="acq_rel", scope="gpu")
+        if done == world_size * tiles_per_shard * n_tiles - 1:
+            tl.atomic_xchg(sched_ptr, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(sched_ptr + 1, 0, sem="relaxed", scope="gpu")
 
 
 def signal_ready(
@@ -144,39 +181,55 @@ def signal_ready(
         _signal_ready_kernel[(world_size,)](signal_ptrs, rank, world_size, channel, epoch)
 
 
+def flag_words(world_size: int, m: int) -> int:
+    """How many int32 flags :func:`ag_matmul_consumer` needs for ``m`` rows per rank: one per M
+    tile of the smallest tile any config uses."""
+    smallest = min(c.kwargs["BLOCK_M"] for c in gemm_configs())
+    return world_size * triton.cdiv(m, smallest)
+
+
 def ag_matmul_consumer(
     a_ptrs: torch.Tensor,
     signal_ptrs: torch.Tensor,
     bs: Sequence[torch.Tensor],
     outs: Sequence[torch.Tensor],
     *,
+    a_local: torch.Tensor,
+    flags: torch.Tensor,
+    sched: torch.Tensor,
     status: torch.Tensor,
     rank: int,
     world_size: int,
     channel: int,
     epoch: int,
-    a_out: torch.Tensor | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     order_out: torch.Tensor | None = None,
 ) -> None:
-    """``outs[j][s*m:(s+1)*m] = A_s @ bs[j]`` for every rank s and every j (one launch per j).
+    """``A = cat_s A_s`` into ``a_local`` and ``outs[j] = A @ bs[j]`` for every j (one launch per
+    j), each peer's rows read from its memory once.
 
-    Shapes (W = ``world_size``): every A_s is [m, K]; ``bs[j]`` is [K, N_j] with any strides;
-    ``outs[j]`` is [W*m, N_j], contiguous; all share one dtype (fp32, fp16 or bf16) and device.
-    Rank s's rows are read once its ready word (``channel * W + s`` of this rank's pad) holds
-    ``epoch``; see :func:`signal_ready`. Call this rank's :func:`signal_ready` first (on a GPU, on
-    the same stream): this kernel's programs hold the device while they wait, so a signal queued
-    behind them would never run. Nothing here synchronizes with the device.
+    Shapes (W = ``world_size``): every A_s is [m, K]; ``a_local`` is [W*m, K], contiguous;
+    ``bs[j]`` is [K, N_j] with any strides; ``outs[j]`` is [W*m, N_j], contiguous; all share one
+    dtype (fp32, fp16 or bf16) and device. Rank s's rows are read once its ready word (``channel
+    * W + s`` of this rank's pad) holds ``epoch``; see :func:`signal_ready`. Call this rank's
+    :func:`signal_ready` first (on a GPU, on the same stream): the kernel's tiles hold the device
+    while they wait, so a signal queued behind them would never run. Nothing here synchronizes
+    with the device.
 
     Args:
         a_ptrs: int64 [W], address of rank s's shard A_s (its symmetric buffer) in this process;
             each a multiple of 16 bytes (symmetric buffers and their halves are).
         signal_ptrs: int64 [W], address of rank s's signal pad; this rank waits on its own.
         bs, outs: the right-hand matrices and their outputs (written in place).
+        a_local: receives the gathered A; the GEMMs read the peers' rows from it.
+        flags: int32, at least :func:`flag_words` of them, on the device: "the rows of M tile t
+            are in ``a_local``", as epochs (one buffer per caller, never reset: each call waits for
+            its own epoch).
+        sched: int32 [2], zero, on the device: the tile ticket; the kernel leaves it zeroed, so
+            one serves every launch on one stream.
         status: the timeout record (:func:`tp_kernels.kernels.new_status`): a wait for rank s
             that passes ``timeout_s`` stores ``epoch`` into ``status[s]``; read it with
             :func:`tp_kernels.kernels.raise_on_timeout`.
-        a_out: optional [W*m, K], contiguous; also receives the gathered A (for ``return_a``).
         timeout_s: deadline of each wait.
         order_out: optional int [W]; receives the source ranks in the order the kernel first
             touched them (a trace for tests and debugging; adds one atomic per tile).
@@ -207,8 +260,15 @@ def ag_matmul_consumer(
             raise ValueError(f"bs[{j}]: got shape {tuple(b.shape)}, expected [{K}, N] with N >= 1")
         check_matrix(b, (K, n_j), dtype, device, argument=f"bs[{j}]", contiguous=False)
         check_matrix(c, (world_size * m, n_j), dtype, device, argument=f"outs[{j}]")
-    if a_out is not None:
-        check_matrix(a_out, (world_size * m, K), dtype, device, argument="a_out")
+    check_matrix(a_local, (world_size * m, K), dtype, device, argument="a_local")
+    need = flag_words(world_size, m)
+    if flags.dtype != torch.int32 or flags.dim() != 1 or flags.numel() < need:
+        raise ValueError(
+            f"flags: got {flags.dtype} of shape {tuple(flags.shape)}, expected int32 with at "
+            f"least {need} words (flag_words({world_size}, {m}))"
+        )
+    check_matrix(flags, tuple(flags.shape), torch.int32, device, argument="flags")
+    check_matrix(sched, (2,), torch.int32, device, argument="sched")
     check_ptr_table(a_ptrs, world_size, device, argument="a_ptrs")
     check_ptr_table(signal_ptrs, world_size, device, argument="signal_ptrs")
     check_status(status, world_size)
@@ -220,7 +280,6 @@ def ag_matmul_consumer(
     with on_device(device):
         for j, (b, c) in enumerate(zip(bs, outs)):
             first = j == 0
-            write_a = first and a_out is not None
             n = b.shape[1]
 
             def grid(meta: dict, n: int = n) -> tuple[int]:
@@ -232,7 +291,9 @@ def ag_matmul_consumer(
                 signal_ptrs,
                 b,
                 c,
-                a_out if write_a else c,
+                a_local,
+                flags,
+                sched,
                 trace if first and trace is not None else a_ptrs,
                 status.data_ptr(),
                 rank,
@@ -246,7 +307,7 @@ def ag_matmul_consumer(
                 epoch,
                 wait_ns,
                 DTYPE=DTYPE,
-                WRITE_A=write_a,
+                PULL=first,
                 TRACE=first and trace is not None,
                 BF16_BY_HAND=INTERPRET and dtype == torch.bfloat16,
                 INPUT_PRECISION=dot_precision(dtype),

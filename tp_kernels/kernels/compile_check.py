@@ -121,23 +121,26 @@ def variants(arch: int) -> list[Variant]:
         ):
             tag = f"{dname}{'-' + precision if precision else ''},{layout}"
             for config in ag_matmul._ag_matmul_kernel.configs:
-                for write_a in (False, True):
+                for pull in (True, False):
                     types = {
                         "a_ptrs": "*i64", "signal_ptrs": "*i64", "b_ptr": elem, "c_ptr": elem,
-                        "a_out_ptr": elem, "trace_ptr": "*i64", "status_addr": "i64",
-                        "rank": i32, "world_size": i32, "m": i32, "K": i32, "N": i32,
-                        other: i32, "channel": i32, "epoch": i32, "timeout_ns": "i64",
+                        "a_local_ptr": elem, "flags_ptr": "*i32", "sched_ptr": "*i32",
+                        "trace_ptr": "*i64", "status_addr": "i64", "rank": i32,
+                        "world_size": i32, "m": i32, "K": i32, "N": i32, other: i32,
+                        "channel": i32, "epoch": i32, "timeout_ns": "i64",
                     }  # fmt: skip
+                    # The first launch of a call pulls and waits; later ones read local memory.
+                    waits = WAIT_PATTERNS if pull else ()
                     found.append(
                         _variant(
                             f"ag_matmul[{tag},{_blocks(config.kwargs)},w{config.num_warps}"
-                            f"s{config.num_stages}{',write_a' if write_a else ''}]",
+                            f"s{config.num_stages}{',pull' if pull else ''}]",
                             ag_matmul._ag_matmul_kernel.fn,
                             types,
                             {
                                 unit: 1,
                                 "DTYPE": tl_type,
-                                "WRITE_A": write_a,
+                                "PULL": pull,
                                 "TRACE": False,
                                 "BF16_BY_HAND": False,
                                 "INPUT_PRECISION": precision,
@@ -148,13 +151,15 @@ def variants(arch: int) -> list[Variant]:
                                 "signal_ptrs",
                                 "b_ptr",
                                 "c_ptr",
-                                "a_out_ptr",
+                                "a_local_ptr",
+                                "flags_ptr",
+                                "sched_ptr",
                                 "m",
                                 "K",
                                 "N",
                                 other,
                             ),  # fmt: skip
-                            WAIT_PATTERNS + ASYNC_COPY_PATTERNS + mma,
+                            waits + ASYNC_COPY_PATTERNS + mma,
                             num_warps=config.num_warps,
                             num_stages=config.num_stages,
                         )
