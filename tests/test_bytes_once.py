@@ -154,6 +154,11 @@ def _one_call_each(path: str, dtype: torch.dtype) -> list[str]:
             tpk.all_gather_matmul(torch.ones(m, k, dtype=dtype), [torch.ones(k, 64, dtype=dtype)],
                                   0, group, backend="symm")  # fmt: skip
             _traffic.clear()
+            # One b and no gathered A wanted: on the torch path the matmul reads the peer itself.
+            tpk.all_gather_matmul(torch.randn(m, k, generator=gen).to(dtype),
+                                  [torch.randn(k, ns[0], generator=gen).to(dtype)], 0, group,
+                                  backend="symm")  # fmt: skip
+            check("all_gather_matmul forward, one b", _expect(peers, "read", m * k * elt))
             a_shard = torch.randn(m, k, generator=gen).to(dtype).requires_grad_()
             bs = [torch.randn(n, k, generator=gen).to(dtype).t().requires_grad_() for n in ns]
             a, outs = tpk.all_gather_matmul(a_shard, bs, 0, group, backend="symm", return_a=True)

@@ -462,7 +462,8 @@ class SymmBackend(Backend):
             group, a_shard.device, _AG, dtype, (m, k, 0), a_shard.nbytes, kernels=use_kernels
         )
         # The gathered A: each peer's rows are read from its memory once, into here, and every
-        # matmul reads them from here (it is also what return_a gives).
+        # matmul reads them from here (it is also what return_a gives). The Triton path always
+        # gathers: its column tiles would otherwise each read the peer's rows.
         a = a_shard.new_empty((world * m, k))
         outs = [a_shard.new_empty((world * m, b.shape[1])) for b in bs]
         if use_kernels:
@@ -471,15 +472,20 @@ class SymmBackend(Backend):
         call.data()
         call.view(rank, (m, k), dtype).copy_(a_shard)
         call.signal()
+        # One matmul and no gathered A wanted: it reads the peer's rows once by itself, and a copy
+        # would only cost (on a CPU, peer memory is this machine's memory).
+        gather = return_a or len(bs) > 1
         for s in [rank, *call.peers()]:
             rows = slice(s * m, (s + 1) * m)
             if s == rank:
-                a[rows].copy_(a_shard)
+                shard = a_shard
             else:
                 call.receive(s)
-                a[rows].copy_(call.view(s, (m, k), dtype))
+                shard = call.view(s, (m, k), dtype)
+            if gather:
+                shard = a[rows].copy_(shard)
             for out, b in zip(outs, bs):
-                torch.mm(a[rows], b, out=out[rows])
+                torch.mm(shard, b, out=out[rows])
         return (a if return_a else None), outs
 
     def matmul_reduce_scatter(
