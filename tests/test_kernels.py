@@ -49,12 +49,8 @@ def _pads(world_size: int, channels: int = 2) -> tuple[list[torch.Tensor], torch
 
 def _gather_scratch(world_size: int, m: int) -> dict[str, torch.Tensor]:
     """The consumer's local-arrival flags and tile ticket, fresh (zero)."""
-    from tp_kernels.kernels.ag_matmul import flag_words
-
-    return {
-        "flags": torch.zeros(flag_words(world_size, m), dtype=torch.int32),
-        "sched": torch.zeros(2, dtype=torch.int32),
-    }
+    cpu = torch.device("cpu")
+    return {"flags": kernels.new_flags(world_size, m, cpu), "sched": kernels.new_sched(cpu)}
 
 
 def _rotation(start: int, world_size: int) -> list[int]:

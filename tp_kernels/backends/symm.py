@@ -168,17 +168,17 @@ class _GroupState:
             world, device = self.ctl.world_size, self.ctl.device
             self.status = kernels.new_status(world, device)
             self.counters = kernels.new_counters(world, device)
-            self.sched = torch.zeros(2, dtype=torch.int32, device=device)
+            self.sched = kernels.new_sched(device)
         return self.status, self.counters, self.sched
 
     def flags_for(self, m: int) -> torch.Tensor:
         """The all-gather's local-arrival flags, enough for ``m`` rows per rank (grown, never
         reset: each call waits for its own epoch)."""
-        from tp_kernels.kernels.ag_matmul import flag_words
+        from tp_kernels import kernels
 
-        need = flag_words(self.ctl.world_size, m)
-        if self.flags is None or self.flags.numel() < need:
-            self.flags = torch.zeros(need, dtype=torch.int32, device=self.ctl.device)
+        world = self.ctl.world_size
+        if self.flags is None or self.flags.numel() < kernels.ag_matmul.flag_words(world, m):
+            self.flags = kernels.new_flags(world, m, self.ctl.device)
         return self.flags
 
     def headers(self, rank: int) -> torch.Tensor:

@@ -199,10 +199,8 @@ class Problem:
         self.status = kernels_module().new_status(1, device)
         self.counters = kernels_module().new_counters(1, device)
         self.a_local = torch.empty_like(self.a)
-        self.flags = torch.zeros(
-            kernels_module().ag_matmul.flag_words(1, m), dtype=torch.int32, device=device
-        )
-        self.sched = torch.zeros(2, dtype=torch.int32, device=device)
+        self.flags = kernels_module().new_flags(1, m, device)
+        self.sched = kernels_module().new_sched(device)
         self.flops = 2.0 * m * n * k
         self.out_bytes = 2.0 * self.want.numel() * self.want.element_size()
 

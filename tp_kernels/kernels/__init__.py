@@ -388,7 +388,12 @@ def store_order(trace: torch.Tensor, order_out: torch.Tensor, world_size: int) -
     order_out.copy_(torch.argsort(trace[:world_size], stable=True))
 
 
-from tp_kernels.kernels.ag_matmul import ag_matmul_consumer, signal_ready  # noqa: E402
+from tp_kernels.kernels.ag_matmul import (  # noqa: E402
+    ag_matmul_consumer,
+    new_flags,
+    new_sched,
+    signal_ready,
+)
 from tp_kernels.kernels.matmul_rs import (  # noqa: E402
     matmul_rs_producer,
     new_counters,
@@ -404,6 +409,8 @@ __all__ = [
     "ag_matmul_consumer",
     "matmul_rs_producer",
     "new_counters",
+    "new_flags",
+    "new_sched",
     "new_status",
     "raise_on_timeout",
     "reduce_slots",

@@ -188,6 +188,17 @@ def flag_words(world_size: int, m: int) -> int:
     return world_size * triton.cdiv(m, smallest)
 
 
+def new_flags(world_size: int, m: int, device: torch.device) -> torch.Tensor:
+    """Zeroed local-arrival flags of :func:`ag_matmul_consumer` for ``m`` rows per rank."""
+    return torch.zeros(flag_words(world_size, m), dtype=torch.int32, device=device)
+
+
+def new_sched(device: torch.device) -> torch.Tensor:
+    """The zeroed tile ticket of :func:`ag_matmul_consumer` (int32 [2]); the kernel leaves it
+    zeroed, so one tensor serves every launch on one stream."""
+    return torch.zeros(2, dtype=torch.int32, device=device)
+
+
 def ag_matmul_consumer(
     a_ptrs: torch.Tensor,
     signal_ptrs: torch.Tensor,

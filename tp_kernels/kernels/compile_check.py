@@ -239,11 +239,10 @@ def check_ptx(ptx: str, required: Sequence[tuple[str, str]]) -> list[str]:
 
 @dataclass
 class Outcome:
-    """What compiling one variant gave: its PTX file, resources, and what is wrong."""
+    """What compiling one variant gave: its resources, and what is wrong."""
 
     name: str
     problems: list[str]
-    ptx_path: str = ""
     shared_bytes: int = 0
     registers: int = -1
     spill_bytes: int = -1
@@ -300,7 +299,6 @@ def compile_variant(variant: Variant, arch: int, out_dir: Path) -> Outcome:
     return Outcome(
         variant.name,
         missing,
-        str(path),
         int(getattr(compiled.metadata, "shared", 0)),
         registers,
         spill_bytes,
