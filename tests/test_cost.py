@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from tp_kernels import cost
 from tp_kernels.bench import main as bench_main
@@ -77,3 +78,16 @@ def test_model_plan_refuses_a_tp_that_does_not_divide(capsys):
         model.main(["--tp", "3", "--model", "llama3-8b"])
     assert info.value.code == 2
     assert "--tp 3" in capsys.readouterr().err
+
+
+def test_the_local_cpu_is_measured_once_and_gpus_found_by_name(monkeypatch):
+    spec = cost.device_spec(torch.device("cpu"))
+    assert spec is cost.measure_cpu()  # measured once per process
+    assert all(rate > 0 for rate in spec.peak_tflops.values()) and spec.link_gb_s > 0
+    assert set(spec.peak_tflops) == set(cost.DTYPE_NAMES.values())
+    names = iter(["NVIDIA H100 80GB HBM3", "NVIDIA H200", "Tesla V100-SXM2-16GB"])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: next(names))
+    cuda = torch.device("cuda", 0)
+    assert cost.device_spec(cuda) is cost.DEVICES["h100"]
+    assert cost.device_spec(cuda) is cost.DEVICES["h200"]
+    assert cost.device_spec(cuda) is None  # not described: auto then times without ruling out

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import time
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from _numerics import check_close
 
 import tp_kernels as tpk
 from tp_kernels import backends
-from tp_kernels.backends import current_backend, pipelined
+from tp_kernels.backends import auto, current_backend, pipelined
 from tp_kernels.ops._checks import check_all_gather_matmul, check_matmul_reduce_scatter
 
 BACKENDS = ("reference", "pipelined", "symm")
@@ -523,35 +524,86 @@ def test_comm_stats_count_each_fused_call(worlds, save):
 # ---------------------------------------------------------------- auto and torch.compile
 
 
-def _auto_choices() -> tuple[bool, list[str]]:
+def _auto_choices() -> tuple[bool, list[str], list[str]]:
+    """Two rounds of auto calls at a small and a big shape, with symm and then (other shape
+    classes, so nothing cached is reused) without it; the log and the backends that ran."""
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())
     log = logging.getLogger("tp_kernels")
     log.addHandler(handler)
     log.setLevel(logging.INFO)
-    small, big = torch.ones(4, 8), torch.ones(1024, 512)
     symm_ok = tpk.available_backends()["symm"] == "ok"
+    ran: list[str] = []
     try:
-        for disable in (False, True):
+        for disable, (small, big) in (
+            (False, ((4, 8), (1024, 512))),
+            (True, ((4, 20), (1024, 1100))),
+        ):
             with _symm_disabled() if disable else contextlib.nullcontext():
-                for _ in range(2):  # the second round must not log again
-                    for a in (small, big):
-                        tpk.all_gather_matmul(
-                            a, [torch.ones(a.shape[1], 2)], 0, dist.group.WORLD, backend="auto"
-                        )
+                for _ in range(2):  # the second round must neither log nor time again
+                    for rows, k in (small, big):
+                        tpk.reset_comm_stats()
+                        a = torch.ones(rows, k)
+                        tpk.all_gather_matmul(a, [torch.ones(k, 2)], 0, dist.group.WORLD)
+                        ran += [backend for (_, _, backend) in tpk.comm_stats()]
     finally:
         log.removeHandler(handler)
-    return symm_ok, records
+    return symm_ok, records, ran
 
 
-def test_auto_logs_its_choice_once(worlds):
-    symm_ok, records = worlds(2).run(_auto_choices)[0]
-    with_symm, without = (records[:2], records[2:]) if symm_ok else ([], records)
-    assert all("symm, because symmetric memory is available" in r for r in with_symm), records
-    assert len(without) == 2, records
-    assert "reference, because" in without[0] and "too small to pipeline" in without[0]
-    assert "pipelined, because symm unavailable (disabled by the test)" in without[1]
+def test_auto_rules_out_times_the_rest_and_logs_once(worlds):
+    (symm_ok, records, ran), (_, records1, ran1) = worlds(2).run(_auto_choices)
+    # All ranks took the same backend in every call (the timing's verdict is agreed).
+    assert ran == ran1 and records[-1].split(": ")[1] == records1[-1].split(": ")[1]
+    # One line per shape class, none in the second round.
+    assert len(records) == 4, records
+    small, big, small_off, big_off = records
+    if symm_ok:
+        # pipelined is ruled out at the small block by its size; the big block's line says
+        # whether the model ruled out all but one or which were timed, the model beside each.
+        assert "m=4 K=8" in small and "too small to pipeline" in small
+        assert "timed fastest on the slowest rank" in big or "the model predicts" in big, big
+        assert "model" in big
+    assert "m=4 K=20" in small_off and "reference, because" in small_off
+    assert "symm: unavailable: disabled by the test" in small_off
+    assert "too small to pipeline" in small_off
+    # Without symm, the big block has two candidates, timed: each measured beside the model.
+    assert "timed fastest on the slowest rank: pipelined" in big_off
+    assert "reference " in big_off and big_off.count("(model ") == 2
+    # Each round ran (small, big); the second round of each kept the first one's choices.
+    assert len(ran) == 8 and ran[2:4] == ran[0:2] and ran[6:8] == ran[4:6], ran
+
+
+def _auto_timing_agrees_on_the_slowest_rank() -> tuple[str, int]:
+    """pipelined is made slow on rank 1 only: its own median would win on rank 0, but the
+    slowest rank's does not, so both ranks must settle on another backend."""
+    impl = backends.get_backend("pipelined")
+    calls = 0
+
+    def slow_on_rank_1(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        if dist.get_rank() == 1:
+            time.sleep(0.2)
+        return type(impl).all_gather_matmul(impl, *args, **kwargs)
+
+    impl.all_gather_matmul = slow_on_rank_1
+    try:
+        with _symm_disabled():
+            a = torch.ones(3000, 700)  # a shape class no other test uses
+            for _ in range(3):
+                tpk.all_gather_matmul(a, [torch.ones(700, 2)], 0, dist.group.WORLD)
+            [backend] = [v for k, v in auto._timed.items() if k[-1] == (12, 10, 2)]
+    finally:
+        del impl.all_gather_matmul
+    return backend, calls
+
+
+def test_auto_timing_takes_the_slowest_rank_and_times_once(worlds):
+    for backend, calls in worlds(2).run(_auto_timing_agrees_on_the_slowest_rank):
+        assert backend == "reference"
+        assert calls == auto.WARMUP + auto.ROUNDS  # timed once, then never run again
 
 
 def _compiled_matches_eager(backend: str) -> float:

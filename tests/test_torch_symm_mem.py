@@ -26,7 +26,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 import tp_kernels as tpk
 from tp_kernels import backends
 from tp_kernels._compat import all_gather_single, reduce_scatter_single
-from tp_kernels.backends import torch_symm_mem
+from tp_kernels.backends import auto, torch_symm_mem
 
 NAME = "torch_symm_mem"
 
@@ -54,18 +54,9 @@ class _FakeGroup:
         return 2
 
 
-class _CudaLike:
-    """Just enough of a CUDA tensor for the registry's automatic choice."""
-
-    device = torch.device("cuda", 0)
-    dtype = torch.float32
-    shape = (4096, 1024)
-
-    def numel(self) -> int:
-        return 4096 * 1024
-
-    def element_size(self) -> int:
-        return 4
+def _shape(device: str) -> auto.Shape:
+    # 4096 x 1024 fp32 rows per rank: large enough to pipeline.
+    return auto.Shape("all_gather_matmul", 4096, 1024, 1024, 1, torch.float32, torch.device(device))
 
 
 @contextlib.contextmanager
@@ -81,25 +72,31 @@ def _reasons(**why: str | None) -> Iterator[None]:
             del obj.unavailable_reason
 
 
+def _candidates(device: str) -> auto.Candidates:
+    group = _FakeGroup()
+    return auto.candidates(
+        _shape(device), group, lambda n: backends._unavailable(n, group, torch.device(device))
+    )
+
+
 def test_auto_on_cuda_prefers_torch_symm_mem_then_symm():
-    cuda = _CudaLike()
-    with _reasons(torch_symm_mem=None, symm=None):
-        assert backends._auto_choice("all_gather_matmul", _FakeGroup(), cuda)[0] == NAME
-    with _reasons(torch_symm_mem="no NVLink here", symm=None):
-        chosen, why = backends._auto_choice("matmul_reduce_scatter", _FakeGroup(), cuda)
-        assert chosen == "symm" and "torch_symm_mem unavailable: no NVLink here" in why
-    with _reasons(torch_symm_mem="no ops", symm="no heap"):
-        chosen, why = backends._auto_choice("all_gather_matmul", _FakeGroup(), cuda)
-        assert chosen == "pipelined", why
-        assert "symm unavailable (no heap)" in why and "torch_symm_mem unavailable (no ops)" in why
+    with _reasons(pipelined=None, torch_symm_mem=None, symm=None):
+        assert _candidates("cuda").names == (NAME, "symm", "pipelined", "reference")
+    with _reasons(pipelined=None, torch_symm_mem="no NVLink here", symm=None):
+        found = _candidates("cuda")
+        assert found.names[0] == "symm"
+        assert found.ruled_out[NAME] == "unavailable: no NVLink here"
+    with _reasons(pipelined=None, torch_symm_mem="no ops", symm="no heap"):
+        found = _candidates("cuda")
+        assert found.names == ("pipelined", "reference")
+        assert found.ruled_out == {NAME: "unavailable: no ops", "symm": "unavailable: no heap"}
 
 
 def test_auto_on_cpu_never_asks_torch_symm_mem():
-    cpu = torch.ones(4096, 1024)
     with _reasons(torch_symm_mem=None, symm=None):
-        assert backends._auto_choice("all_gather_matmul", _FakeGroup(), cpu)[0] == "symm"
+        assert _candidates("cpu").names == ("symm", "pipelined", "reference")
     with _reasons(torch_symm_mem=None, symm="no heap"):
-        assert backends._auto_choice("all_gather_matmul", _FakeGroup(), cpu)[0] == "pipelined"
+        assert _candidates("cpu").names == ("pipelined", "reference")
 
 
 def test_enable_for_group_only_where_not_deprecated(monkeypatch):

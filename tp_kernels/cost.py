@@ -29,11 +29,26 @@ Every figure of a :class:`DeviceSpec` names its source.
 
 from __future__ import annotations
 
+import functools
+import time
 from dataclasses import dataclass
 
-__all__ = ["DEVICES", "DeviceSpec", "OpCost", "op_cost", "pipeline_time"]
+import torch
+
+__all__ = [
+    "DEVICES",
+    "DTYPE_NAMES",
+    "DeviceSpec",
+    "OpCost",
+    "device_spec",
+    "measure_cpu",
+    "op_cost",
+    "pipeline_time",
+]
 
 _ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# The model's dtype names for torch dtypes (other dtypes have no tensor-core rate to model).
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 _NVIDIA = "https://www.nvidia.com/en-us/data-center"
 
 
@@ -92,6 +107,63 @@ DEVICES: dict[str, DeviceSpec] = {
         "both directions)",
     ),
 }
+
+
+# On a CPU, "the link" is a copy through shared memory (symm) or gloo's loopback TCP, and the
+# latencies are what this project's 2-core test machine showed for a 64-byte gloo send/receive
+# pair (~0.5 ms, median of 200) and for a host-polled signal in shared memory (tens of us).
+_CPU_GLOO_LATENCY_S = 500e-6
+_CPU_SIGNAL_LATENCY_S = 50e-6
+_GPU_NAMES = (("H100", "h100"), ("H200", "h200"), ("B200", "b200"), ("A100", "a100"))
+
+
+def _timed_s(fn, reps: int) -> float:
+    fn()  # warm up (first-touch, thread pool start)
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@functools.cache
+def measure_cpu() -> DeviceSpec:
+    """This machine's CPU as a :class:`DeviceSpec`, measured once per process (~0.1 s): matmul
+    GFLOP/s per dtype at 256x256x256 and the bandwidth of one 32 MB copy, best of 3. The
+    efficiencies are 1 (these are measured rates, not peaks); copies and matmuls share the cores,
+    so the overlap the model assumes is optimistic here, which is why ``auto`` also times."""
+    n = 256
+    peak = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        x = torch.randn(n, n).to(dtype)
+        peak[name] = 2 * n**3 / _timed_s(lambda x=x: x @ x, 3) / 1e12
+    src, dst = torch.empty(8 << 20), torch.empty(8 << 20)
+    link_gb_s = src.nbytes / _timed_s(lambda: dst.copy_(src), 3) / 1e9
+    return DeviceSpec(
+        "this CPU (measured)",
+        peak,
+        link_gb_s,
+        _CPU_GLOO_LATENCY_S,
+        _CPU_SIGNAL_LATENCY_S,
+        "measured by tp_kernels.cost.measure_cpu (matmul and copy rates); latencies estimated",
+        mma_efficiency=1.0,
+        link_efficiency=1.0,
+        nccl_sm_share=0.0,
+    )
+
+
+def device_spec(device: torch.device) -> DeviceSpec | None:
+    """The model's description of ``device``: a GPU of :data:`DEVICES` found by its name, this
+    CPU measured (:func:`measure_cpu`), or ``None`` for a GPU the model does not know."""
+    if device.type == "cpu":
+        return measure_cpu()
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for marker, key in _GPU_NAMES:
+            if marker in name:
+                return DEVICES[key]
+    return None
 
 
 def pipeline_time(compute_s: float, comm_s: float, steps: int, *, gather: bool) -> float:

@@ -2,11 +2,9 @@
 
 A backend is chosen per call by, first to last: the op's ``backend=`` argument (or the style's),
 the innermost :func:`use_backend` context, :func:`set_backend`, the ``TP_KERNELS_BACKEND``
-environment variable, and ``"auto"``. ``"auto"`` picks the fastest backend that can run for the
-group, device and shape (see :func:`resolve`) and logs its choice once per (op, group, shape class)
-at INFO on the ``tp_kernels`` logger. Its order: ``reference`` for a group of one; on CUDA
-``torch_symm_mem`` (PyTorch's fused ops), then ``symm``; on the CPU ``symm``; then ``pipelined``,
-or ``reference`` when a per-rank block is too small to pipeline.
+environment variable, and ``"auto"``. ``"auto"`` rules out what the cost model says cannot win,
+times the rest on the first call of a shape class and keeps the fastest (see
+:mod:`tp_kernels.backends.auto`).
 """
 
 from __future__ import annotations
@@ -14,27 +12,26 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import importlib
-import logging
 import os
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
+from tp_kernels.backends import auto
 from tp_kernels.backends.base import Backend
 
 __all__ = [
     "BACKEND_NAMES",
     "available_backends",
     "check_backend_name",
+    "choose",
     "current_backend",
     "get_backend",
     "resolve",
     "set_backend",
     "use_backend",
 ]
-
-logger = logging.getLogger("tp_kernels")
 
 _MODULES = {
     "reference": "tp_kernels.backends.reference",
@@ -48,7 +45,6 @@ _process_default: str | None = None
 _context: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "tp_kernels_backend", default=None
 )
-_logged_choices: set[tuple] = set()
 
 
 def check_backend_name(name: object, *, argument: str = "backend") -> str:
@@ -106,63 +102,35 @@ def available_backends(device: torch.device | str = "cpu") -> dict[str, str]:
     return {name: _unavailable(name, None, device) or "ok" for name in _MODULES}
 
 
-def _auto_choice(op: str, group: dist.ProcessGroup, a: torch.Tensor) -> tuple[str, str]:
-    if group.size() == 1:
-        return "reference", "world size 1: there is nothing to overlap"
-    why_not_torch = None
-    if a.device.type == "cuda":
-        # PyTorch's own fused ops come before our Triton kernels (symm) until ours are measured
-        # faster on the user's GPU. On the CPU they cannot run, so CPU choices are unchanged.
-        why_not_torch = _unavailable("torch_symm_mem", group, a.device)
-        if why_not_torch is None:
-            return "torch_symm_mem", "PyTorch's fused symmetric-memory ops can run for this group"
-    why_not_symm = _unavailable("symm", group, a.device)
-    if why_not_symm is None:
-        why = "symmetric memory is available for this group"
-        if why_not_torch is not None:
-            why += f" (torch_symm_mem unavailable: {why_not_torch})"
-        return "symm", why
-    unavailable = f"symm unavailable ({why_not_symm})"
-    if why_not_torch is not None:
-        unavailable += f", torch_symm_mem unavailable ({why_not_torch})"
-    # Below one block per peer there is nothing to overlap the transfer with.
-    shard_bytes = (
-        a.numel() * a.element_size() // (group.size() if op == "matmul_reduce_scatter" else 1)
-    )
-    from tp_kernels.backends.pipelined import _MIN_BLOCK_BYTES
-
-    if shard_bytes < _MIN_BLOCK_BYTES:
-        return "reference", (
-            f"{unavailable}; the {shard_bytes} B per-rank "
-            f"block is below {_MIN_BLOCK_BYTES} B, too small to pipeline"
-        )
-    return "pipelined", unavailable
-
-
-def resolve(name: str | None, op: str, group: dist.ProcessGroup, a: torch.Tensor) -> str:
-    """The concrete backend for one call of ``op`` with input ``a`` on ``group``.
+def choose(
+    name: str | None, shape: auto.Shape, group: dist.ProcessGroup
+) -> tuple[str, auto.Candidates | None]:
+    """The concrete backend for one call of ``shape.op`` on ``group``, and the candidates ``auto``
+    wants timed before it settles (``None`` when there is nothing to time: a named backend, a
+    shape class already timed, one candidate, or timing off).
 
     ``name=None`` takes :func:`current_backend`. A named backend that cannot run raises
-    RuntimeError saying why; ``"auto"`` never picks one that cannot.
+    RuntimeError saying why; ``"auto"`` never picks one that cannot (see
+    :mod:`tp_kernels.backends.auto`).
     """
     name = check_backend_name(name, argument="backend") if name is not None else current_backend()
     if name != "auto":
-        why = _unavailable(name, group, a.device)
+        why = _unavailable(name, group, shape.device)
         if why is not None:
-            raise RuntimeError(f"backend={name!r} cannot run {op} here: {why}")
-        return name
-    chosen, why = _auto_choice(op, group, a)
-    key = (op, group.group_name, a.device.type, a.dtype, a.numel().bit_length(), chosen)
-    if key not in _logged_choices:
-        _logged_choices.add(key)
-        logger.info(
-            "auto backend for %s on group %s (%s %s, shape %s): %s, because %s",
-            op,
-            group.group_name,
-            a.device.type,
-            a.dtype,
-            tuple(a.shape),
-            chosen,
-            why,
-        )
-    return chosen
+            raise RuntimeError(f"backend={name!r} cannot run {shape.op} here: {why}")
+        return name, None
+    timed = auto.cached_choice(shape, group)
+    if timed is not None:
+        return timed, None
+    found = auto.candidates(shape, group, lambda n: _unavailable(n, group, shape.device))
+    if len(found.names) > 1 and auto.timing_enabled() and not torch.compiler.is_compiling():
+        return found.names[0], found
+    why = "; ".join(f"{n}: {w}" for n, w in found.ruled_out.items()) or "the only candidate"
+    auto.log_once(shape, group, found.names[0], f"the first candidate ({why})")
+    return found.names[0], None
+
+
+def resolve(name: str | None, shape: auto.Shape, group: dist.ProcessGroup) -> str:
+    """:func:`choose` without timing: the backend a call takes where it cannot time (a compiled
+    graph resolving ``auto`` when it runs)."""
+    return choose(name, shape, group)[0]

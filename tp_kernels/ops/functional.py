@@ -7,7 +7,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from tp_kernels.backends import check_backend_name, resolve
+from tp_kernels.backends import check_backend_name, choose, get_backend
+from tp_kernels.backends.auto import Candidates, Shape, time_and_choose
 from tp_kernels.ops._checks import (
     GroupLike,
     check_all_gather_matmul,
@@ -27,28 +28,33 @@ def _signature(op: str, a_shape: tuple[int, ...], a: torch.Tensor, dim: int, **o
 
 
 def _validated(
-    op: str,
     group: dist.ProcessGroup,
     a: object,
     backend: str | None,
     local_check: Callable[[], tuple],
+    shape_of: Callable[[tuple], Shape],
     signature: Callable[[tuple, str], str],
-) -> tuple[tuple, str]:
-    """``(local_check(), backend name)``, with the ranks agreeing on ``signature`` first.
+    op: str,
+) -> tuple[tuple, str, Shape | None, Candidates | None]:
+    """``(local_check(), backend name, shape, candidates to time)``, with the ranks agreeing on
+    ``signature`` first.
 
-    Eager: the backend is resolved here and :func:`checked` makes every rank raise together.
-    While torch.compile traces, the checks stay local and the choice of backend is left to the op
-    at run time (``""`` or the name asked for, see ``library.py``): the registry's state (context,
+    Eager: the backend is chosen here (:func:`choose`) and :func:`checked` makes every rank raise
+    together; when ``auto`` wants the shape class timed, the candidates come back and the caller
+    times them after the agreement (every rank then knows the others make the same call). While
+    torch.compile traces, the checks stay local and the choice of backend is left to the op at
+    run time (``""`` or the name asked for, see ``library.py``): the registry's state (context,
     environment, availability probes) is not traceable.
     """
     if torch.compiler.is_compiling():
         name = check_backend_name(backend, argument="backend") if backend is not None else ""
-        return local_check(), name
+        return local_check(), name, None, None
 
     def check() -> tuple[tuple, str]:
         args = local_check()
-        name = resolve(backend, op, group, args[0])
-        return (args, name), signature(args, name)
+        shape = shape_of(args)
+        name, pending = choose(backend, shape, group)
+        return (args, name, shape, pending), signature(args, name)
 
     return checked(op, group, _device_of(a), check)
 
@@ -101,20 +107,28 @@ def all_gather_matmul(
             save=save_gathered_a,
         )
 
-    (a, bs, dim), name = _validated(
-        op,
+    (a, bs, dim), name, shape, pending = _validated(
         pg,
         a_shard,
         backend,
         lambda: check_all_gather_matmul(a_shard, bs, gather_dim),
+        lambda args: Shape.of_all_gather_matmul(args[0], args[1]),
         signature,
+        op,
     )
     world = pg.size()
     lead = a.movedim(dim, 0)
     rows_shape = lead.shape[:-1]
-    results = all_gather_matmul_2d(
-        lead.reshape(-1, a.shape[-1]), list(bs), pg.group_name, name, return_a, save_gathered_a
-    )
+    a_2d = lead.reshape(-1, a.shape[-1])
+    if pending is not None:
+        keep_a = return_a or save_gathered_a
+        name = time_and_choose(
+            shape,
+            pg,
+            pending,
+            lambda n: get_backend(n).all_gather_matmul(a_2d.contiguous(), bs, pg, return_a=keep_a),
+        )
+    results = all_gather_matmul_2d(a_2d, list(bs), pg.group_name, name, return_a, save_gathered_a)
 
     def unflatten(t: torch.Tensor) -> torch.Tensor:
         return t.view(world * rows_shape[0], *rows_shape[1:], t.shape[-1]).movedim(0, dim)
@@ -163,17 +177,24 @@ def matmul_reduce_scatter(
             bias=bias is not None,
         )
 
-    (a, b, dim), name = _validated(
-        op,
+    (a, b, dim), name, shape, pending = _validated(
         pg,
         a,
         backend,
         lambda: check_matmul_reduce_scatter(a, b, scatter_dim, reduce_op, pg, bias),
+        lambda args: Shape.of_matmul_reduce_scatter(args[0], args[1], pg.size()),
         signature,
+        op,
     )
     lead = a.movedim(dim, 0)
     rows_shape = lead.shape[:-1]
-    out = matmul_reduce_scatter_2d(
-        lead.reshape(-1, a.shape[-1]), b, bias, pg.group_name, name, reduce_op == "avg"
-    )
+    a_2d = lead.reshape(-1, a.shape[-1])
+    if pending is not None:
+        name = time_and_choose(
+            shape,
+            pg,
+            pending,
+            lambda n: get_backend(n).matmul_reduce_scatter(a_2d.contiguous(), b, pg),
+        )
+    out = matmul_reduce_scatter_2d(a_2d, b, bias, pg.group_name, name, reduce_op == "avg")
     return out.view(rows_shape[0] // pg.size(), *rows_shape[1:], b.shape[1]).movedim(0, dim)

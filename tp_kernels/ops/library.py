@@ -27,6 +27,7 @@ import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from tp_kernels.backends import BACKEND_NAMES, get_backend, resolve
+from tp_kernels.backends.auto import Shape
 from tp_kernels.backends.base import Backend
 from tp_kernels.ops.stats import record
 
@@ -35,10 +36,10 @@ def _group_size(group_name: str) -> int:
     return _resolve_process_group(group_name).size()
 
 
-def _backend(name: str, op: str, group, a: torch.Tensor) -> Backend:
+def _backend(name: str, group, shape: Shape) -> Backend:
     if name in BACKEND_NAMES and name != "auto":
         return get_backend(name)
-    return get_backend(resolve(name or None, op, group, a))
+    return get_backend(resolve(name or None, shape, group))
 
 
 @torch.library.custom_op("tp_kernels::all_gather_matmul", mutates_args=())
@@ -51,7 +52,7 @@ def all_gather_matmul_2d(
     save_a: bool,
 ) -> list[torch.Tensor]:
     group = _resolve_process_group(group_name)
-    impl = _backend(backend, "all_gather_matmul", group, a_shard)
+    impl = _backend(backend, group, Shape.of_all_gather_matmul(a_shard, bs))
     record("forward", "all_gather_matmul", impl.name)
     keep_a = return_a or save_a
     a, outs = impl.all_gather_matmul(a_shard.contiguous(), bs, group, return_a=keep_a)
@@ -76,7 +77,7 @@ def all_gather_matmul_backward_2d(
     backend: str,
 ) -> list[torch.Tensor]:
     group = _resolve_process_group(group_name)
-    impl = _backend(backend, "all_gather_matmul", group, a)
+    impl = _backend(backend, group, Shape.of_all_gather_matmul(a, bs))
     rows = a.shape[0] if a_is_gathered else a.shape[0] * group.size()
     # The gather of A for the weight grads runs while the fused matmul-reduce-scatter computes
     # the input grad.
@@ -147,7 +148,7 @@ def matmul_reduce_scatter_2d(
     avg: bool,
 ) -> torch.Tensor:
     group = _resolve_process_group(group_name)
-    impl = _backend(backend, "matmul_reduce_scatter", group, a)
+    impl = _backend(backend, group, Shape.of_matmul_reduce_scatter(a, b, group.size()))
     record("forward", "matmul_reduce_scatter", impl.name)
     out = impl.matmul_reduce_scatter(a.contiguous(), b, group)
     if avg:
@@ -171,7 +172,7 @@ def matmul_reduce_scatter_backward_2d(
     avg: bool,
 ) -> list[torch.Tensor]:
     group = _resolve_process_group(group_name)
-    impl = _backend(backend, "matmul_reduce_scatter", group, a)
+    impl = _backend(backend, group, Shape.of_matmul_reduce_scatter(a, b, group.size()))
     record("backward", "all_gather_matmul", impl.name)
     gathered, (grad_a,) = impl.all_gather_matmul(grad.contiguous(), [b.t()], group, return_a=True)
     grad_b = a.t() @ gathered

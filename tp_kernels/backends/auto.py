@@ -1,0 +1,239 @@
+"""``backend="auto"``: rule out what cannot win, then time what is left, once per shape class.
+
+For one call of an op (shapes as in ``backends/base.py``) on a group of ``W`` ranks:
+
+1. **Candidates.** The backends that can run for the group and device, in the order of
+   preference ``torch_symm_mem`` (CUDA only), ``symm``, ``pipelined``, ``reference``; a group of
+   one takes ``reference`` (nothing to overlap). Ruled out: ``pipelined`` below one block of
+   ``_MIN_BLOCK_BYTES`` per rank (per-message latency would dominate).
+2. **Untimed choice**: the first candidate. It is what a call uses while its shape class has not
+   been timed (under ``torch.compile``, or with ``TP_KERNELS_AUTO_TIMING=0``). It depends on
+   nothing measured, so every rank makes the same one.
+3. **Timed choice** (eager, ``W > 1``, two candidates or more): on the first call of a shape
+   class, the ranks agree on the largest of their predictions from :mod:`tp_kernels.cost` for this
+   device and rule out every candidate predicted over :data:`RULE_OUT` times the best (the
+   model's efficiencies are assumptions, so only a wide margin rules out); then every rank runs
+   each remaining candidate :data:`WARMUP` + :data:`ROUNDS` times, interleaved round by
+   round, without autograd; each rank takes its median per candidate; one all-reduce (max) gives
+   the slowest rank's median, so all ranks see the same numbers and pick the same winner (ties
+   go to the earlier candidate). The choice is kept for the process and logged at INFO on the
+   ``tp_kernels`` logger, the model's prediction beside each measurement.
+
+A shape class is (op, group, device type, dtype, number of right-hand matrices) and the power-of-
+two classes of ``m`` (rows per rank), ``K`` and ``N`` (summed over the right-hand matrices):
+shapes within a factor of two of each other share a choice. On CUDA the timing synchronizes the
+device around each call; that happens once per shape class, never on the steady-state path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from tp_kernels import cost
+
+logger = logging.getLogger("tp_kernels")
+
+PREFERENCE = ("torch_symm_mem", "symm", "pipelined", "reference")
+RULE_OUT = 2.0
+WARMUP = 1
+ROUNDS = 3
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One call as ``auto`` sees it: ``m`` rows per rank, ``k`` the reduction dim, ``n`` the
+    output columns (summed over the right-hand matrices), ``num_bs`` of them."""
+
+    op: str
+    m: int
+    k: int
+    n: int
+    num_bs: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def of_all_gather_matmul(cls, a_shard: torch.Tensor, bs: list[torch.Tensor]) -> Shape:
+        """``a_shard`` [..., K] (any leading dims: its rows), ``bs[j]`` [K, N_j]."""
+        k = a_shard.shape[-1]
+        n = sum(b.shape[1] for b in bs)
+        m = a_shard.numel() // k
+        return cls("all_gather_matmul", m, k, n, len(bs), a_shard.dtype, a_shard.device)
+
+    @classmethod
+    def of_matmul_reduce_scatter(cls, a: torch.Tensor, b: torch.Tensor, world: int) -> Shape:
+        """``a`` [..., K] (its rows: ``W*m``), ``b`` [K, N]."""
+        k = a.shape[-1]
+        m = a.numel() // k // world
+        return cls("matmul_reduce_scatter", m, k, b.shape[1], 1, a.dtype, a.device)
+
+    def key(self, group: dist.ProcessGroup) -> tuple:
+        classes = tuple(x.bit_length() for x in (self.m, self.k, self.n))
+        return (self.op, group.group_name, self.device.type, self.dtype, self.num_bs, classes)
+
+    def rows_bytes(self, world: int) -> int:
+        """Bytes of one rank's block that a peer receives (its shard, or one partial block)."""
+        width = self.k if self.op == "all_gather_matmul" else self.n
+        return self.m * width * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """The backends worth trying, best first, and why the others are not."""
+
+    names: tuple[str, ...]
+    ruled_out: dict[str, str]
+    predicted_s: dict[str, float]
+
+
+_timed: dict[tuple, str] = {}
+_logged: set[tuple] = set()
+
+
+def timing_enabled() -> bool:
+    """``TP_KERNELS_AUTO_TIMING`` (default 1): ``0`` keeps ``auto`` to its untimed choice."""
+    return os.environ.get("TP_KERNELS_AUTO_TIMING", "1") not in ("0", "false", "False")
+
+
+def candidates(
+    shape: Shape, group: dist.ProcessGroup, unavailable: Callable[[str], str | None]
+) -> Candidates:
+    """The backends that can run for this call, best first (step 1 of the module docstring,
+    before the model: what is left here is the same on every rank of a uniform group);
+    ``unavailable(name)`` says why a backend cannot run here, or ``None``."""
+    if group.size() == 1:
+        return Candidates(("reference",), {"*": "world size 1: there is nothing to overlap"}, {})
+    ruled_out: dict[str, str] = {}
+    names = []
+    for name in PREFERENCE:
+        if name == "torch_symm_mem" and shape.device.type != "cuda":
+            continue  # PyTorch's symmetric-memory ops run on CUDA only; not worth a probe
+        why = unavailable(name)
+        if why is None:
+            names.append(name)
+        else:
+            ruled_out[name] = f"unavailable: {why}"
+    from tp_kernels.backends.pipelined import _MIN_BLOCK_BYTES
+
+    block = shape.rows_bytes(group.size())
+    if "pipelined" in names and block < _MIN_BLOCK_BYTES:
+        names.remove("pipelined")
+        ruled_out["pipelined"] = (
+            f"the {block} B per-rank block is below {_MIN_BLOCK_BYTES} B, too small to pipeline"
+        )
+    return Candidates(tuple(names), ruled_out, {})
+
+
+def _agreed_max(values: list[float], group: dist.ProcessGroup, device: torch.device) -> list[float]:
+    """The element-wise maximum of ``values`` over the ranks of ``group`` (one all-reduce)."""
+    local = torch.tensor(values, dtype=torch.float64)
+    if "nccl" in str(dist.get_backend(group)):
+        local = local.to(device)
+    dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+    return local.cpu().tolist()
+
+
+def _ruled_out_by_model(shape: Shape, group: dist.ProcessGroup, found: Candidates) -> Candidates:
+    """``found`` less what the model rules out. Predictions from a measured device (the CPU)
+    differ a little from rank to rank, so the ranks first agree on the largest of each."""
+    local = _predicted_s(shape, group.size())
+    if not local:
+        return found
+    predicted = dict(
+        zip(found.names, _agreed_max([local[n] for n in found.names], group, shape.device))
+    )
+    best = min(predicted.values())
+    names, ruled_out = [], dict(found.ruled_out)
+    for name in found.names:
+        if predicted[name] > RULE_OUT * best:
+            ruled_out[name] = (
+                f"the model predicts {predicted[name] * 1e3:.3g} ms, over {RULE_OUT}x the best "
+                f"{best * 1e3:.3g} ms"
+            )
+        else:
+            names.append(name)
+    return Candidates(tuple(names), ruled_out, predicted)
+
+
+def _predicted_s(shape: Shape, world: int) -> dict[str, float]:
+    spec = cost.device_spec(shape.device)
+    dtype = cost.DTYPE_NAMES.get(shape.dtype)
+    if spec is None or dtype is None:
+        return {}
+    return cost.op_cost(shape.op, shape.m, shape.k, shape.n, world, dtype, spec).backends_s
+
+
+def cached_choice(shape: Shape, group: dist.ProcessGroup) -> str | None:
+    """The timed winner of this shape class, if it has been timed in this process."""
+    return _timed.get(shape.key(group))
+
+
+def log_once(shape: Shape, group: dist.ProcessGroup, chosen: str, why: str) -> None:
+    """Log ``auto``'s choice at INFO, once per (shape class, choice)."""
+    key = (*shape.key(group), chosen)
+    if key in _logged:
+        return
+    _logged.add(key)
+    logger.info(
+        "auto backend for %s on group %s (%s %s, m=%d K=%d N=%d): %s, because %s",
+        shape.op,
+        group.group_name,
+        shape.device.type,
+        shape.dtype,
+        shape.m,
+        shape.k,
+        shape.n,
+        chosen,
+        why,
+    )
+
+
+def time_and_choose(
+    shape: Shape,
+    group: dist.ProcessGroup,
+    found: Candidates,
+    run: Callable[[str], None],
+) -> str:
+    """Steps 1 (the model) and 3 of the module docstring: rule out what the model says cannot win,
+    time ``run(name)`` for every other candidate on every rank, agree on the slowest rank's
+    medians, keep and log the winner. Collective: every rank of ``group`` must call it for the
+    same shape class with the same candidates."""
+    found = _ruled_out_by_model(shape, group, found)
+    names = found.names
+    if len(names) == 1:
+        return _keep(shape, group, names[0], "the only candidate the model leaves", found)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    sync = torch.cuda.synchronize if shape.device.type == "cuda" else (lambda: None)
+    with torch.no_grad():
+        for round_ in range(WARMUP + ROUNDS):
+            for name in names:
+                sync()
+                start = time.perf_counter()
+                run(name)
+                sync()
+                if round_ >= WARMUP:
+                    samples[name].append(time.perf_counter() - start)
+    slowest = _agreed_max([statistics.median(samples[n]) for n in names], group, shape.device)
+    winner = names[slowest.index(min(slowest))]  # the first of equal times
+    model = found.predicted_s
+    measured = ", ".join(
+        f"{n} {t * 1e3:.3g} ms" + (f" (model {model[n] * 1e3:.3g} ms)" if model else "")
+        for n, t in zip(names, slowest)
+    )
+    return _keep(shape, group, winner, f"timed fastest on the slowest rank: {measured}", found)
+
+
+def _keep(shape: Shape, group: dist.ProcessGroup, winner: str, why: str, found: Candidates) -> str:
+    _timed[shape.key(group)] = winner
+    if found.ruled_out:
+        why += "; ruled out: " + "; ".join(f"{n} ({w})" for n, w in found.ruled_out.items())
+    log_once(shape, group, winner, why)
+    return winner
