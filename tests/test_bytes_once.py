@@ -66,22 +66,22 @@ class _PeerView(torch.Tensor):
 
 @contextlib.contextmanager
 def _watched_torch_path():
-    """Hand out every view of a peer's buffer (``_Call.view``) as a :class:`_PeerView`."""
-    view = symm_backend._Call.view
+    """Hand out every view of a peer's buffer (``_Half.view``) as a :class:`_PeerView`."""
+    view = symm_backend._Half.view
 
     def watched(self, rank, shape, dtype):
         t = view(self, rank, shape, dtype)
-        if rank == self.rank:
+        if rank == self.round.rank:
             return t
         t = t.as_subclass(_PeerView)
         t.peer = rank
         return t
 
-    symm_backend._Call.view = watched
+    symm_backend._Half.view = watched
     try:
         yield
     finally:
-        symm_backend._Call.view = view
+        symm_backend._Half.view = view
 
 
 @contextlib.contextmanager

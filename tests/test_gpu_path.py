@@ -100,7 +100,7 @@ def test_graph_capture_is_refused_before_anything_runs(monkeypatch):
 
     monkeypatch.setattr(symm_backend, "_state", no_state)
     with pytest.raises(RuntimeError, match=r"cannot be captured in a CUDA graph.*nothing was"):
-        symm_backend._Call(
+        symm_backend._begin(
             _Group(), torch.device("cuda", 0), symm_backend._AG, torch.float16, (8, 4, 0), 64
         )
 

@@ -594,7 +594,7 @@ def _auto_timing_agrees_on_the_slowest_rank() -> tuple[str, int]:
             a = torch.ones(3000, 700)  # a shape class no other test uses
             for _ in range(3):
                 tpk.all_gather_matmul(a, [torch.ones(700, 2)], 0, dist.group.WORLD)
-            [backend] = [v for k, v in auto._timed.items() if k[-1] == (12, 10, 2)]
+            [backend] = [v for k, v in auto._timed.items() if k[-1] == (12, 10)]
     finally:
         del impl.all_gather_matmul
     return backend, calls
@@ -604,6 +604,25 @@ def test_auto_timing_takes_the_slowest_rank_and_times_once(worlds):
     for backend, calls in worlds(2).run(_auto_timing_agrees_on_the_slowest_rank):
         assert backend == "reference"
         assert calls == auto.WARMUP + auto.ROUNDS  # timed once, then never run again
+
+
+def _auto_with_uneven_columns() -> list[str]:
+    """A colwise weight whose N differs by rank (3 and 4 columns, then 2 and 3): the ranks must
+    agree on which calls start a new shape class, or one would time while the other runs on."""
+    rank = dist.get_rank()
+    a = torch.ones(40, 24)
+    chosen = []
+    for n in (3 + rank, 2 + rank):
+        tpk.reset_comm_stats()
+        _, (out,) = tpk.all_gather_matmul(a, [torch.ones(24, n)], 0, dist.group.WORLD)
+        assert out.shape == (80, n) and bool((out == 24).all())
+        chosen += [backend for (_, _, backend) in tpk.comm_stats()]
+    return chosen
+
+
+def test_auto_shape_classes_ignore_sizes_that_differ_by_rank(worlds):
+    chosen = worlds(2).run(_auto_with_uneven_columns)
+    assert chosen[0] == chosen[1] and len(chosen[0]) == 2
 
 
 def _compiled_matches_eager(backend: str) -> float:

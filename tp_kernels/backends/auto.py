@@ -20,8 +20,10 @@ For one call of an op (shapes as in ``backends/base.py``) on a group of ``W`` ra
    ``tp_kernels`` logger, the model's prediction beside each measurement.
 
 A shape class is (op, group, device type, dtype, number of right-hand matrices) and the power-of-
-two classes of ``m`` (rows per rank), ``K`` and ``N`` (summed over the right-hand matrices):
-shapes within a factor of two of each other share a choice. On CUDA the timing synchronizes the
+two classes of the sizes every rank shares: ``m`` (rows per rank) and ``K`` for an all-gather-
+matmul, ``m`` and ``N`` for a matmul-reduce-scatter (a colwise weight's ``N`` and a rowwise
+weight's ``K`` may differ by rank when uneven); shapes within a factor of two of each other share
+a choice. On CUDA the timing synchronizes the
 device around each call; that happens once per shape class, never on the steady-state path.
 """
 
@@ -76,7 +78,11 @@ class Shape:
         return cls("matmul_reduce_scatter", m, k, b.shape[1], 1, a.dtype, a.device)
 
     def key(self, group: dist.ProcessGroup) -> tuple:
-        classes = tuple(x.bit_length() for x in (self.m, self.k, self.n))
+        # Only the sizes every rank shares: a colwise weight's N (all-gather) and a rowwise
+        # weight's K (reduce-scatter) may differ by rank when they do not divide evenly, and
+        # ranks that disagreed on whether a class is timed would not meet in the timing.
+        shared = (self.m, self.k) if self.op == "all_gather_matmul" else (self.m, self.n)
+        classes = tuple(x.bit_length() for x in shared)
         return (self.op, group.group_name, self.device.type, self.dtype, self.num_bs, classes)
 
     def rows_bytes(self, world: int) -> int:

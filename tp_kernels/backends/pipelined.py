@@ -1,6 +1,7 @@
 """The ``pipelined`` backend: per-peer (or finer) point-to-point chunks overlapped with matmuls.
 
-It needs nothing but the ProcessGroup (NCCL, gloo, across nodes). On rank ``r`` of ``W``:
+It needs nothing but the ProcessGroup (NCCL, gloo, across nodes). The order of work is
+:mod:`tp_kernels.backends.schedule`'s; this module is its transport. On rank ``r`` of ``W``:
 
 * all-gather -> matmul: every transfer is posted up front (at step ``k = 1..W-1`` rank ``r`` sends
   its shard to ``r-k`` and receives ``r+k``'s, each split into ``chunks`` row blocks); the matmul of
@@ -26,11 +27,12 @@ them as one group: a ring of receives each posted before its rank's send would d
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
+from tp_kernels.backends import schedule
 from tp_kernels.backends.base import Backend
 
 # A block smaller than this is dominated by per-message latency on gloo and NCCL alike.
@@ -61,9 +63,9 @@ def chunks_for(rows: int, row_bytes: int) -> int:
     return max(1, min(chosen, rows))
 
 
-def _row_blocks(start: int, rows: int, chunks: int) -> list[tuple[int, int]]:
-    """``chunks`` contiguous ``(begin, end)`` row ranges covering ``[start, start + rows)``."""
-    bounds = [start + rows * i // chunks for i in range(chunks + 1)]
+def _row_blocks(rows: int, chunks: int) -> list[tuple[int, int]]:
+    """``chunks`` contiguous ``(begin, end)`` row ranges covering ``[0, rows)``."""
+    bounds = [rows * i // chunks for i in range(chunks + 1)]
     return list(zip(bounds[:-1], bounds[1:]))
 
 
@@ -118,29 +120,8 @@ class PipelinedBackend(Backend):
         m = a_shard.shape[0]
         a = a_shard.new_empty((world * m, a_shard.shape[1]))
         outs = [a_shard.new_empty((world * m, b.shape[1])) for b in bs]
-        chunks = chunks_for(m, a_shard.shape[1] * a_shard.element_size())
-
-        pending = []  # (begin, end, works of the block's batch) in the order they are consumed
-        for step in range(1, world):
-            src, dst = (rank + step) % world, (rank - step) % world
-            # Sent in the same blocks as received: a message is matched whole on the other side.
-            for (begin, end), (s_begin, s_end) in zip(
-                _row_blocks(src * m, m, chunks), _row_blocks(0, m, chunks)
-            ):
-                works = _exchange(a_shard[s_begin:s_end], dst, a[begin:end], src, group)
-                pending.append((begin, end, works))
-
-        own = slice(rank * m, (rank + 1) * m)
-        a[own].copy_(a_shard)
-        for out, b in zip(outs, bs):
-            torch.mm(a_shard, b, out=out[own])
-        for begin, end, works in pending:
-            # On NCCL one Work stands for the block's send and receive together; the send's
-            # source is the caller's a_shard, alive until we return.
-            for work in works:
-                work.wait()
-            for out, b in zip(outs, bs):
-                torch.mm(a[begin:end], b, out=out[begin:end])
+        transport = _GatherBlocks(a_shard, a, group)
+        schedule.all_gather_matmul(a_shard, bs, outs, a, rank, world, transport)
         return (a if return_a else None), outs
 
     def matmul_reduce_scatter(
@@ -152,37 +133,73 @@ class PipelinedBackend(Backend):
         addend: torch.Tensor | None = None,
     ) -> torch.Tensor:
         world, rank = group.size(), group.rank()
-        m, n = a.shape[0] // world, b.shape[1]
+        transport = _ScatterBlocks(a.shape[0] // world, b.shape[1], a, group)
+        return schedule.matmul_reduce_scatter(a, b, addend, rank, world, transport)
 
-        def partial(begin: int, end: int, out: torch.Tensor) -> torch.Tensor:
-            if addend is None:
-                return torch.mm(a[begin:end], b, out=out)
-            return torch.addmm(addend[begin:end], a[begin:end], b, out=out)
 
-        received = a.new_empty((world, m, n))  # received[s]: rank s's partial sum of our rows
-        chunks = chunks_for(m, n * a.element_size())
-        sent = a.new_empty((world - 1, m, n))  # kept alive until the sends complete
-        works = []
+class _GatherBlocks:
+    """The all-gather's transport: every block posted up front (at step ``k`` this rank sends its
+    shard to ``r-k`` and receives ``r+k``'s straight into the gathered ``a``, each split into
+    ``chunks`` row blocks); a block is readable once its batch's Works are done."""
+
+    def __init__(self, a_shard: torch.Tensor, a: torch.Tensor, group: dist.ProcessGroup) -> None:
+        world, rank = group.size(), group.rank()
+        m = a_shard.shape[0]
+        chunks = chunks_for(m, a_shard.shape[1] * a_shard.element_size())
+        self._a, self._m = a, m
+        self._pending: dict[int, list[tuple[int, int, list[dist.Work]]]] = {}
         for step in range(1, world):
-            dst, src = (rank + step) % world, (rank - step) % world
-            blocks = _row_blocks(0, m, chunks)
-            for begin, end in blocks:
-                block = partial(dst * m + begin, dst * m + end, sent[step - 1, begin:end])
-                works += _exchange(block, dst, received[src, begin:end], src, group)
-        partial(rank * m, (rank + 1) * m, received[rank])
-        # Every Work of every batch (one per batch on NCCL, one per op on gloo) before the sum.
-        for work in works:
+            src, dst = (rank + step) % world, (rank - step) % world
+            into = a[src * m : (src + 1) * m]
+            # Sent in the same blocks as received: a message is matched whole on the other side.
+            self._pending[src] = [
+                (begin, end, _exchange(a_shard[begin:end], dst, into[begin:end], src, group))
+                for begin, end in _row_blocks(m, chunks)
+            ]
+
+    def arrivals(self, src: int) -> Iterator[schedule.Block]:
+        base = src * self._m
+        for begin, end, works in self._pending.pop(src):
+            # On NCCL one Work stands for the block's send and receive together; the send's
+            # source is the caller's a_shard, alive until the call returns.
+            for work in works:
+                work.wait()
+            yield begin, end, self._a[base + begin : base + end]
+
+
+class _ScatterBlocks:
+    """The reduce-scatter's transport: the block owed to ``r+k`` is computed into a send buffer
+    and posted at once, with the matching receive of ``r-k``'s block for this rank; every Work
+    (one per batch on NCCL, one per op on gloo) is waited before the sum."""
+
+    def __init__(self, m: int, n: int, a: torch.Tensor, group: dist.ProcessGroup) -> None:
+        self._group = group
+        self._rank, self._world = group.rank(), group.size()
+        self._blocks = _row_blocks(m, chunks_for(m, n * a.element_size()))
+        self._received = a.new_empty((self._world, m, n))  # [s]: rank s's partial of our rows
+        # [k-1]: the block for rank r+k, kept alive until the sends complete.
+        self._sent = a.new_empty((self._world - 1, m, n))
+        self._works: list[dist.Work] = []
+
+    def slots(self, dst: int) -> list[schedule.Block]:
+        if dst == self._rank:
+            return [(0, self._received.shape[1], self._received[dst])]
+        sent = self._sent[self._step(dst) - 1]
+        return [(begin, end, sent[begin:end]) for begin, end in self._blocks]
+
+    def send(self, dst: int, begin: int, end: int) -> None:
+        step = self._step(dst)
+        src = (self._rank - step) % self._world
+        sent = self._sent[step - 1, begin:end]
+        self._works += _exchange(sent, dst, self._received[src, begin:end], src, self._group)
+
+    def _step(self, dst: int) -> int:
+        return (dst - self._rank) % self._world
+
+    def received(self) -> torch.Tensor:
+        for work in self._works:
             work.wait()
-        return _sum_in_rank_order(received)
-
-
-def _sum_in_rank_order(parts: torch.Tensor) -> torch.Tensor:
-    """``sum(parts[s] for s in 0..W-1)`` accumulated in fp32 (or wider), in that order."""
-    acc_dtype = torch.promote_types(parts.dtype, torch.float32)
-    acc = parts[0].to(acc_dtype, copy=True)
-    for s in range(1, parts.shape[0]):
-        acc += parts[s]
-    return acc.to(parts.dtype)
+        return self._received
 
 
 BACKEND = PipelinedBackend()

@@ -31,6 +31,12 @@ Two paths run this protocol:
   other dtypes, and a reduce-scatter with an ``addend`` (the producer kernel has no addend
   input), take the torch path.
 
+A call is opened by ``_begin``, which refuses what cannot run before anything is signalled and
+returns its two parts: a ``_Round`` (the call's number, its header and its signals to and from each
+peer: numbering and agreement) and a ``_Half`` (its half of the data workspace, grown when too
+small); ``_kernel_args`` derives the launchers' arguments from the round. The torch path's order
+of work is :mod:`tp_kernels.backends.schedule`'s, with ``_Arrivals`` and ``_Slots`` as transport.
+
 Timeouts of the Triton path are recorded by the kernels in a per-group status in host memory
 (pinned on CUDA) and raised at the start of the next call on the group, without waiting for the
 device (on CPU the kernels have finished when the launcher returns, so also right after them).
@@ -83,8 +89,8 @@ import torch
 import torch.distributed as dist
 
 from tp_kernels import symm
+from tp_kernels.backends import schedule
 from tp_kernels.backends.base import Backend
-from tp_kernels.backends.pipelined import _sum_in_rank_order
 
 _CTL_TAG = "tp_kernels.backends.symm.ctl"
 _DATA_TAG = "tp_kernels.backends.symm.data"
@@ -234,55 +240,68 @@ def _use_triton(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cuda" or os.environ.get("TP_KERNELS_SYMM_TRITON") == "1"
 
 
-class _Call:
-    """One fused call on this rank: its number, its header and the half of the buffers it uses."""
+def _begin(
+    group: dist.ProcessGroup,
+    device: torch.device,
+    op: int,
+    dtype: torch.dtype,
+    dims: tuple[int, int, int],
+    nbytes: int,
+    *,
+    kernels: bool = False,
+) -> tuple[_Round, _Half]:
+    """Open one fused call on this rank, or refuse it before anything is signalled: a dtype the
+    buffers cannot hold, CUDA graph capture, a group broken by an earlier deadline (raising a
+    timeout a kernel recorded first). Returns its round and its half of the data workspace."""
+    if dtype not in _DTYPES:
+        raise TypeError(
+            f"symm {_OP_NAMES[op]}: dtype {dtype} is not supported; expected one of "
+            f"{[str(d) for d in _DTYPES]}"
+        )
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"symm {_OP_NAMES[op]} on group {group.group_name!r}: cannot be captured in a "
+            "CUDA graph (its signals carry call numbers counted on the host, so a replay "
+            "would wait for stale ones); nothing was launched. Inside graphs use "
+            "backend='reference' or 'pipelined', whose NCCL collectives can be captured"
+        )
+    state = _state(group, device)
+    if state.broken is None:
+        _raise_recorded_timeout(state, group, _OP_NAMES[op])
+    if state.broken is not None:
+        raise RuntimeError(
+            f"symm {_OP_NAMES[op]} on group {group.group_name!r}: an earlier call on this "
+            f"group failed at its deadline ({state.broken}); the peers' state is unknown, "
+            "so this group cannot use the symm backend any more"
+        )
+    state.seq += 1
+    header = [state.seq, op, _DTYPES.index(dtype), *dims, _half_bytes(nbytes)]
+    # See the module docstring: headers are checked where the host can read them cheaply,
+    # on the torch path (the Triton path runs the GPU's protocol unchanged on CPU).
+    round_ = _Round(group, state, header, checks_headers=device.type == "cpu" and not kernels)
+    return round_, _Half(state, round_)
+
+
+class _Round:
+    """Call numbering and agreement: one fused call's number and header, and its signals to and
+    from every peer (with the peer's header checked where headers are checked)."""
 
     def __init__(
         self,
         group: dist.ProcessGroup,
-        device: torch.device,
-        op: int,
-        dtype: torch.dtype,
-        dims: tuple[int, int, int],
-        nbytes: int,
+        state: _GroupState,
+        header: list[int],
         *,
-        kernels: bool = False,
+        checks_headers: bool,
     ) -> None:
-        if dtype not in _DTYPES:
-            raise TypeError(
-                f"symm {_OP_NAMES[op]}: dtype {dtype} is not supported; expected one of "
-                f"{[str(d) for d in _DTYPES]}"
-            )
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"symm {_OP_NAMES[op]} on group {group.group_name!r}: cannot be captured in a "
-                "CUDA graph (its signals carry call numbers counted on the host, so a replay "
-                "would wait for stale ones); nothing was launched. Inside graphs use "
-                "backend='reference' or 'pipelined', whose NCCL collectives can be captured"
-            )
-        self.state = state = _state(group, device)
-        self.group = group
+        self.group, self.state, self.header = group, state, header
         self.rank, self.world = group.rank(), group.size()
-        self.op = op
-        if state.broken is None:
-            self.raise_recorded_timeout()
-        if state.broken is not None:
-            raise RuntimeError(
-                f"symm {_OP_NAMES[op]} on group {group.group_name!r}: an earlier call on this "
-                f"group failed at its deadline ({state.broken}); the peers' state is unknown, "
-                "so this group cannot use the symm backend any more"
-            )
-        state.seq += 1
-        self.seq = state.seq
+        self.seq, self.op = header[0], header[1]
         self.parity = self.seq % 2
-        self.half = _half_bytes(nbytes)
-        self.header = [self.seq, op, _DTYPES.index(dtype), *dims, self.half]
+        self.checks_headers = checks_headers
         self._unreceived = self.peers()
-        # See the module docstring: headers are checked where the host can read them cheaply,
-        # on the torch path (the Triton path runs the GPU's protocol unchanged on CPU).
-        self.checks_headers = device.type == "cpu" and not kernels
-        if self.checks_headers:
-            state.headers(self.rank)[self.parity] = torch.tensor(self.header)
+        if checks_headers:
+            state.headers(self.rank)[self.parity] = torch.tensor(header)
 
     @property
     def where(self) -> str:
@@ -291,27 +310,6 @@ class _Call:
     def peers(self) -> list[int]:
         """The other ranks, ``r+1, r+2, ...`` (mod W)."""
         return [(self.rank + k) % self.world for k in range(1, self.world)]
-
-    def data(self) -> symm.SymmWorkspace:
-        """The data workspace, grown when too small for this call. Growing is collective, so
-        where headers are checked every rank first exchanges them and all grow only if all ask
-        the same (elsewhere :func:`tp_kernels.symm.get_workspace` compares the sizes asked)."""
-        state = self.state
-        if state.data is None or state.data.nbytes // 2 < self.half:
-            if self.checks_headers:
-                self.signal()
-                self.receive_all()
-            state.grow(self.group, _grown_size(self.half))
-        return state.data
-
-    def view(self, rank: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """This call's half of ``rank``'s data buffer, viewed as ``shape`` of ``dtype``."""
-        ws = self.state.data
-        return ws.buffer(rank, shape, dtype, offset=self.parity * (ws.nbytes // 2))
-
-    def addresses(self) -> torch.Tensor:
-        """int64 [W]: the address of this call's half of every rank's data buffer."""
-        return self.state.half_ptrs[self.parity]
 
     def signal(self, peers: Sequence[int] | None = None) -> None:
         """Release: tell ``peers`` (default: all) that this rank's part of the call is in place."""
@@ -367,44 +365,73 @@ class _Call:
                 timeout_s=exc.timeout_s,
             ) from None
 
-    def kernel_args(self) -> dict:
-        """The arguments every launcher takes: this rank, this call's channel (alternating by
-        call parity) and epoch (the call number, wrapped into the kernels' epoch range)."""
-        from tp_kernels import kernels
 
-        return {
-            "rank": self.rank,
-            "world_size": self.world,
-            "channel": _KERNEL_CHANNELS[self.parity],
-            "epoch": (self.seq - 1) % kernels.MAX_EPOCH + 1,
-        }
+class _Half:
+    """Workspace and growth: one call's half (by call parity) of the group's data workspace."""
 
-    def raise_recorded_timeout(self) -> None:
-        """Raise the deadline error a kernel of this group recorded (in host memory: no wait for
-        the device), and mark the group broken."""
-        status = self.state.status
-        if status is None or not status.any():
-            return
-        from tp_kernels import kernels
+    def __init__(self, state: _GroupState, round_: _Round) -> None:
+        self.state, self.round = state, round_
+        self.need = round_.header[-1]
 
-        try:
-            kernels.raise_on_timeout(
-                status,
-                what="a symm kernel",
-                rank=self.rank,
-                channel=_KERNEL_CHANNELS[0],
-                timeout_s=symm.get_timeout(),
-                group_name=self.group.group_name,
-            )
-        except kernels.PeerWaitTimeout as exc:
-            self.state.broken = str(exc)
-            raise symm.SymmTimeoutError(
-                f"{exc} (recorded by a kernel; raised by the next symm call on the group, "
-                f"{_OP_NAMES[self.op]})",
-                peer=exc.peers[0],
-                channel=exc.channel,
-                timeout_s=exc.timeout_s,
-            ) from None
+    def ensure(self) -> None:
+        """Grow the data workspace when too small for this call. Growing is collective, so
+        where headers are checked every rank first exchanges them and all grow only if all ask
+        the same (elsewhere :func:`tp_kernels.symm.get_workspace` compares the sizes asked)."""
+        state, round_ = self.state, self.round
+        if state.data is None or state.data.nbytes // 2 < self.need:
+            if round_.checks_headers:
+                round_.signal()
+                round_.receive_all()
+            state.grow(round_.group, _grown_size(self.need))
+
+    def view(self, rank: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """This call's half of ``rank``'s data buffer, viewed as ``shape`` of ``dtype``."""
+        ws = self.state.data
+        return ws.buffer(rank, shape, dtype, offset=self.round.parity * (ws.nbytes // 2))
+
+    def addresses(self) -> torch.Tensor:
+        """int64 [W]: the address of this call's half of every rank's data buffer."""
+        return self.state.half_ptrs[self.round.parity]
+
+
+def _kernel_args(round_: _Round) -> dict:
+    """The arguments every launcher takes: this rank, this call's channel (alternating by call
+    parity) and epoch (the call number, wrapped into the kernels' epoch range)."""
+    from tp_kernels import kernels
+
+    return {
+        "rank": round_.rank,
+        "world_size": round_.world,
+        "channel": _KERNEL_CHANNELS[round_.parity],
+        "epoch": (round_.seq - 1) % kernels.MAX_EPOCH + 1,
+    }
+
+
+def _raise_recorded_timeout(state: _GroupState, group: dist.ProcessGroup, op: str) -> None:
+    """Raise the deadline error a kernel of this group recorded (in host memory: no wait for the
+    device), and mark the group broken."""
+    status = state.status
+    if status is None or not status.any():
+        return
+    from tp_kernels import kernels
+
+    try:
+        kernels.raise_on_timeout(
+            status,
+            what="a symm kernel",
+            rank=group.rank(),
+            channel=_KERNEL_CHANNELS[0],
+            timeout_s=symm.get_timeout(),
+            group_name=group.group_name,
+        )
+    except kernels.PeerWaitTimeout as exc:
+        state.broken = str(exc)
+        raise symm.SymmTimeoutError(
+            f"{exc} (recorded by a kernel; raised by the next symm call on the group, {op})",
+            peer=exc.peers[0],
+            channel=exc.channel,
+            timeout_s=exc.timeout_s,
+        ) from None
 
 
 def _kernels_unavailable_reason(device: torch.device) -> str | None:
@@ -458,7 +485,7 @@ class SymmBackend(Backend):
         m, k = a_shard.shape
         dtype = a_shard.dtype
         use_kernels = _use_triton(a_shard.device, dtype)
-        call = _Call(
+        round_, half = _begin(
             group, a_shard.device, _AG, dtype, (m, k, 0), a_shard.nbytes, kernels=use_kernels
         )
         # The gathered A: each peer's rows are read from its memory once, into here, and every
@@ -466,26 +493,17 @@ class SymmBackend(Backend):
         # gathers: its column tiles would otherwise each read the peer's rows.
         a = a_shard.new_empty((world * m, k))
         outs = [a_shard.new_empty((world * m, b.shape[1])) for b in bs]
+        half.ensure()
         if use_kernels:
-            _ag_triton(call, a_shard, bs, outs, a)
+            _ag_triton(round_, half, a_shard, bs, outs, a)
             return (a if return_a else None), outs
-        call.data()
-        call.view(rank, (m, k), dtype).copy_(a_shard)
-        call.signal()
+        half.view(rank, (m, k), dtype).copy_(a_shard)
+        round_.signal()
         # One matmul and no gathered A wanted: it reads the peer's rows once by itself, and a copy
         # would only cost (on a CPU, peer memory is this machine's memory).
-        gather = return_a or len(bs) > 1
-        for s in [rank, *call.peers()]:
-            rows = slice(s * m, (s + 1) * m)
-            if s == rank:
-                shard = a_shard
-            else:
-                call.receive(s)
-                shard = call.view(s, (m, k), dtype)
-            if gather:
-                shard = a[rows].copy_(shard)
-            for out, b in zip(outs, bs):
-                torch.mm(shard, b, out=out[rows])
+        gathered = a if return_a or len(bs) > 1 else None
+        transport = _Arrivals(round_, half, (m, k), dtype)
+        schedule.all_gather_matmul(a_shard, bs, outs, gathered, rank, world, transport)
         return (a if return_a else None), outs
 
     def matmul_reduce_scatter(
@@ -504,7 +522,7 @@ class SymmBackend(Backend):
         m, n = a.shape[0] // world, b.shape[1]
         dtype = a.dtype
         use_kernels = addend is None and _use_triton(a.device, dtype)
-        call = _Call(
+        round_, half = _begin(
             group,
             a.device,
             _RS,
@@ -513,24 +531,52 @@ class SymmBackend(Backend):
             a.element_size() * a.shape[0] * n,
             kernels=use_kernels,
         )
+        half.ensure()
         if use_kernels:
-            return _rs_triton(call, a, b, m, n)
-        call.data()
-        for dst in [*call.peers(), rank]:
-            rows = slice(dst * m, (dst + 1) * m)
-            slot = call.view(dst, (world, m, n), dtype)[rank]
-            if addend is None:
-                torch.mm(a[rows], b, out=slot)
-            else:
-                torch.addmm(addend[rows], a[rows], b, out=slot)
-            if dst != rank:
-                call.signal([dst])
-        call.receive_all()
-        return _sum_in_rank_order(call.view(rank, (world, m, n), dtype))
+            return _rs_triton(round_, half, a, b, m, n)
+        transport = _Slots(round_, half, (world, m, n), dtype)
+        return schedule.matmul_reduce_scatter(a, b, addend, rank, world, transport)
+
+
+class _Arrivals:
+    """The all-gather's transport on the torch path: peer ``s``'s shard ``[m, K]`` is readable in
+    ``s``'s buffer once its signal has arrived (and its header matched)."""
+
+    def __init__(
+        self, round_: _Round, half: _Half, shape: tuple[int, int], dtype: torch.dtype
+    ) -> None:
+        self._round, self._half, self._shape, self._dtype = round_, half, shape, dtype
+
+    def arrivals(self, src: int) -> list[schedule.Block]:
+        self._round.receive(src)
+        return [(0, self._shape[0], self._half.view(src, self._shape, self._dtype))]
+
+
+class _Slots:
+    """The reduce-scatter's transport on the torch path: every buffer is ``slots [W, m, N]``; the
+    partial for rank ``d`` is computed straight into slot ``r`` of ``d``'s, then ``d`` is
+    signalled."""
+
+    def __init__(
+        self, round_: _Round, half: _Half, shape: tuple[int, int, int], dtype: torch.dtype
+    ) -> None:
+        self._round, self._half, self._shape, self._dtype = round_, half, shape, dtype
+
+    def slots(self, dst: int) -> list[schedule.Block]:
+        slot = self._half.view(dst, self._shape, self._dtype)[self._round.rank]
+        return [(0, self._shape[1], slot)]
+
+    def send(self, dst: int, begin: int, end: int) -> None:
+        self._round.signal([dst])
+
+    def received(self) -> torch.Tensor:
+        self._round.receive_all()
+        return self._half.view(self._round.rank, self._shape, self._dtype)
 
 
 def _ag_triton(
-    call: _Call,
+    round_: _Round,
+    half: _Half,
     a_shard: torch.Tensor,
     bs: list[torch.Tensor],
     outs: list[torch.Tensor],
@@ -540,50 +586,52 @@ def _ag_triton(
     which gathers into ``a`` (each peer's rows read once) and multiplies from it."""
     from tp_kernels import kernels
 
-    call.data()
+    state = round_.state
     m, k = a_shard.shape
-    call.view(call.rank, (m, k), a_shard.dtype).copy_(a_shard)
-    pads = call.state.ctl.signal_pad_ptrs()
-    status, _, sched = call.state.kernel_state()
-    kernels.signal_ready(pads, **call.kernel_args())
+    half.view(round_.rank, (m, k), a_shard.dtype).copy_(a_shard)
+    pads = state.ctl.signal_pad_ptrs()
+    status, _, sched = state.kernel_state()
+    kernels.signal_ready(pads, **_kernel_args(round_))
     kernels.ag_matmul_consumer(
-        call.addresses(),
+        half.addresses(),
         pads,
         bs,
         outs,
         a_local=a,
-        flags=call.state.flags_for(m),
+        flags=state.flags_for(m),
         sched=sched,
         status=status,
         timeout_s=symm.get_timeout(),
-        **call.kernel_args(),
+        **_kernel_args(round_),
     )
     if a_shard.device.type == "cpu":  # the kernels have finished: no reason to wait for later
-        call.raise_recorded_timeout()
+        _raise_recorded_timeout(state, round_.group, _OP_NAMES[_AG])
 
 
-def _rs_triton(call: _Call, a: torch.Tensor, b: torch.Tensor, m: int, n: int) -> torch.Tensor:
+def _rs_triton(
+    round_: _Round, half: _Half, a: torch.Tensor, b: torch.Tensor, m: int, n: int
+) -> torch.Tensor:
     """The matmul-reduce-scatter of :class:`SymmBackend` by :func:`kernels.matmul_rs_producer`
     and :func:`kernels.reduce_slots`."""
     from tp_kernels import kernels
 
-    call.data()
-    pads = call.state.ctl.signal_pad_ptrs()
-    status, counters, _ = call.state.kernel_state()
+    state = round_.state
+    pads = state.ctl.signal_pad_ptrs()
+    status, counters, _ = state.kernel_state()
     out = a.new_empty((m, n))
     kernels.matmul_rs_producer(
-        a, b, call.addresses(), pads, counters=counters, **call.kernel_args()
+        a, b, half.addresses(), pads, counters=counters, **_kernel_args(round_)
     )
     kernels.reduce_slots(
-        call.view(call.rank, (call.world, m, n), a.dtype),
+        half.view(round_.rank, (round_.world, m, n), a.dtype),
         out,
         pads,
         status=status,
         timeout_s=symm.get_timeout(),
-        **call.kernel_args(),
+        **_kernel_args(round_),
     )
     if a.device.type == "cpu":  # the kernels have finished: no reason to wait for later
-        call.raise_recorded_timeout()
+        _raise_recorded_timeout(state, round_.group, _OP_NAMES[_RS])
     return out
 
 

@@ -73,6 +73,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 import tp_kernels
+from tp_kernels import cost
+from tp_kernels.bench.model import block_prediction
 from tp_kernels.bench.ops import FUSED_BACKENDS, runnable_backends
 from tp_kernels.bench.protocol import ROOF, BenchCase, BenchConfig, register
 from tp_kernels.models.llama import Llama, LlamaConfig, TransformerBlock, rope_tables
@@ -293,6 +295,18 @@ def llama_block(cfg: BenchConfig, group: dist.ProcessGroup, device: torch.device
     def probe(name: str) -> dict[str, Any]:
         return _probe(steps[name], group, device)
 
+    spec = cost.device_spec(device)
+    predicted, note = {}, f"no description of {device} in tp_kernels.cost"
+    if spec is not None:
+        dims = dict(dim=dim, heads=sizes["heads"], kv_heads=sizes["kv_heads"], ffn=sizes["ffn"])
+        block_s = block_prediction(dims, world, b * s, cfg.dtype, spec)
+        predicted = {p: block_s[p] * 1e3 for p in (*runnable, ROOF)}
+        predicted[BASELINE] = block_s["reference"] * 1e3  # DTensor: collective, then matmul
+        predicted["auto"] = min(predicted[p] for p in runnable)
+        note = (
+            f"tp_kernels.cost for {spec.name}: the block's Linears only (forward, backward, "
+            "weight gradients); attention's own math and the norms are not modeled"
+        )
     columns = {"saved_mib": "saved MiB"}
     if device.type == "cuda":
         columns["peak_mib"] = "peak MiB"
@@ -315,4 +329,6 @@ def llama_block(cfg: BenchConfig, group: dist.ProcessGroup, device: torch.device
         rate=("tokens", float(b * s)),
         probe=probe,
         probe_columns=columns,
+        predicted_ms=predicted,
+        model_note=note,
     )

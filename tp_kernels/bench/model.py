@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from tp_kernels.cost import DEVICES, DeviceSpec, op_cost
 
-__all__ = ["MODELS", "Row", "main", "plan_rows"]
+__all__ = ["MODELS", "Row", "block_prediction", "linear_rows", "main", "plan_rows"]
 
 AG, RS = "all_gather_matmul", "matmul_reduce_scatter"
 FUSED = ("pipelined", "symm", "torch_symm_mem")
@@ -53,6 +53,7 @@ class Row:
     reference_s: float
     fused_s: float
     fused_backend: str
+    backends_s: dict[str, float]
 
 
 def _linears(cfg: dict, tp: int) -> list[tuple[str, int, int, int]]:
@@ -74,15 +75,13 @@ def _linears(cfg: dict, tp: int) -> list[tuple[str, int, int, int]]:
     ]
 
 
-def plan_rows(
-    model: str, device: DeviceSpec, tp: int, tokens: int, dtype: str = "bf16"
+def linear_rows(
+    linears: Sequence[tuple[str, int, int, int]], m: int, tp: int, dtype: str, device: DeviceSpec
 ) -> list[Row]:
-    """The forward and backward fused ops of every Linear of ``model``'s plan, with times."""
-    if tokens % tp:
-        raise ValueError(f"batch x seq = {tokens} tokens do not divide by --tp {tp}")
-    m = tokens // tp
+    """The forward and backward fused ops of ``linears`` (``(name, K, N per rank, calls per
+    model)``; ``attention.wo`` and ``feed_forward.w2`` are row-parallel), ``m`` rows per rank."""
     rows = []
-    for name, k, n, per_model in _linears(MODELS[model], tp):
+    for name, k, n, per_model in linears:
         forward = RS if name in ("attention.wo", "feed_forward.w2") else AG
         backward = AG if forward == RS else RS
         for phase, op, (kk, nn) in (("forward", forward, (k, n)), ("backward", backward, (n, k))):
@@ -103,9 +102,33 @@ def plan_rows(
                     cost.backends_s["reference"],
                     cost.backends_s[best],
                     best,
+                    cost.backends_s,
                 )  # fmt: skip
             )
     return rows
+
+
+def plan_rows(
+    model: str, device: DeviceSpec, tp: int, tokens: int, dtype: str = "bf16"
+) -> list[Row]:
+    """The forward and backward fused ops of every Linear of ``model``'s plan, with times."""
+    if tokens % tp:
+        raise ValueError(f"batch x seq = {tokens} tokens do not divide by --tp {tp}")
+    return linear_rows(_linears(MODELS[model], tp), tokens // tp, tp, dtype, device)
+
+
+def block_prediction(
+    cfg: dict, tp: int, tokens: int, dtype: str, device: DeviceSpec
+) -> dict[str, float]:
+    """Seconds of one block's Linears for one training step (forward, backward, weight-gradient
+    GEMMs) per backend, and ``"roof"``: their compute alone. ``cfg`` holds ``dim``, ``heads``,
+    ``kv_heads`` and ``ffn``; attention's own math and the norms are not modeled."""
+    linears = [row for row in _linears({**cfg, "vocab": tp, "layers": 1}, tp) if row[0] != "output"]
+    rows = linear_rows(linears, tokens // tp, tp, dtype, device)
+    weight_grads = sum(r.compute_s for r in rows if r.phase == "forward")
+    times = {b: sum(r.backends_s[b] for r in rows) + weight_grads for b in rows[0].backends_s}
+    times["roof"] = sum(r.compute_s for r in rows) + weight_grads
+    return times
 
 
 def _ms(seconds: float) -> str:

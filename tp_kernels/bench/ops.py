@@ -9,9 +9,11 @@ On each rank ``r`` of ``W`` ranks (``M`` divisible by ``W``, which the CLI check
 
 Providers: ``reference``, ``pipelined``, ``symm``, ``torch_symm_mem`` (the :mod:`tp_kernels`
 backends, each where it can run for the group and device; ``torch_symm_mem`` is PyTorch's
-``torch.ops.symm_mem`` fused ops behind tp_kernels' op) and ``roof``: the same ``[M, K] @ [K, N]``
-matmul with no communication, the compute-only limit. Every provider does ``2*M*N*K`` flops per
-rank.
+``torch.ops.symm_mem`` fused ops behind tp_kernels' op), ``auto`` (tp_kernels' choice, timed on its
+first call, which the warmup covers) and ``roof``: the same ``[M, K] @ [K, N]`` matmul with no
+communication, the compute-only limit. Every provider does ``2*M*N*K`` flops per rank. Beside each
+the cost model's prediction for this device (:func:`tp_kernels.cost.device_spec`): a backend's
+expected time, ``auto``'s the best of the runnable backends', ``roof``'s the compute alone.
 """
 
 from __future__ import annotations
@@ -23,11 +25,12 @@ import torch
 import torch.distributed as dist
 
 import tp_kernels
+from tp_kernels import cost
 from tp_kernels.backends import get_backend
 from tp_kernels.bench.protocol import REFERENCE, ROOF, BenchCase, BenchConfig, Provider, register
 
 FUSED_BACKENDS = (REFERENCE, "pipelined", "symm", "torch_symm_mem")
-OP_PROVIDERS = (*FUSED_BACKENDS, ROOF)
+OP_PROVIDERS = (*FUSED_BACKENDS, "auto", ROOF)
 
 
 def matmul_tolerance(dtype: torch.dtype, k: int, roundings: int) -> float:
@@ -72,6 +75,22 @@ def runnable_backends(
     return runnable, skipped
 
 
+def predictions_ms(
+    op: str, m: int, k: int, n: int, world: int, cfg: BenchConfig, device: torch.device,
+    runnable: list[str],
+) -> tuple[dict[str, float], str]:  # fmt: skip
+    """:mod:`tp_kernels.cost`'s ms per provider for one call with ``m`` rows per rank, and a note
+    naming the device description; empty where the model does not describe the device."""
+    spec = cost.device_spec(device)
+    if spec is None:
+        return {}, f"no description of {device} in tp_kernels.cost"
+    predicted = cost.op_cost(op, m, k, n, world, cfg.dtype, spec)
+    times = {b: predicted.backends_s[b] * 1e3 for b in runnable}
+    times["auto"] = min(times.values())
+    times[ROOF] = predicted.compute_s * 1e3
+    return times, f"tp_kernels.cost for {spec.name}"
+
+
 def _op_case(
     name: str,
     cfg: BenchConfig,
@@ -82,11 +101,15 @@ def _op_case(
     roof: Provider,
     shapes: dict[str, list[int]],
     roundings: int,
+    op: str,
 ) -> BenchCase:
     """The case of one fused op: ``fused(backend)`` is the tp_kernels provider of ``backend``."""
     runnable, skipped = runnable_backends(group, device)
     providers: dict[str, Provider] = {backend: fused(backend) for backend in runnable}
+    providers["auto"] = fused("auto")
     providers[ROOF] = roof
+    world = group.size()
+    predicted, note = predictions_ms(op, cfg.M // world, cfg.K, cfg.N, world, cfg, device, runnable)
     return BenchCase(
         name=name,
         flops=2.0 * cfg.M * cfg.N * cfg.K,
@@ -94,6 +117,8 @@ def _op_case(
         providers=providers,
         tolerance=matmul_tolerance(cfg.torch_dtype, cfg.K, roundings=roundings),
         skipped=skipped,
+        predicted_ms=predicted,
+        model_note=note,
     )
 
 
@@ -116,6 +141,7 @@ def ag_matmul(cfg: BenchConfig, group: dist.ProcessGroup, device: torch.device) 
         roof=lambda: [a_full @ b],
         shapes={"a_shard": list(a_shard.shape), "b": list(b.shape), "out": [cfg.M, cfg.N]},
         roundings=1,
+        op="all_gather_matmul",
     )
 
 
@@ -139,4 +165,5 @@ def matmul_rs(cfg: BenchConfig, group: dist.ProcessGroup, device: torch.device) 
         roof=lambda: a @ b,
         shapes={"a": list(a.shape), "b": list(b.shape), "out": [cfg.M // world, cfg.N]},
         roundings=world + 1,
+        op="matmul_reduce_scatter",
     )

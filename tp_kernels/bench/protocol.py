@@ -116,6 +116,9 @@ class BenchCase:
             record (e.g. memory); it must return the same on every rank (agreeing over the group
             itself).
         probe_columns: ``{field: header}``: numeric probe fields shown as table columns.
+        predicted_ms: ``{provider: ms}``: :mod:`tp_kernels.cost`'s prediction for this machine,
+            shown beside each measured row (providers the model does not cover are left out).
+        model_note: what the prediction covers and for which device (a footnote of the table).
     """
 
     name: str
@@ -129,6 +132,8 @@ class BenchCase:
     rate: tuple[str, float] | None = None
     probe: Callable[[str], dict[str, Any]] | None = None
     probe_columns: dict[str, str] = field(default_factory=dict)
+    predicted_ms: dict[str, float] = field(default_factory=dict)
+    model_note: str = ""
 
 
 Builder = Callable[[BenchConfig, dist.ProcessGroup, torch.device], BenchCase]
@@ -355,6 +360,7 @@ def run_case(
             "times_ms": times[name],
             "checked": checks[name]["checked"],
             "max_abs_err": checks[name]["max_abs_err"],
+            "model_ms": case.predicted_ms.get(name),
         }
         for name in good
     }
@@ -376,6 +382,7 @@ def run_case(
         "skipped": skipped,
         "mismatches": mismatches,
         "columns": dict(case.probe_columns),
+        "model_note": case.model_note,
         "providers": records,
     }
 
@@ -391,10 +398,10 @@ def _fmt_number(value: Any) -> str:
 def format_table(result: dict[str, Any], meta: dict[str, Any]) -> str:
     """The result of :func:`run_case` as a text table with a one-line header.
 
-    Columns: provider, median/p20/p80 (ms), GFLOP/s (``flops / median``, per rank), ``<unit>/s``
-    when the record has a ``rate`` (``per_call / median``), speedup vs the baseline
-    (``baseline_median / median``), % of roof (``roof_median / median``), then the record's probe
-    ``columns``.
+    Columns: provider, median/p20/p80 (ms), the cost model's prediction (ms), GFLOP/s (``flops /
+    median``, per rank), ``<unit>/s`` when the record has a ``rate`` (``per_call / median``),
+    speedup vs the baseline (``baseline_median / median``), % of roof (``roof_median / median``),
+    then the record's probe ``columns``.
     """
     provs = result["providers"]
     baseline = result.get("baseline", REFERENCE)
@@ -409,8 +416,8 @@ def format_table(result: dict[str, Any], meta: dict[str, Any]) -> str:
     ]
     rate_header = [] if rate is None else [f"{rate['unit']}/s"]
     header = (
-        "provider", "median ms", "p20 ms", "p80 ms", "GFLOP/s", *rate_header, f"vs {baseline}",
-        "% of roof", *columns.values(),
+        "provider", "median ms", "p20 ms", "p80 ms", "model ms", "GFLOP/s", *rate_header,
+        f"vs {baseline}", "% of roof", *columns.values(),
     )  # fmt: skip
     rows = [header]
     for name, rec in provs.items():
@@ -425,6 +432,7 @@ def format_table(result: dict[str, Any], meta: dict[str, Any]) -> str:
                 f"{med:.3f}",
                 f"{rec['p20_ms']:.3f}",
                 f"{rec['p80_ms']:.3f}",
+                f"{rec['model_ms']:.3f}" if rec.get("model_ms") is not None else "-",
                 f"{result['flops'] / (med * 1e-3) / 1e9:.1f}" if med > 0 else "-",
                 *rate_cell,
                 f"{ref / med:.2f}x" if ref and med > 0 else "-",
@@ -437,6 +445,8 @@ def format_table(result: dict[str, Any], meta: dict[str, Any]) -> str:
         cells = [row[0].ljust(widths[0])]
         cells += [v.rjust(w) for v, w in zip(row[1:], widths[1:], strict=True)]
         lines.append("  ".join(cells))
+    if result.get("model_note"):
+        lines.append(f"  (model ms: {result['model_note']})")
     for name, why in result["skipped"].items():
         lines.append(f"  (skipped {name}: {why})")
     for name, err in result["mismatches"].items():
