@@ -163,15 +163,22 @@ META = {"dtype": "fp32", "world_size": 2, "pg_backend": "gloo", "rounds": 3, "wa
 
 
 def test_table_columns():
-    table = format_table(_record({"reference": 10.0, "pipelined": 5.0, "roof": 4.0}), META)
+    record = _record({"reference": 10.0, "pipelined": 5.0, "roof": 4.0})
+    record["providers"]["pipelined"]["model_ms"] = 3.25
+    record["model_note"] = "a test device"
+    table = format_table(record, META)
     lines = table.splitlines()
     assert lines[1].split() == [
-        "provider", "median", "ms", "p20", "ms", "p80", "ms", "GFLOP/s", "vs", "reference", "%",
-        "of", "roof",
+        "provider", "median", "ms", "p20", "ms", "p80", "ms", "model", "ms", "GFLOP/s", "vs",
+        "reference", "%", "of", "roof",
     ]  # fmt: skip
-    # pipelined: 2e9 flop / 5 ms = 400 GFLOP/s, 10/5 = 2x the reference, roof 4/5 = 80%
-    assert lines[3].split() == ["pipelined", "5.000", "4.000", "6.000", "400.0", "2.00x", "80.0%"]
-    assert lines[2].split()[-2:] == ["1.00x", "40.0%"]
+    # pipelined: 2e9 flop / 5 ms = 400 GFLOP/s, 10/5 = 2x the reference, roof 4/5 = 80%; the
+    # model's 3.25 ms beside it; no prediction for the reference.
+    assert lines[3].split() == [
+        "pipelined", "5.000", "4.000", "6.000", "3.250", "400.0", "2.00x", "80.0%",
+    ]  # fmt: skip
+    assert lines[2].split()[4] == "-" and lines[2].split()[-2:] == ["1.00x", "40.0%"]
+    assert "(model ms: a test device)" in table
     assert "(skipped symm: not built)" in table
 
 
@@ -221,12 +228,14 @@ def test_cli_end_to_end(worlds, tmp_path, capsys):
     for bench in report["benchmarks"]:
         assert bench["mismatches"] == {}
         assert bench["flops"] == 2 * 16 * 8 * 4
-        expected = ["reference", "pipelined", *(["symm"] if symm_ok else []), "roof"]
+        expected = ["reference", "pipelined", *(["symm"] if symm_ok else []), "auto", "roof"]
         assert list(bench["providers"]) == expected
         assert "torch_symm_mem" in bench["skipped"]  # CPU run
+        assert bench["model_note"] == "tp_kernels.cost for this CPU (measured)"
         for rec in bench["providers"].values():
             assert len(rec["times_ms"]) == 3 and all(t > 0 for t in rec["times_ms"])
             assert rec["p20_ms"] <= rec["median_ms"] <= rec["p80_ms"]
+            assert rec["model_ms"] > 0  # the model's prediction beside every measured row
 
 
 def test_matmul_tolerance_values():
@@ -268,12 +277,15 @@ def test_llama_block_end_to_end(worlds, tmp_path, capsys):
         "== llama_block  x[2,4,32]  wq[16,32]  wk[8,32]  w1[32,32]  out[2,4,32]  fp32  world=2"
     )
     assert lines[1].split() == [
-        "provider", "median", "ms", "p20", "ms", "p80", "ms", "GFLOP/s", "tokens/s", "vs", "torch",
-        "%", "of", "roof", "saved", "MiB",
+        "provider", "median", "ms", "p20", "ms", "p80", "ms", "model", "ms", "GFLOP/s",
+        "tokens/s", "vs", "torch", "%", "of", "roof", "saved", "MiB",
     ]  # fmt: skip
     rows = {line.split()[0]: line.split() for line in lines[2 : 2 + len(providers)]}
     assert list(rows) == providers
-    assert rows["torch"][6] == "1.00x" and rows["roof"][7] == "100.0%"
+    assert rows["torch"][7] == "1.00x" and rows["roof"][8] == "100.0%"
+    assert "(model ms: tp_kernels.cost for this CPU (measured): the block's Linears only" in (
+        "\n".join(lines)
+    )
 
     bench = json.loads(path.read_text())["benchmarks"][0]
     assert bench["name"] == "llama_block" and bench["baseline"] == "torch"
@@ -289,7 +301,8 @@ def test_llama_block_end_to_end(worlds, tmp_path, capsys):
     gathered_mib = 2 * (2 * 8 * 32 * 4) / 2**20
     for name, rec in bench["providers"].items():
         assert rec["tokens_per_s"] == pytest.approx(tokens / (rec["median_ms"] * 1e-3), rel=1e-9)
-        assert rows[name][5] == f"{rec['tokens_per_s']:.0f}"
+        assert rows[name][6] == f"{rec['tokens_per_s']:.0f}"
+        assert rows[name][4] == f"{rec['model_ms']:.3f}"
         assert rows[name][-1] == f"{rec['saved_mib']:.1f}"
         assert rec["saved_mib"] > 0
         assert len(rec["times_ms"]) == 2
@@ -297,11 +310,11 @@ def test_llama_block_end_to_end(worlds, tmp_path, capsys):
     # the fused path fired once per boundary in the probed step; nothing fell back
     for name in tp_providers:
         assert bench["providers"][name]["comm"] == {f"{pk}/{name}": 2 for pk in PHASE_KINDS}
+    # auto chose per op and shape class (timed): each boundary under one of the backends.
     auto = bench["providers"]["auto"]["comm"]
-    chosen = {key.rsplit("/", 1)[1] for key in auto}
-    assert len(chosen) == 1 and chosen <= set(tp_providers)
-    (auto_backend,) = chosen
-    assert auto == {f"{pk}/{auto_backend}": 2 for pk in PHASE_KINDS}
+    by_phase_kind = {key.rsplit("/", 1)[0]: n for key, n in auto.items()}
+    assert by_phase_kind == {pk: 2 for pk in PHASE_KINDS}, auto
+    assert {key.rsplit("/", 1)[1] for key in auto} <= set(tp_providers)
     assert bench["providers"]["torch"]["comm"] == bench["providers"]["roof"]["comm"] == {}
 
     # The process counters saw every step of every provider (the check, warmup, rounds and
@@ -309,10 +322,11 @@ def test_llama_block_end_to_end(worlds, tmp_path, capsys):
     counts = worlds(2).run(tp_kernels.comm_stats)
     assert counts[0] == counts[1]
     assert counts[0].total(kind="fallback") == 0
-    for name in tp_providers:
-        runs = 5 * (2 if name == auto_backend else 1)
-        for pk in PHASE_KINDS:
-            phase, kind = pk.split("/")
+    for pk in PHASE_KINDS:
+        phase, kind = pk.split("/")
+        auto_backends = {key.rsplit("/", 1)[1] for key in auto if key.startswith(pk + "/")}
+        for name in tp_providers:
+            runs = 5 * (2 if name in auto_backends else 1)
             assert counts[0].total(phase, kind, name) == 2 * runs, (name, pk)
 
 
@@ -350,8 +364,8 @@ def test_table_with_baseline_rate_and_probe_columns():
     record["providers"]["auto"].update(tokens_per_s=512000.0, mem=1.5)
     record["providers"]["torch"].update(tokens_per_s=256000.0)
     lines = format_table(record, META).splitlines()
-    assert lines[1].split()[8:] == ["tokens/s", "vs", "torch", "%", "of", "roof", "mem", "MiB"]
+    assert lines[1].split()[10:] == ["tokens/s", "vs", "torch", "%", "of", "roof", "mem", "MiB"]
     # auto: 2048 tokens / 4 ms, 8/4 = 2x torch, no roof; torch has no "mem" field
-    assert lines[3].split()[5:] == ["512000", "2.00x", "-", "1.5"]
-    assert lines[2].split()[5:] == ["256000", "1.00x", "-", "-"]
+    assert lines[3].split()[6:] == ["512000", "2.00x", "-", "1.5"]
+    assert lines[2].split()[6:] == ["256000", "1.00x", "-", "-"]
     assert "!!! MISMATCH: symm differs from torch" in lines[-1]

@@ -187,6 +187,95 @@ def test_matmul_rs_producer_and_reduce(dtype, world_size, m, k, n):
         assert (problem := check_close(f"rank {dst}", outs[1.0], *reference)) is None, problem
 
 
+def _misaligned(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """A row-major [rows, cols] whose base is not 16-byte aligned (one element in)."""
+    return torch.randn(rows * cols + 1).to(dtype)[1:].view(rows, cols)
+
+
+def test_tma_layout_follows_strides_and_alignment():
+    w = torch.randn(24, 40)
+    assert kernels.tma_layout(w) == "rc"
+    assert kernels.tma_layout(w.t()) == "cr"  # a Linear's weight.t(): TMA reads the weight
+    odd = torch.randn(40, 17)  # rows of 68 bytes: no TMA either way round
+    assert kernels.tma_layout(odd) == "pointer" and kernels.tma_layout(odd.t()) == "pointer"
+    assert kernels.tma_layout(_misaligned(24, 40, torch.float32)) == "pointer"
+    assert kernels.tma_layout(w[:, ::2]) == "pointer"  # no contiguous dimension
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemms_read_each_layout_of_their_operands(dtype, monkeypatch):
+    """B transposed (TMA over the weight), B with rows no multiple of 16 bytes and B off a
+    16-byte boundary (pointer loads), in one all-gather call with a later launch reading the
+    gathered A with TMA; then the producer with a transposed A and each B. Results against
+    torch's matmul; the layouts the launchers chose are recorded."""
+    gen = torch.Generator().manual_seed(5)
+    world_size, rank, m, k = 2, 1, 24, 40
+    chosen = []
+
+    def recording(module):
+        original = module.tma_operand
+
+        def tma_operand(t, layout):
+            chosen.append(layout)
+            return original(t, layout)
+
+        monkeypatch.setattr(module, "tma_operand", tma_operand)
+
+    recording(kernels.ag_matmul)
+    recording(kernels.matmul_rs)
+    a = torch.randn(world_size * m, k, generator=gen).to(dtype)
+    shards = [a[s * m : (s + 1) * m].clone() for s in range(world_size)]
+    bs = [
+        torch.randn(24, k, generator=gen).to(dtype).t(),
+        torch.randn(k, 17, generator=gen).to(dtype),
+        _misaligned(k, 24, dtype),
+    ]
+    _, signal_ptrs = _pads(world_size)
+    for s in range(world_size):
+        kernels.signal_ready(signal_ptrs, rank=s, world_size=world_size, channel=CHANNEL, epoch=2)
+    outs = [torch.full((world_size * m, b.shape[1]), NAN, dtype=dtype) for b in bs]
+    a_out = torch.full((world_size * m, k), NAN, dtype=dtype)
+    status = kernels.new_status(world_size, torch.device("cpu"))
+    kernels.ag_matmul_consumer(
+        _addresses(shards),
+        signal_ptrs,
+        bs,
+        outs,
+        status=status,
+        rank=rank,
+        world_size=world_size,
+        channel=CHANNEL,
+        epoch=2,
+        a_local=a_out,
+        **_gather_scratch(world_size, m),
+    )
+    # Per launch: B, then a_local (the pulling launch reads peers through pointers).
+    assert chosen == ["cr", "pointer", "pointer", "rc", "pointer", "rc"], chosen
+    assert torch.equal(a_out, a) and status.tolist() == [0] * world_size
+    for j, (b, c) in enumerate(zip(bs, outs, strict=True)):
+        assert (problem := check_close(f"outs[{j}]", c, *_ag_reference(a, b))) is None, problem
+
+    chosen.clear()
+    a_t = torch.randn(k, world_size * m, generator=gen).to(dtype).t()
+    for b in bs:
+        buffers = [torch.full((world_size, m, b.shape[1]), NAN, dtype=dtype) for _ in range(2)]
+        kernels.matmul_rs_producer(
+            a_t,
+            b,
+            _addresses(buffers),
+            signal_ptrs,
+            counters=kernels.new_counters(world_size, torch.device("cpu")),
+            rank=0,
+            world_size=world_size,
+            channel=CHANNEL,
+            epoch=2,
+        )
+        for dst in range(world_size):
+            reference = _ag_reference(a_t[dst * m : (dst + 1) * m], b)
+            assert (problem := check_close("slot", buffers[dst][0], *reference)) is None, problem
+    assert chosen == ["cr", "cr", "cr", "pointer", "cr", "pointer"], chosen
+
+
 def test_reduce_slots_casts_to_out_dtype():
     slots = torch.randn(3, 5, 7, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     _, signal_ptrs = _pads(3)

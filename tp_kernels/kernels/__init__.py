@@ -131,15 +131,98 @@ def dot_precision(dtype: torch.dtype) -> str | None:
     return "tf32" if not INTERPRET and _fp32_matmul_uses_tf32() else "ieee"
 
 
-def gemm_configs() -> list[triton.Config]:
-    """Tile shapes the GEMM kernels pick from: one small fixed tile under the interpreter."""
+# The (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) the autotuned GEMM picks from on a GPU.
+# Per rank at TP=8, Llama-3 8B/70B/405B give N and K of 512 to 16384 (hidden 4096/8192/16384,
+# MLP 1792/3584/6656, q/kv/o of hidden / 8) and M of thousands of tokens: large tiles
+# (128x256 and 256x128 with two warpgroups, 3 stages of 144 KiB in 16 bits) for the wide
+# outputs, 128x128 and 64x256 (4 stages) where N / BLOCK_N leaves too few tiles for 132 SMs, and
+# small tiles for the decode-sized and test shapes. Configs whose stage buffers exceed a GPU's
+# shared memory (fp32 with the large tiles) fail to load there and the autotuner drops them.
+GEMM_SHAPES: tuple[tuple[int, int, int, int, int], ...] = (
+    (128, 256, 64, 8, 3),
+    (256, 128, 64, 8, 3),
+    (128, 128, 64, 8, 3),
+    (128, 128, 64, 4, 4),
+    (64, 256, 64, 4, 4),
+    (128, 64, 64, 4, 4),
+    (64, 128, 64, 4, 4),
+    (64, 64, 32, 4, 4),
+)
+# M tiles per group in the tile order of the GEMMs (see :func:`_tile_coords`); a constexpr, as
+# kernels may read only constexpr globals.
+GROUP_M = tl.constexpr(8)
+
+
+def gemm_configs(pre_hook=None) -> list[triton.Config]:
+    """Tile shapes the GEMM kernels pick from: one small fixed tile under the interpreter.
+
+    ``pre_hook(nargs)`` runs before each launch with a config (it sets the block shapes of tensor
+    descriptors, which depend on the config)."""
     if INTERPRET:
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}, num_warps=1)]
-    shapes = [(128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 64, 32, 4, 4)]
+        blocks = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}
+        return [triton.Config(blocks, num_warps=1, pre_hook=pre_hook)]
     return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
-        for bm, bn, bk, w, st in shapes
+        triton.Config(
+            {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk},
+            num_warps=w,
+            num_stages=st,
+            pre_hook=pre_hook,
+        )
+        for bm, bn, bk, w, st in GEMM_SHAPES
     ]
+
+
+def tma_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the GEMMs read local ``dtype`` operands with tensor descriptors on ``device``: on
+    GPUs with TMA (sm_90 and newer), and in the interpreter (so CPU tests run the same code).
+    Below sm_90 Triton lowers descriptors to plain loads that lose the pointers' alignment and
+    with it ``cp.async``, so the pointer loads stay there. An fp32 GEMM without TF32 runs on the
+    FMA units, bound by the math, and reading TMA's swizzled tiles there makes ptxas spill
+    (kilobytes per thread in compile_check): it keeps the pointer loads too."""
+    if INTERPRET:
+        return True
+    device = torch.device(device)
+    if device.type != "cuda" or dot_precision(dtype) == "ieee":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def tma_layout(t: torch.Tensor) -> str:
+    """How a GEMM reads the 2-D operand ``t`` [R, C] on a TMA-capable device.
+
+    ``"rc"``: through a descriptor over ``t`` (row-major); ``"cr"``: through a descriptor over
+    ``t.t()`` (``t`` is the transpose of a row-major [C, R], e.g. a Linear's ``weight.t()``), the
+    loaded block transposed; ``"pointer"``: through its strides. TMA needs a 16-byte aligned base,
+    a contiguous last dimension and a row stride that is a multiple of 16 bytes.
+    """
+    size = t.element_size()
+    if t.data_ptr() % 16:
+        return "pointer"
+    if t.stride(1) == 1 and t.stride(0) * size % 16 == 0:
+        return "rc"
+    if t.stride(0) == 1 and t.stride(1) * size % 16 == 0:
+        return "cr"
+    return "pointer"
+
+
+def tma_operand(t: torch.Tensor, layout: str) -> object:
+    """What a GEMM kernel takes for operand ``t`` read with ``layout`` (see :func:`tma_layout`):
+    a tensor descriptor (its block shape set by :func:`set_block_shape` before the launch), or
+    ``t`` itself for pointer loads."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if layout == "pointer":
+        return t
+    view = t if layout == "rc" else t.t()
+    return TensorDescriptor.from_tensor(view, [16, 16])
+
+
+def set_block_shape(operand: object, layout: str, block_r: int, block_c: int) -> None:
+    """Give a descriptor from :func:`tma_operand` the block [block_r, block_c] of its operand."""
+    if layout == "rc":
+        operand.block_shape = [block_r, block_c]
+    elif layout == "cr":
+        operand.block_shape = [block_c, block_r]
 
 
 def check_world(rank: int, world_size: int, channel: int, epoch: int) -> None:
@@ -361,6 +444,41 @@ def _round_to(x, DTYPE: tl.constexpr, BF16_BY_HAND: tl.constexpr):
         return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         return x.to(DTYPE)
+
+
+@triton.jit
+def _tile_coords(tile, tiles_per_shard, n_tiles, GROUP_M: tl.constexpr):
+    """``(m_tile, col_tile)`` of output tile number ``tile``: shard by shard (``tiles_per_shard``
+    M tiles of ``n_tiles`` column tiles each), and inside a shard in groups of ``GROUP_M`` M tiles
+    that walk the column tiles together, column tile 0 of every M tile of the group first. A
+    group reads ``GROUP_M`` row blocks and each column block once while they are in L2, where
+    M-tile-major order would stream all of B through L2 for every M tile."""
+    tiles_in_shard = tiles_per_shard * n_tiles
+    shard = tile // tiles_in_shard
+    t = tile % tiles_in_shard
+    first_m = (t // (GROUP_M * n_tiles)) * GROUP_M
+    group_rows = tl.minimum(tiles_per_shard - first_m, GROUP_M)
+    in_group = t % (GROUP_M * n_tiles)
+    m_tile = shard * tiles_per_shard + first_m + in_group % group_rows
+    return m_tile, in_group // group_rows
+
+
+@triton.jit
+def _load_block(x, r0, c0, R, C, stride_r, stride_c, LAYOUT: tl.constexpr, BLOCK_R, BLOCK_C):
+    """The block ``X[r0 : r0 + BLOCK_R, c0 : c0 + BLOCK_C]`` of an operand ``X`` [R, C], zero
+    outside ``X``. ``LAYOUT`` (see :func:`tma_layout`): ``"rc"``, ``x`` is a descriptor over
+    ``X``; ``"cr"``, a descriptor over ``X``'s transpose (TMA copies the [C, R] block, the
+    transpose is a view of shared memory); ``"pointer"``, ``x`` points at ``X`` and its element
+    ``(i, j)`` is at ``i * stride_r + j * stride_c``."""
+    if LAYOUT == "rc":
+        return x.load([r0, c0])
+    elif LAYOUT == "cr":
+        return x.load([c0, r0]).T
+    else:
+        rows = r0 + tl.arange(0, BLOCK_R)
+        cols = c0 + tl.arange(0, BLOCK_C)
+        offsets = rows.to(tl.int64)[:, None] * stride_r + cols.to(tl.int64)[None, :] * stride_c
+        return tl.load(x + offsets, mask=(rows < R)[:, None] & (cols < C)[None, :], other=0.0)
 
 
 @triton.jit

@@ -24,9 +24,12 @@ import triton.language as tl
 
 from tp_kernels.kernels import (
     DEFAULT_TIMEOUT_S,
+    GROUP_M,
     INTERPRET,
+    _load_block,
     _note_first_touch,
     _round_to,
+    _tile_coords,
     _wait_signal,
     check_matrix,
     check_ptr_table,
@@ -36,9 +39,13 @@ from tp_kernels.kernels import (
     gemm_configs,
     new_trace,
     on_device,
+    set_block_shape,
     store_order,
     timeout_ns,
     tl_dtype,
+    tma_layout,
+    tma_operand,
+    tma_supported,
 )
 
 
@@ -50,14 +57,24 @@ def _signal_ready_kernel(signal_ptrs, rank, world_size, channel, epoch):
     tl.atomic_xchg(pad + channel * world_size + rank, epoch, sem="release", scope="sys")
 
 
-@triton.autotune(configs=gemm_configs(), key=["m", "K", "N", "DTYPE", "PULL"])
+def _set_block_shapes(nargs: dict) -> None:
+    """Autotuner pre-hook: the descriptors' block shapes are those of the config being run."""
+    set_block_shape(nargs["a_local_desc"], nargs["A_LAYOUT"], nargs["BLOCK_M"], nargs["BLOCK_K"])
+    set_block_shape(nargs["b"], nargs["B_LAYOUT"], nargs["BLOCK_K"], nargs["BLOCK_N"])
+
+
+@triton.autotune(
+    configs=gemm_configs(pre_hook=_set_block_shapes),
+    key=["m", "K", "N", "DTYPE", "PULL", "A_LAYOUT", "B_LAYOUT"],
+)
 @triton.jit(do_not_specialize=["rank", "channel", "epoch", "status_addr", "timeout_ns"])
 def _ag_matmul_kernel(
     a_ptrs,
     signal_ptrs,
-    b_ptr,
+    b,
     c_ptr,
     a_local_ptr,
+    a_local_desc,
     flags_ptr,
     sched_ptr,
     trace_ptr,
@@ -74,6 +91,8 @@ def _ag_matmul_kernel(
     timeout_ns,
     DTYPE: tl.constexpr,
     PULL: tl.constexpr,
+    A_LAYOUT: tl.constexpr,
+    B_LAYOUT: tl.constexpr,
     TRACE: tl.constexpr,
     BF16_BY_HAND: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
@@ -84,9 +103,12 @@ def _ag_matmul_kernel(
     """One output tile: ``C[s*m + i, n] = sum_k A_s[i, k] * B[k, n]`` (fp32 accumulation).
 
     ``a_ptrs[s]``: address of rank s's shard A_s [m, K] in its symmetric buffer (row-major,
-    16-byte aligned); ``a_local`` [W*m, K] is this rank's gathered A; B [K, N] is read through its
-    strides; C [W*m, N] is row-major. Tile ``t`` (M-tile-major) covers rows of rank ``s = (rank +
-    (t // cdiv(N, BLOCK_N)) // cdiv(m, BLOCK_M)) % W``, so the first tiles use this rank's own
+    16-byte aligned); ``a_local`` [W*m, K] is this rank's gathered A (``a_local_ptr``, and
+    ``a_local_desc``: a descriptor over it when ``A_LAYOUT == "rc"``, which only launches without
+    PULL use); ``b`` is B [K, N] as :func:`_load_block` reads it with ``B_LAYOUT`` (strides
+    ``stride_bk``, ``stride_bn`` for ``"pointer"``); C [W*m, N] is row-major. Tile ``t`` covers
+    M tile ``t // (cdiv(m, BLOCK_M) * cdiv(N, BLOCK_N))`` and on (:func:`_tile_coords`), rows of
+    rank ``s = (rank + m_tile // cdiv(m, BLOCK_M)) % W``, so the first tiles use this rank's own
     rows. PULL (the call's first launch): tiles come from the ticket ``sched[0]``; the first
     column tile of an M tile waits for ``epoch`` in word ``channel * W + s`` of this rank's pad,
     reads A_s, stores it into ``a_local`` and then releases ``flags[M tile] = epoch``; the other
@@ -100,10 +122,10 @@ def _ag_matmul_kernel(
         tile = tl.atomic_add(sched_ptr, 1, sem="relaxed", scope="gpu")
     else:
         tile = tl.program_id(0)
-    m_tile = tile // n_tiles
-    col_tile = tile % n_tiles
+    m_tile, col_tile = _tile_coords(tile, tiles_per_shard, n_tiles, GROUP_M)
     src = (rank + m_tile // tiles_per_shard) % world_size
-    rows = (m_tile % tiles_per_shard) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row0 = (m_tile % tiles_per_shard) * BLOCK_M
+    rows = row0 + tl.arange(0, BLOCK_M)
     cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < m
     col_ok = cols < N
@@ -133,22 +155,24 @@ def _ag_matmul_kernel(
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        a_mask = row_ok[:, None] & k_ok[None, :]
-        a_offsets = rows64[:, None] * K + ks[None, :]
-        a = tl.load(a_base + a_offsets, mask=a_mask, other=0.0)
-        if PULL:
-            tl.store(local_rows + a_offsets, a, mask=a_mask & puller)
-        b = tl.load(
-            b_ptr + ks[:, None].to(tl.int64) * stride_bk + cols64[None, :] * stride_bn,
-            mask=k_ok[:, None] & col_ok[None, :],
-            other=0.0,
+        if A_LAYOUT == "rc":
+            # Rows past this shard's m come from the next shard (or TMA's zero fill): they only
+            # reach output rows that the masked store below drops.
+            a = a_local_desc.load([src * m + row0, k0])
+        else:
+            ks = k0 + tl.arange(0, BLOCK_K)
+            a_mask = row_ok[:, None] & (ks < K)[None, :]
+            a_offsets = rows64[:, None] * K + ks[None, :]
+            a = tl.load(a_base + a_offsets, mask=a_mask, other=0.0)
+            if PULL:
+                tl.store(local_rows + a_offsets, a, mask=a_mask & puller)
+        b_blk = _load_block(
+            b, k0, col_tile * BLOCK_N, K, N, stride_bk, stride_bn, B_LAYOUT, BLOCK_K, BLOCK_N
         )
         if BF16_BY_HAND:
             a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+            b_blk = b_blk.to(tl.float32)
+        acc = tl.dot(a, b_blk, acc, input_precision=INPUT_PRECISION)
     c_tile = c_ptr + (src * m + rows64)[:, None] * N + cols64[None, :]
     tl.store(c_tile, _round_to(acc, DTYPE, BF16_BY_HAND), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -220,9 +244,11 @@ def ag_matmul_consumer(
     j), each peer's rows read from its memory once.
 
     Shapes (W = ``world_size``): every A_s is [m, K]; ``a_local`` is [W*m, K], contiguous;
-    ``bs[j]`` is [K, N_j] with any strides; ``outs[j]`` is [W*m, N_j], contiguous; all share one
-    dtype (fp32, fp16 or bf16) and device. Rank s's rows are read once its ready word (``channel
-    * W + s`` of this rank's pad) holds ``epoch``; see :func:`signal_ready`. Call this rank's
+    ``bs[j]`` is [K, N_j] with any strides (on sm_90 and newer read with TMA when its layout
+    allows, see :func:`tp_kernels.kernels.tma_layout`, else through its strides); ``outs[j]`` is
+    [W*m, N_j], contiguous; all share one dtype (fp32, fp16 or bf16) and device. Rank s's rows
+    are read once its ready word (``channel * W + s`` of this rank's pad) holds ``epoch``; see
+    :func:`signal_ready`. Call this rank's
     :func:`signal_ready` first (on a GPU, on the same stream): the kernel's tiles hold the device
     while they wait, so a signal queued behind them would never run. Nothing here synchronizes
     with the device.
@@ -288,10 +314,14 @@ def ag_matmul_consumer(
 
     trace = new_trace(world_size, device) if order_out is not None else None
     wait_ns = timeout_ns(timeout_s)
+    tma = tma_supported(device, dtype)
     with on_device(device):
         for j, (b, c) in enumerate(zip(bs, outs)):
             first = j == 0
             n = b.shape[1]
+            # The first launch reads peers' rows and stores them into a_local: pointer loads.
+            a_layout = "pointer" if first or not tma else tma_layout(a_local)
+            b_layout = tma_layout(b) if tma else "pointer"
 
             def grid(meta: dict, n: int = n) -> tuple[int]:
                 tiles = triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])
@@ -300,9 +330,10 @@ def ag_matmul_consumer(
             _ag_matmul_kernel[grid](
                 a_ptrs,
                 signal_ptrs,
-                b,
+                tma_operand(b, b_layout),
                 c,
                 a_local,
+                tma_operand(a_local, a_layout),
                 flags,
                 sched,
                 trace if first and trace is not None else a_ptrs,
@@ -319,6 +350,8 @@ def ag_matmul_consumer(
                 wait_ns,
                 DTYPE=DTYPE,
                 PULL=first,
+                A_LAYOUT=a_layout,
+                B_LAYOUT=b_layout,
                 TRACE=first and trace is not None,
                 BF16_BY_HAND=INTERPRET and dtype == torch.bfloat16,
                 INPUT_PRECISION=dot_precision(dtype),

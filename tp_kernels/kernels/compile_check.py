@@ -10,10 +10,13 @@ configs. Each PTX file is written to ``--out`` and checked:
 * a kernel that signals stores its word with a system-scope release atomic;
 * every GEMM with 16-bit operands uses ``wgmma`` on sm_90 (warpgroup MMA), ``mma.sync`` below;
 * every GEMM feeds its main loop with asynchronous copies (``cp.async`` or TMA's
-  ``cp.async.bulk.tensor``): without them its loads are not pipelined behind the math.
+  ``cp.async.bulk.tensor``): without them its loads are not pipelined behind the math;
+* a GEMM that takes an operand as a tensor descriptor (sm_90) copies it with TMA
+  (``cp.async.bulk.tensor``), and no variant needs more shared memory than the architecture has.
 
 Each variant's PTX is also assembled by the ``ptxas`` that comes with Triton (``-v``), and the
-table reports its registers per thread, its spill stores and loads, and its shared memory.
+table reports its registers per thread, its spill stores and loads, its shared memory and
+whether it uses TMA. Which variants are compiled (not every combination): see :func:`variants`.
 
 Exit status 0 when every variant compiles and passes, 1 naming each variant that does not, 2 for
 bad arguments (or ``TRITON_INTERPRET=1``, under which nothing is compiled for a GPU).
@@ -49,6 +52,8 @@ SIGNAL_PATTERNS = (
 ASYNC_COPY_PATTERNS = (
     (r"cp\.async\.(cg|ca|bulk\.tensor)", "asynchronous copies (cp.async) feeding the GEMM"),
 )
+TMA_PATTERN = r"cp\.async\.bulk\.tensor"
+TMA_PATTERNS = ((TMA_PATTERN, "TMA copies (cp.async.bulk.tensor) of the descriptor operands"),)
 GEMM16_PATTERNS = {
     90: ((r"wgmma\.mma_async", "wgmma (sm_90 warpgroup MMA) in the 16-bit GEMM"),),
     80: ((r"mma\.sync\.aligned", "mma.sync (tensor cores) in the 16-bit GEMM"),),
@@ -78,24 +83,59 @@ def _variant(name, kernel, types, constexprs, aligned, required, **options) -> V
     return Variant(name, kernel, signature, constexprs, aligned, required=required, **options)
 
 
-# The two layouts of a right-hand matrix B [K, N]: row-major, or the transpose of a row-major
-# [N, K] (a Linear's weight, ``w.t()``). The stride that is 1 is specialized to the constant 1 by
-# the runtime, as here; the other is a multiple of 16 in every shape that matters.
-_B_LAYOUTS = {"B=kn": ("stride_bn", "stride_bk"), "B=nk": ("stride_bk", "stride_bn")}
+# How a GEMM operand [R, C] reaches the kernel (see tp_kernels.kernels.tma_layout): "rc" and "cr"
+# are tensor descriptors over the operand or its transpose (sm_90: TMA), "pointer" its pointer.
+# B [K, N] comes row-major ("B=kn") or as the transpose of a row-major [N, K] (a Linear's weight,
+# ``w.t()``: "B=nk"). The stride that is 1 is specialized to the constant 1 by the runtime, as
+# here; the other is a multiple of 16 in every shape that matters, except in "B=ptr": a row
+# stride that is no multiple of 16 bytes, which TMA cannot take, so the pointer path reads it.
+_B_LAYOUTS = {
+    "B=nk": ("cr", "stride_bk", "stride_bn", True),
+    "B=kn": ("rc", "stride_bn", "stride_bk", True),
+    "B=ptr": ("pointer", "stride_bn", "stride_bk", False),
+}
+# Shared memory per block (bytes) that each architecture grants: sm_80 163 KiB, sm_90 227 KiB.
+SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
 
 
 def _blocks(config: dict) -> str:
     return "x".join(str(config[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
 
 
+def _stage_bytes(config, itemsize: int) -> int:
+    """Shared memory the pipelined A and B tiles of a GEMM config take."""
+    kw = config.kwargs
+    tile = (kw["BLOCK_M"] + kw["BLOCK_N"]) * kw["BLOCK_K"] * itemsize
+    return config.num_stages * tile
+
+
+def _operand_type(layout: str, elem: str, block_r: int, block_c: int) -> str:
+    """The signature type of an operand passed as ``layout``: a pointer or a descriptor type."""
+    if layout == "pointer":
+        return f"*{elem}"
+    shape = (block_r, block_c) if layout == "rc" else (block_c, block_r)
+    return f"tensordesc<{elem}[{shape[0]}, {shape[1]}]>"
+
+
 def variants(arch: int) -> list[Variant]:
-    """Every variant of every kernel the launchers can run on ``arch`` (80 or 90)."""
+    """The variants of every kernel the launchers can run on ``arch`` (80 or 90).
+
+    Not the full cross product, which would take too long to compile three times in CI: every
+    GEMM config is compiled for every dtype (and fp32 precision) in the common layout, B=nk (the
+    first, pulling launch of the all-gather GEMM and a later one); the other layouts of B, and
+    A read without TMA, are compiled with one config per dtype, as the layout changes only the
+    loads and not the tile loop. All-gather configs whose stage buffers exceed the architecture's
+    shared memory (fp32 with the large tiles) are left out: the autotuner drops them there (they
+    fail to load). On sm_90 the local operands are tensor descriptors (TMA) where their layout
+    allows (not for fp32 without TF32); below sm_90 the launchers always read through pointers.
+    """
     import torch
     import triton.language as tl
 
     from tp_kernels.kernels import ag_matmul, matmul_rs
 
     gemm16 = GEMM16_PATTERNS[90 if arch >= 90 else 80]
+    tma = arch >= 90
     dtypes = {
         "fp32": (tl.float32, torch.float32, ("tf32", "ieee")),
         "fp16": (tl.float16, torch.float16, (None,)),
@@ -113,106 +153,132 @@ def variants(arch: int) -> list[Variant]:
             num_warps=1,
         )
     ]
+
+    def layout_of(layout: str, precision: str | None) -> str:
+        # As tp_kernels.kernels.tma_supported decides: fp32 without TF32 reads through pointers.
+        return layout if tma and precision != "ieee" else "pointer"
+
+    def ag_variant(tag, elem, tl_type, precision, mma, config, b_name, pull):
+        b_layout, unit, other, other_aligned = _B_LAYOUTS[b_name]
+        b_layout = layout_of(b_layout, precision)
+        # B=ptr stands for shapes TMA cannot take: A of a later launch through pointers too.
+        a_layout = "pointer" if pull or b_name == "B=ptr" else layout_of("rc", precision)
+        kw = config.kwargs
+        types = {
+            "a_ptrs": "*i64", "signal_ptrs": "*i64",
+            "b": _operand_type(b_layout, elem, kw["BLOCK_K"], kw["BLOCK_N"]), "c_ptr": f"*{elem}",
+            "a_local_ptr": f"*{elem}",
+            "a_local_desc": _operand_type(a_layout, elem, kw["BLOCK_M"], kw["BLOCK_K"]),
+            "flags_ptr": "*i32", "sched_ptr": "*i32", "trace_ptr": "*i64", "status_addr": "i64",
+            "rank": i32, "world_size": i32, "m": i32, "K": i32, "N": i32, other: i32,
+            "channel": i32, "epoch": i32, "timeout_ns": "i64",
+        }  # fmt: skip
+        aligned = ["a_ptrs", "signal_ptrs", "c_ptr", "a_local_ptr", "flags_ptr", "sched_ptr"]
+        aligned += ["m", "K", "N"] + [other] * other_aligned
+        aligned += [
+            arg for arg, lay in (("b", b_layout), ("a_local_desc", a_layout)) if lay == "pointer"
+        ]
+        # The first launch of a call pulls and waits; later ones read local memory.
+        required = (WAIT_PATTERNS if pull else ()) + ASYNC_COPY_PATTERNS + mma
+        if {a_layout, b_layout} != {"pointer"}:
+            required += TMA_PATTERNS
+        a_tag = "" if pull else (",A=tma" if a_layout == "rc" else ",A=ptr")
+        return _variant(
+            f"ag_matmul[{tag},{b_name},{_blocks(kw)},w{config.num_warps}s{config.num_stages}"
+            f"{a_tag}{',pull' if pull else ''}]",
+            ag_matmul._ag_matmul_kernel.fn,
+            types,
+            {
+                unit: 1,
+                "DTYPE": tl_type,
+                "PULL": pull,
+                "A_LAYOUT": a_layout,
+                "B_LAYOUT": b_layout,
+                "TRACE": False,
+                "BF16_BY_HAND": False,
+                "INPUT_PRECISION": precision,
+                **kw,
+            },  # fmt: skip
+            tuple(aligned),
+            required,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )
+
+    def rs_variant(tag, elem, tl_type, precision, mma, config, a_layout, b_name):
+        b_layout, unit, other, other_aligned = _B_LAYOUTS[b_name]
+        a_layout, b_layout = layout_of(a_layout, precision), layout_of(b_layout, precision)
+        blocks = {k: config[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
+        types = {
+            "a": _operand_type(a_layout, elem, blocks["BLOCK_M"], blocks["BLOCK_K"]),
+            "b": _operand_type(b_layout, elem, blocks["BLOCK_K"], blocks["BLOCK_N"]),
+            "slot_ptrs": "*i64", "signal_ptrs": "*i64", "counter_ptr": "*i32",
+            "trace_ptr": "*i32", "rank": i32, "world_size": i32, "m": i32, "N": i32, "K": i32,
+            "stride_am": i32, other: i32, "channel": i32, "epoch": i32,
+        }  # fmt: skip
+        aligned = ["slot_ptrs", "signal_ptrs", "counter_ptr", "m", "N", "K", "stride_am"]
+        aligned += [other] * other_aligned
+        aligned += [arg for arg, lay in (("a", a_layout), ("b", b_layout)) if lay == "pointer"]
+        required = SIGNAL_PATTERNS + ASYNC_COPY_PATTERNS + mma
+        if {a_layout, b_layout} != {"pointer"}:
+            required += TMA_PATTERNS
+        return _variant(
+            f"matmul_rs_producer[{tag},{b_name},{_blocks(blocks)},w{config['num_warps']}"
+            f"s{config['num_stages']},A={'ptr' if a_layout == 'pointer' else 'tma'}]",
+            matmul_rs._matmul_rs_kernel,
+            types,
+            {
+                "stride_ak": 1,
+                unit: 1,
+                "DTYPE": tl_type,
+                "A_LAYOUT": a_layout,
+                "B_LAYOUT": b_layout,
+                "TRACE": False,
+                "BF16_BY_HAND": False,
+                "INPUT_PRECISION": precision,
+                **blocks,
+            },  # fmt: skip
+            tuple(aligned),
+            required,
+            num_warps=config["num_warps"],
+            num_stages=config["num_stages"],
+        )
+
     for dname, (tl_type, torch_type, precisions) in dtypes.items():
-        elem = f"*{dname}"
+        elem = dname
         mma = gemm16 if dname != "fp32" else ()
-        for precision, (layout, (unit, other)) in (
-            (p, lay) for p in precisions for lay in _B_LAYOUTS.items()
-        ):
-            tag = f"{dname}{'-' + precision if precision else ''},{layout}"
-            for config in ag_matmul._ag_matmul_kernel.configs:
+        itemsize = torch.tensor([], dtype=torch_type).element_size()
+        configs = [
+            c
+            for c in ag_matmul._ag_matmul_kernel.configs
+            if _stage_bytes(c, itemsize) <= SHARED_LIMIT[arch]
+        ]
+        producer_configs = []
+        for m, n in ((128, 256), (128, 128), (64, 256), (64, 128), (64, 64)):
+            config = matmul_rs._producer_config(m, n, torch_type)
+            if config not in producer_configs:
+                producer_configs.append(config)
+        for precision in precisions:
+            tag = f"{dname}{'-' + precision if precision else ''}"
+            args = (tag, elem, tl_type, precision, mma)
+            for config in configs:
                 for pull in (True, False):
-                    types = {
-                        "a_ptrs": "*i64", "signal_ptrs": "*i64", "b_ptr": elem, "c_ptr": elem,
-                        "a_local_ptr": elem, "flags_ptr": "*i32", "sched_ptr": "*i32",
-                        "trace_ptr": "*i64", "status_addr": "i64", "rank": i32,
-                        "world_size": i32, "m": i32, "K": i32, "N": i32, other: i32,
-                        "channel": i32, "epoch": i32, "timeout_ns": "i64",
-                    }  # fmt: skip
-                    # The first launch of a call pulls and waits; later ones read local memory.
-                    waits = WAIT_PATTERNS if pull else ()
-                    found.append(
-                        _variant(
-                            f"ag_matmul[{tag},{_blocks(config.kwargs)},w{config.num_warps}"
-                            f"s{config.num_stages}{',pull' if pull else ''}]",
-                            ag_matmul._ag_matmul_kernel.fn,
-                            types,
-                            {
-                                unit: 1,
-                                "DTYPE": tl_type,
-                                "PULL": pull,
-                                "TRACE": False,
-                                "BF16_BY_HAND": False,
-                                "INPUT_PRECISION": precision,
-                                **config.kwargs,
-                            },  # fmt: skip
-                            (
-                                "a_ptrs",
-                                "signal_ptrs",
-                                "b_ptr",
-                                "c_ptr",
-                                "a_local_ptr",
-                                "flags_ptr",
-                                "sched_ptr",
-                                "m",
-                                "K",
-                                "N",
-                                other,
-                            ),  # fmt: skip
-                            waits + ASYNC_COPY_PATTERNS + mma,
-                            num_warps=config.num_warps,
-                            num_stages=config.num_stages,
-                        )
-                    )
-            for m, n in ((128, 128), (128, 64), (64, 128), (64, 64)):
-                config = matmul_rs._producer_config(m, n, torch_type)
-                blocks = {k: config[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
-                types = {
-                    "a_ptr": elem, "b_ptr": elem, "slot_ptrs": "*i64", "signal_ptrs": "*i64",
-                    "counter_ptr": "*i32", "trace_ptr": "*i32", "rank": i32,
-                    "world_size": i32, "m": i32, "N": i32, "K": i32, "stride_am": i32,
-                    other: i32, "channel": i32, "epoch": i32,
-                }  # fmt: skip
-                found.append(
-                    _variant(
-                        f"matmul_rs_producer[{tag},{_blocks(blocks)},w{config['num_warps']}"
-                        f"s{config['num_stages']}]",
-                        matmul_rs._matmul_rs_kernel,
-                        types,
-                        {
-                            "stride_ak": 1,
-                            unit: 1,
-                            "DTYPE": tl_type,
-                            "TRACE": False,
-                            "BF16_BY_HAND": False,
-                            "INPUT_PRECISION": precision,
-                            **blocks,
-                        },  # fmt: skip
-                        (
-                            "a_ptr",
-                            "b_ptr",
-                            "slot_ptrs",
-                            "signal_ptrs",
-                            "counter_ptr",
-                            "m",
-                            "N",
-                            "K",
-                            "stride_am",
-                            other,
-                        ),  # fmt: skip
-                        SIGNAL_PATTERNS + ASYNC_COPY_PATTERNS + mma,
-                        num_warps=config["num_warps"],
-                        num_stages=config["num_stages"],
-                    )
-                )
+                    found.append(ag_variant(*args, config, "B=nk", pull))
+            for b_name in ("B=kn", "B=ptr"):
+                for pull in (True, False):
+                    found.append(ag_variant(*args, configs[-1], b_name, pull))
+            for config in producer_configs:
+                found.append(rs_variant(*args, config, "rc", "B=nk"))
+            found.append(rs_variant(*args, producer_configs[-1], "rc", "B=kn"))
+            found.append(rs_variant(*args, producer_configs[-1], "rc", "B=ptr"))
         for config in matmul_rs._reduce_slots_kernel.configs:
             found.append(
                 _variant(
                     f"reduce_slots[{dname},{config.kwargs['BLOCK']},w{config.num_warps}]",
                     matmul_rs._reduce_slots_kernel.fn,
                     {
-                        "slots_ptr": elem,
-                        "out_ptr": elem,
+                        "slots_ptr": f"*{elem}",
+                        "out_ptr": f"*{elem}",
                         "signal_ptrs": "*i64",
                         "status_addr": "i64",
                         "rank": i32,
@@ -246,6 +312,7 @@ class Outcome:
     shared_bytes: int = 0
     registers: int = -1
     spill_bytes: int = -1
+    tma: bool = False
     seconds: float = 0.0
 
 
@@ -294,14 +361,18 @@ def compile_variant(variant: Variant, arch: int, out_dir: Path) -> Outcome:
     path = out_dir / f"sm_{arch}" / (re.sub(r"[^A-Za-z0-9_.,-]+", "_", variant.name) + ".ptx")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(ptx)
-    missing = [f"PTX lacks {what}" for what in check_ptx(ptx, variant.required)]
+    problems = [f"PTX lacks {what}" for what in check_ptx(ptx, variant.required)]
+    shared = int(getattr(compiled.metadata, "shared", 0))
+    if shared > SHARED_LIMIT[arch]:
+        problems.append(f"needs {shared} B of shared memory, sm_{arch} has {SHARED_LIMIT[arch]}")
     registers, spill_bytes = ptxas_usage(path, arch)
     return Outcome(
         variant.name,
-        missing,
-        int(getattr(compiled.metadata, "shared", 0)),
+        problems,
+        shared,
         registers,
         spill_bytes,
+        re.search(TMA_PATTERN, ptx) is not None,
         time.perf_counter() - started,
     )
 
@@ -375,7 +446,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         verdict = "ok" if not o.problems else "FAIL: " + "; ".join(o.problems)
         print(
             f"  {o.name.ljust(width)}  smem {o.shared_bytes:>6} B  regs {o.registers:>3}  "
-            f"spills {o.spill_bytes:>4} B  {o.seconds:5.1f} s  {verdict}"
+            f"spills {o.spill_bytes:>4} B  tma {'yes' if o.tma else 'no ':3}  "
+            f"{o.seconds:5.1f} s  {verdict}"
         )
     failed = [o.name for o in outcomes if o.problems]
     elapsed = time.perf_counter() - started

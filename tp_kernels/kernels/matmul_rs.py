@@ -27,9 +27,12 @@ import triton.language as tl
 
 from tp_kernels.kernels import (
     DEFAULT_TIMEOUT_S,
+    GROUP_M,
     INTERPRET,
+    _load_block,
     _note_first_touch,
     _round_to,
+    _tile_coords,
     _wait_signal,
     check_matrix,
     check_ptr_table,
@@ -38,9 +41,13 @@ from tp_kernels.kernels import (
     dot_precision,
     new_trace,
     on_device,
+    set_block_shape,
     store_order,
     timeout_ns,
     tl_dtype,
+    tma_layout,
+    tma_operand,
+    tma_supported,
 )
 
 
@@ -50,14 +57,20 @@ def _producer_config(m: int, n: int, dtype: torch.dtype) -> dict:
     Autotuning would re-run the kernel per candidate config, and every run stores into the
     peers' slots and raises their signals: a peer could start reducing values from one config
     while another overwrote them with differently rounded ones, breaking determinism.
+    16-bit operands take 128x256 tiles (two warpgroups, 3 stages: 144 KiB of shared memory,
+    which fits sm_80 too) once N >= 256, as Llama's row-parallel Linears have at TP=8 (N = the
+    hidden size, 4096 to 16384); fp32 keeps BLOCK_K = 32 so that its stages fit.
     """
     if INTERPRET:
         return {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 1}
     bm = 128 if m >= 128 else 64
-    bn = 128 if n >= 128 else 64
-    bk = 32 if dtype == torch.float32 else 64
+    if dtype == torch.float32:
+        bn, bk = (128 if n >= 128 else 64), 32
+    else:
+        bn, bk = (256 if n >= 256 else 128 if n >= 128 else 64), 64
     warps = 8 if bm * bn >= 128 * 128 else 4
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": 3}
+    stages = 3 if bm * bn >= 128 * 128 else 4
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
 
 
 def _reduce_configs() -> list[triton.Config]:
@@ -68,8 +81,8 @@ def _reduce_configs() -> list[triton.Config]:
 
 @triton.jit(do_not_specialize=["rank", "channel", "epoch"])
 def _matmul_rs_kernel(
-    a_ptr,
-    b_ptr,
+    a,
+    b,
     slot_ptrs,
     signal_ptrs,
     counter_ptr,
@@ -86,6 +99,8 @@ def _matmul_rs_kernel(
     channel,
     epoch,
     DTYPE: tl.constexpr,
+    A_LAYOUT: tl.constexpr,
+    B_LAYOUT: tl.constexpr,
     TRACE: tl.constexpr,
     BF16_BY_HAND: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
@@ -96,8 +111,10 @@ def _matmul_rs_kernel(
     """One tile of ``P = A @ B`` (fp32 accumulation) for destination ``d``, pushed to ``d``:
 
     ``slots_d[rank, i, n] = sum_k A[d*m + i, k] * B[k, n]``, with ``slots_d`` the [W, m, N] view
-    of the buffer at ``slot_ptrs[d]``; A and B are read through their strides. Programs are
-    numbered M-tile-major; M tile ``t`` serves ``d = (rank + 1 + t // cdiv(m, BLOCK_M)) % W``.
+    of the buffer at ``slot_ptrs[d]``; ``a`` is A [W*m, K] and ``b`` is B [K, N] as
+    :func:`_load_block` reads them with ``A_LAYOUT`` and ``B_LAYOUT`` (strides for ``"pointer"``).
+    Program ``p`` computes M tile ``p // (cdiv(m, BLOCK_M) * cdiv(N, BLOCK_N))`` and on
+    (:func:`_tile_coords`); M tile ``t`` serves ``d = (rank + 1 + t // cdiv(m, BLOCK_M)) % W``.
     The tile that completes slot ``d`` (counted in ``counter_ptr[d]``, which it then resets to
     zero for the next launch) stores ``epoch`` into word ``channel * W + rank`` of ``d``'s pad
     (release, system scope).
@@ -105,36 +122,33 @@ def _matmul_rs_kernel(
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
     tiles_per_slot = tl.cdiv(m, BLOCK_M)
-    m_tile = pid // n_tiles
+    m_tile, col_tile = _tile_coords(pid, tiles_per_slot, n_tiles, GROUP_M)
     dst = (rank + 1 + m_tile // tiles_per_slot) % world_size
     if TRACE:
         _note_first_touch(trace_ptr, dst, world_size)
 
-    rows = (m_tile % tiles_per_slot) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = (pid % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row0 = (m_tile % tiles_per_slot) * BLOCK_M
+    rows = row0 + tl.arange(0, BLOCK_M)
+    cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < m
     col_ok = cols < N
     rows64 = rows.to(tl.int64)
     cols64 = cols.to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        ks64 = ks.to(tl.int64)
-        a = tl.load(
-            a_ptr + (dst * m + rows64)[:, None] * stride_am + ks64[None, :] * stride_ak,
-            mask=row_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        )
-        b = tl.load(
-            b_ptr + ks64[:, None] * stride_bk + cols64[None, :] * stride_bn,
-            mask=k_ok[:, None] & col_ok[None, :],
-            other=0.0,
+        # Rows past d's m belong to the next destination (or are zeros past A): they only reach
+        # output rows that the masked store below drops.
+        a_blk = _load_block(
+            a, dst * m + row0, k0, world_size * m, K, stride_am, stride_ak, A_LAYOUT, BLOCK_M,
+            BLOCK_K,
+        )  # fmt: skip
+        b_blk = _load_block(
+            b, k0, col_tile * BLOCK_N, K, N, stride_bk, stride_bn, B_LAYOUT, BLOCK_K, BLOCK_N
         )
         if BF16_BY_HAND:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+            a_blk = a_blk.to(tl.float32)
+            b_blk = b_blk.to(tl.float32)
+        acc = tl.dot(a_blk, b_blk, acc, input_precision=INPUT_PRECISION)
     slots = tl.multiple_of(tl.load(slot_ptrs + dst).to(tl.pointer_type(DTYPE)), 16)
     tl.store(
         slots + (rank * m + rows64)[:, None] * N + cols64[None, :],
@@ -213,7 +227,9 @@ def matmul_rs_producer(
     """Push ``(a @ b)[d*m:(d+1)*m]`` into slot ``rank`` of rank d's buffer, for every rank d.
 
     Shapes (W = ``world_size``): ``a`` [W*m, K], ``b`` [K, N], same dtype (fp32, fp16 or bf16) and
-    device, any strides. Rank d's buffer at ``slot_ptrs[d]`` is viewed as [W, m, N] of that dtype.
+    device, any strides (on sm_90 and newer each is read with TMA when its layout allows, see
+    :func:`tp_kernels.kernels.tma_layout`, else through its strides). Rank d's buffer at
+    ``slot_ptrs[d]`` is viewed as [W, m, N] of that dtype.
     Destinations go d = rank+1, rank+2, ..., rank (mod W); once slot ``rank`` of d is complete its
     word ``channel * W + rank`` in d's pad gets ``epoch``. Nothing here waits, so the producer
     cannot deadlock; d must not read the slot before the signal (see :func:`reduce_slots`), and
@@ -247,10 +263,20 @@ def matmul_rs_producer(
     trace = new_trace(world_size, a.device) if order_out is not None else counters
     config = _producer_config(m, N, a.dtype)
     grid = (world_size * triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"]),)
+    tma = tma_supported(a.device, a.dtype)
+    a_layout = tma_layout(a) if tma else "pointer"
+    if a_layout == "cr" and m * a.element_size() % 16:
+        # Transposed, A's rows are the descriptor's inner dimension, where a block must start
+        # on a 16-byte boundary: destination d's rows start at d*m.
+        a_layout = "pointer"
+    b_layout = tma_layout(b) if tma else "pointer"
+    a_arg, b_arg = tma_operand(a, a_layout), tma_operand(b, b_layout)
+    set_block_shape(a_arg, a_layout, config["BLOCK_M"], config["BLOCK_K"])
+    set_block_shape(b_arg, b_layout, config["BLOCK_K"], config["BLOCK_N"])
     with on_device(a.device):
         _matmul_rs_kernel[grid](
-            a,
-            b,
+            a_arg,
+            b_arg,
             slot_ptrs,
             signal_ptrs,
             counters,
@@ -267,6 +293,8 @@ def matmul_rs_producer(
             channel,
             epoch,
             DTYPE=DTYPE,
+            A_LAYOUT=a_layout,
+            B_LAYOUT=b_layout,
             TRACE=order_out is not None,
             BF16_BY_HAND=INTERPRET and a.dtype == torch.bfloat16,
             INPUT_PRECISION=dot_precision(a.dtype),
