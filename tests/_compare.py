@@ -16,7 +16,7 @@ dtype before adding them (fp32 2e-6 ~ 16 ulps: those W half-ulp roundings plus a
 noise; bf16 2e-2 ~ W * 0.5 * 2^-7), which the reference's own error need not show, for instance
 where PyTorch's result happens to be exact. They are scaled by the largest truth value of the
 tensor, not by the magnitude of the summed terms: a whole model has no cheap ``|x| @ |y|``.
-Kinds, placements and shapes are always compared ``got`` against ``want`` exactly.
+Kinds, placements, shapes and strides are always compared ``got`` against ``want`` exactly.
 
 Collectives: with ``full=True`` a DTensor pair is also compared through ``full_tensor()``, a
 collective. It is only called when both sides (and the truth, if given) are DTensors with equal
@@ -124,12 +124,24 @@ def _common(name: str, got: torch.Tensor, want: torch.Tensor) -> list[str]:
     return out
 
 
+def _layout(t: torch.Tensor) -> tuple[int, ...]:
+    # A dim of size 1 may have any stride: it never changes which element an index reaches.
+    return tuple(st for sz, st in zip(t.shape, t.stride()) if sz != 1)
+
+
 def _local(
     name: str, got: torch.Tensor, want: torch.Tensor, tol: Tol, truth: torch.Tensor | None
 ) -> list[str]:
     if got.shape != want.shape:
         return [f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"]
-    return _values(name, got, want, tol, truth)
+    # Callers .view() results (HF's logits.view(-1, vocab), MoE routers): the memory layout is
+    # part of the drop-in contract.
+    strides = (
+        []
+        if _layout(got) == _layout(want)
+        else [f"{name}: strides {got.stride()} != {want.stride()}"]
+    )
+    return strides + _values(name, got, want, tol, truth)
 
 
 def _dtensor(
@@ -172,11 +184,12 @@ def compare(
 ) -> list[str]:
     """Every difference between ``got`` and ``want``, one line each, prefixed with ``name``.
 
-    Compared: the :func:`kind` of every leaf; for tensors dtype, shape, ``requires_grad``,
-    ``Parameter``-ness and values; for DTensors also placements, global shape and device mesh,
-    the local tensor as above, and with ``full=True`` the full tensor's values. Values are within
-    ``tol`` of ``want`` elementwise or, given ``truth`` (``want``'s structure, in float64), obey
-    the rule of the module docstring, per tensor (non-floating tensors: equal to ``want``).
+    Compared: the :func:`kind` of every leaf; for tensors dtype, shape, strides (dims of size 1
+    aside), ``requires_grad``, ``Parameter``-ness and values; for DTensors also placements,
+    global shape and device mesh, the local tensor as above, and with ``full=True`` the full
+    tensor's values. Values are within ``tol`` of ``want`` elementwise or, given ``truth``
+    (``want``'s structure, in float64), obey the rule of the module docstring, per tensor
+    (non-floating tensors: equal to ``want``).
     Tuples, lists and dicts are compared element by element (lengths and keys first).
     """
     if truth is not None and tol != EXACT:

@@ -20,6 +20,7 @@ from collections import Counter
 # The Triton path runs in the interpreter, chosen before triton is first imported.
 os.environ["TRITON_INTERPRET"] = "1"
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -97,19 +98,21 @@ def _watched_interpreter(group: dist.ProcessGroup):
         return [(s, p, p + ws.nbytes) for s, p in enumerate(ws.buffer_ptrs().tolist()) if s != rank]
 
     def tally(ptrs, mask, itemsize, what):
-        addresses = ptrs.data[mask.data.astype(bool)]
+        # Pointer loads pass numpy arrays; the interpreter's descriptor loads, memoryviews.
+        addresses = np.asarray(ptrs.data)[np.asarray(mask.data).astype(bool)]
         for peer, lo, hi in ranges():
             hits = int(((addresses >= lo) & (addresses < hi)).sum())
             _traffic[(peer, what)] += hits * itemsize
 
-    def counted_load(self, ptrs, mask, other, *rest):
-        out = load(self, ptrs, mask, other, *rest)
+    # Tensor-descriptor loads (TMA) reach the same two builders, with keyword options.
+    def counted_load(self, ptrs, mask, other, *rest, **options):
+        out = load(self, ptrs, mask, other, *rest, **options)
         tally(ptrs, mask, out.data.dtype.itemsize, "read")
         return out
 
-    def counted_store(self, ptrs, value, mask, *rest):
+    def counted_store(self, ptrs, value, mask, *rest, **options):
         tally(ptrs, mask, value.data.dtype.itemsize, "write")
-        return store(self, ptrs, value, mask, *rest)
+        return store(self, ptrs, value, mask, *rest, **options)
 
     InterpreterBuilder.create_masked_load = counted_load
     InterpreterBuilder.create_masked_store = counted_store

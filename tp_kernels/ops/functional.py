@@ -59,6 +59,15 @@ def _validated(
     return checked(op, group, _device_of(a), check)
 
 
+def _row_major(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """``t`` (the gathered or scattered dim first, as the backends lay rows out rank-major) with
+    that dim moved back to ``dim``, row-major, as PyTorch's collectives and matmuls return it:
+    callers ``.view()`` results (``logits.view(-1, vocab)``). For ``dim == 0`` nothing moves; for
+    another dim this is one copy of the output, O(M*N) against the matmul's O(M*N*K), that rank-
+    major rows cannot avoid."""
+    return t if dim == 0 else t.movedim(0, dim).contiguous()
+
+
 def _device_of(t: object) -> torch.device:
     return t.device if isinstance(t, torch.Tensor) else torch.device("cpu")
 
@@ -131,7 +140,7 @@ def all_gather_matmul(
     results = all_gather_matmul_2d(a_2d, list(bs), pg.group_name, name, return_a, save_gathered_a)
 
     def unflatten(t: torch.Tensor) -> torch.Tensor:
-        return t.view(world * rows_shape[0], *rows_shape[1:], t.shape[-1]).movedim(0, dim)
+        return _row_major(t.view(world * rows_shape[0], *rows_shape[1:], t.shape[-1]), dim)
 
     outs = [unflatten(t) for t in results[-len(bs) :]]
     return (unflatten(results[0]) if return_a else None), outs
@@ -197,4 +206,4 @@ def matmul_reduce_scatter(
             lambda n: get_backend(n).matmul_reduce_scatter(a_2d.contiguous(), b, pg),
         )
     out = matmul_reduce_scatter_2d(a_2d, b, bias, pg.group_name, name, reduce_op == "avg")
-    return out.view(rows_shape[0] // pg.size(), *rows_shape[1:], b.shape[1]).movedim(0, dim)
+    return _row_major(out.view(rows_shape[0] // pg.size(), *rows_shape[1:], b.shape[1]), dim)
