@@ -20,17 +20,19 @@ The fused paths (plain ``nn.Linear`` only; anything else runs PyTorch's code):
 * **Rowwise, output sharded** (``output_layouts=Shard(d)``, ``d`` not the last dim):
   ``y_local = matmul_reduce_scatter(x_local, W_local^T, d, bias=b)`` instead of a ``Partial``
   product redistributed by a reduce-scatter; the replicated bias is added once, after it.
-* **One gather per block**: :class:`PrepareModuleInput` with one positional input going from
-  ``Shard(d)`` to ``Replicate()`` gathers it with a single ``all_gather_matmul`` whose ``bs`` are
+* **One gather per block**: :class:`PrepareModuleInput` with one positional input (or else one
+  keyword input of ``input_kwarg_layouts``, as Hugging Face models call
+  ``self_attn(hidden_states=...)``) going from ``Shard(d)`` to ``Replicate()`` gathers it with
+  a single ``all_gather_matmul`` whose ``bs`` are
   the weights of the module's direct children that are tp_kernels ``ColwiseParallel`` Linears
   taking a replicated input (``wq, wk, wv``; ``w1, w3``). The module receives the gathered input as
   PyTorch would give it; each such child called with exactly that tensor returns its precomputed
   output, so the backward issues one reduce-scatter for the sum of their input grads. Any other use
   of the gathered input (a child called with something else, a non-Linear op) sees the correctly
   gathered tensor, so results stay those of PyTorch; a precomputed output that no child claims is
-  dropped after the module's forward. Grouping falls back to PyTorch's path (and says so once at
-  INFO on the ``tp_kernels`` logger) when the input is not sharded as declared, or the children
-  disagree on backend or mesh.
+  dropped after the module's forward. Grouping falls back to PyTorch's path (counted, and said
+  once at INFO on the ``tp_kernels`` logger) when the input is not sharded as declared, the style
+  gathers more than one input, or the children disagree on backend.
 
 * **Sequence-parallel norms**: ``SequenceParallel`` on an ``nn.LayerNorm`` or ``nn.RMSNorm``
   whose normalized dims exclude the sequence dim normalizes each token of the local shard
@@ -115,18 +117,16 @@ class _FusedLinear:
     backend: str | None
     input_layouts: tuple[Placement, ...]
     output_layouts: tuple[Placement, ...]
-    # (the exact input object, the output) left by a grouping PrepareModuleInput
-    precomputed: tuple[Any, DTensor] | None = None
+    # The grouping PrepareModuleInput of the parent module, once it has found this child.
+    group: _GatherGroup | None = None
 
-    def holds(self, x: Any) -> bool:
-        """Whether the grouping left an output for exactly this input object."""
-        return self.precomputed is not None and self.precomputed[0] is x
+    def holds(self, module: nn.Module, x: Any) -> bool:
+        """Whether the group left an output for ``module`` computed from exactly this input."""
+        return self.group is not None and self.group.holds(module, x)
 
-    def claim(self, x: Any) -> DTensor | None:
-        if not self.holds(x):
-            return None
-        out, self.precomputed = self.precomputed[1], None
-        return out
+    def claim(self, module: nn.Module, x: Any) -> DTensor | None:
+        """The output the group left for ``module`` from exactly this input (then forgotten)."""
+        return None if self.group is None else self.group.claim(module, x)
 
 
 def _plain_linear(module: nn.Module) -> bool:
@@ -162,13 +162,20 @@ class _FusableStyle:
         base = super().__repr__()
         return base if self.backend is None else f"{base[:-1]}, backend={self.backend!r})"
 
+    def _has_fused_path(self) -> bool:
+        """Whether a call would fuse a collective: colwise with a sequence-sharded input (a
+        replicated one is gathered, if at all, by the parent's PrepareModuleInput), rowwise with
+        a sequence-sharded output (the only case installed)."""
+        layout = self.input_layouts[0] if self._kind == "colwise" else self.output_layouts[0]
+        return isinstance(layout, Shard) and layout.dim != -1
+
     def _install(self, module: nn.Module, device_mesh: DeviceMesh, forward) -> None:
         if not _plain_linear(module):
-            if isinstance(module, nn.Linear):
-                _fall_back(
-                    f"{type(self).__name__} on {type(module).__qualname__}",
-                    "a Linear subclass with its own forward is never fused",
-                )
+            if isinstance(module, nn.Linear) and self._has_fused_path():
+                # Counted per call, as every other fallback: the module's own forward runs.
+                where = f"{type(self).__name__} on {type(module).__qualname__}"
+                why = "a Linear subclass with its own forward is never fused"
+                module.register_forward_pre_hook(lambda mod, args: _fall_back(where, why))
             return
         module._tpk_fused = _FusedLinear(
             self._kind, device_mesh, self.backend, self.input_layouts, self.output_layouts
@@ -179,7 +186,7 @@ class _FusableStyle:
 
 def _colwise_forward(self: nn.Linear, x: Any) -> Any:
     fused: _FusedLinear = self._tpk_fused
-    pre = fused.claim(x)
+    pre = fused.claim(self, x)
     if pre is not None:
         return pre
     dim = _sharded_dim(x.placements[0], x.ndim) if isinstance(x, DTensor) else None
@@ -231,7 +238,7 @@ class ColwiseParallel(_FusableStyle, _torch_style.ColwiseParallel):
         fused: _FusedLinear | None = getattr(mod, "_tpk_fused", None)
         x = inputs[0]
         if fused is not None:
-            if fused.holds(x):
+            if fused.holds(mod, x):
                 return inputs  # the forward returns the grouped gather's output
             layout = x.placements[0] if isinstance(x, DTensor) else input_layouts[0]
             if _sharded_dim(layout, x.ndim) is not None:
@@ -309,94 +316,168 @@ class SequenceParallel(_torch_style.SequenceParallel):
 
 
 class PrepareModuleInput(_torch_style.PrepareModuleInput):
-    """PyTorch's ``PrepareModuleInput``; one ``Shard(d) -> Replicate()`` input is gathered once,
-    fused with the matmuls of the module's colwise children (see the module docstring)."""
-
-    def _grouped_index(self) -> int | None:
-        """The positional input this style would gather, if exactly one goes Shard -> Replicate."""
-        if self.input_layouts is None:
-            return None
-        gathered = [
-            i
-            for i, (have, want) in enumerate(zip(self.input_layouts, self.desired_input_layouts))
-            if isinstance(have, Shard) and isinstance(want, Replicate)
-        ]
-        return gathered[0] if len(gathered) == 1 else None
+    """PyTorch's ``PrepareModuleInput``; one ``Shard(d) -> Replicate()`` input, positional or
+    keyword, is gathered once, fused with the matmuls of the module's colwise children (see the
+    module docstring and :class:`_GatherGroup`)."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        index = self._grouped_index()
-        if index is None:
+        gathered = _gathered_input(self)
+        if gathered is None:
             return super()._apply(module, device_mesh)
-
-        def pre_hook(mod, inputs, kwargs=None):
-            args = self._grouped_prepare(mod, inputs, index, device_mesh)
-            if kwargs is None:
-                return args
-            return args, {
-                key: self._prepare_input_arg(
-                    value,
-                    device_mesh,
-                    self.input_kwarg_layouts.get(key),
-                    self.desired_input_kwarg_layouts.get(key),
-                )
-                for key, value in kwargs.items()
-            }
-
-        module.register_forward_pre_hook(pre_hook, with_kwargs=self.with_kwargs)
-        module.register_forward_hook(_drop_unclaimed)
+        group = _GatherGroup(self, gathered, device_mesh)
+        if self.with_kwargs:
+            module.register_forward_pre_hook(
+                lambda mod, args, kwargs: group.prepare(mod, args, kwargs), with_kwargs=True
+            )
+        else:
+            module.register_forward_pre_hook(lambda mod, args: group.prepare(mod, args, {})[0])
+        module.register_forward_hook(lambda mod, args, out: group.forget())
         return module
 
-    def _grouped_prepare(self, mod, inputs, index, device_mesh) -> tuple:
-        if not isinstance(inputs, tuple):
-            inputs = (inputs,)
-        children = [
-            c
-            for c in mod.children()
-            if getattr(c, "_tpk_fused", None) is not None
-            and c._tpk_fused.style == "colwise"
-            and c._tpk_fused.input_layouts == (Replicate(),)
-            and c._tpk_fused.mesh == device_mesh
-        ]
-        if len(inputs) != len(self.input_layouts):  # PyTorch's path raises the error
-            return self._prepare_input_fn(inputs, device_mesh)
-        x, layout = inputs[index], self.input_layouts[index]
-        reason = _why_not_grouped(children, x, layout, device_mesh)
+
+@dataclass(frozen=True)
+class _Gathered:
+    """The input a grouping :class:`PrepareModuleInput` gathers: positional ``index`` or keyword
+    ``key`` (the other is None), declared ``layout`` ``Shard(d)``; or, in ``problem``, why the
+    style cannot group (it gathers several inputs)."""
+
+    index: int | None
+    key: str | None
+    layout: Placement | None
+    problem: str | None = None
+
+
+def _gathered_input(style: PrepareModuleInput) -> _Gathered | None:
+    """Which input ``style`` turns from ``Shard`` into ``Replicate`` and groups: the positional
+    one, else the keyword one (None: it gathers none). Other gathered inputs take PyTorch's path."""
+
+    def gathers(have: Placement | None, want: Placement | None) -> bool:
+        return isinstance(have, Shard) and isinstance(want, Replicate)
+
+    pairs = zip(style.input_layouts or (), style.desired_input_layouts or ())
+    positional = [
+        _Gathered(i, None, have) for i, (have, want) in enumerate(pairs) if gathers(have, want)
+    ]
+    keyword = [
+        _Gathered(None, key, have)
+        for key, have in style.input_kwarg_layouts.items()
+        if gathers(have, style.desired_input_kwarg_layouts.get(key))
+    ]
+    found = positional or keyword
+    if len(found) > 1:
+        names = [f"input {g.index}" if g.key is None else f"{g.key}=" for g in found]
+        return _Gathered(None, None, None, f"it gathers {len(found)} inputs ({', '.join(names)})")
+    return found[0] if found else None
+
+
+class _GatherGroup:
+    """One grouping :class:`PrepareModuleInput` on one module: the single owner of its fused
+    gather. It knows the input it gathers, finds the module's eligible children once (on the
+    first call: a plan applies the parent's style before its children's), decides per call
+    whether to fuse (:func:`_why_not_grouped`), and holds the outputs it computed for the children
+    until they claim them or the module's forward ends."""
+
+    def __init__(self, style: PrepareModuleInput, gathered: _Gathered, mesh: DeviceMesh) -> None:
+        self.style, self.gathered, self.mesh = style, gathered, mesh
+        self._children: list[nn.Module] | None = None
+        self._outputs: dict[int, tuple[Any, DTensor]] = {}  # id(child) -> (its input, output)
+
+    def children(self, mod: nn.Module) -> list[nn.Module]:
+        """The direct children that are tp_kernels colwise Linears taking a replicated input on
+        this mesh; each learns its group."""
+        if self._children is None:
+            self._children = [
+                c
+                for c in mod.children()
+                if getattr(c, "_tpk_fused", None) is not None
+                and c._tpk_fused.style == "colwise"
+                and c._tpk_fused.input_layouts == (Replicate(),)
+                and c._tpk_fused.mesh == self.mesh
+            ]
+            for child in self._children:
+                child._tpk_fused.group = self
+        return self._children
+
+    def holds(self, child: nn.Module, x: Any) -> bool:
+        kept = self._outputs.get(id(child))
+        return kept is not None and kept[0] is x
+
+    def claim(self, child: nn.Module, x: Any) -> DTensor | None:
+        return self._outputs.pop(id(child))[1] if self.holds(child, x) else None
+
+    def forget(self) -> None:
+        """Drop outputs no child claimed (a child called with another input, or not at all)."""
+        self._outputs.clear()
+
+    def prepare(self, mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The module's inputs as PyTorch's style prepares them, the gathered one by the fused
+        op when the call can fuse (every colwise child's output computed alongside)."""
+        style, gathered, mesh = self.style, self.gathered, self.mesh
+        if not isinstance(args, tuple):
+            args = (args,)
+        if style.input_layouts is not None and len(args) != len(style.input_layouts):
+            return self._torch_path(args, kwargs)  # PyTorch's path raises its error
+        if gathered.key is not None and gathered.key not in kwargs:
+            return self._torch_path(args, kwargs)  # passed positionally: PyTorch converts nothing
+        children = self.children(mod)
+        x = kwargs.get(gathered.key) if gathered.index is None else args[gathered.index]
+        reason = gathered.problem or _why_not_grouped(children, x, gathered.layout, mesh)
         if reason is not None:
-            if reason != "no tp_kernels ColwiseParallel Linear children":
+            if children:
                 _fall_back(f"PrepareModuleInput on {type(mod).__qualname__}", reason)
-            return self._prepare_input_fn(inputs, device_mesh)
+            return self._torch_path(args, kwargs)
+        passed = self._gather(x, children)
+        unset = (None,) * len(args)
+        layouts = zip(style.input_layouts or unset, style.desired_input_layouts or unset)
+        new_args = tuple(
+            passed if i == gathered.index else style._prepare_input_arg(a, mesh, have, want)
+            for i, (a, (have, want)) in enumerate(zip(args, layouts))
+        )
+        new_kwargs = {
+            key: passed
+            if key == gathered.key
+            else style._prepare_input_arg(
+                value,
+                mesh,
+                style.input_kwarg_layouts.get(key),
+                style.desired_input_kwarg_layouts.get(key),
+            )
+            for key, value in kwargs.items()
+        }
+        return new_args, new_kwargs
+
+    def _torch_path(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.style.with_kwargs:
+            return self.style._prepare_input_kwarg_fn(args, kwargs, self.mesh)
+        return self.style._prepare_input_fn(args, self.mesh), kwargs
+
+    def _gather(self, x: Any, children: list[nn.Module]) -> Any:
+        """One all-gather-matmul of ``x`` with every child's weight; the gathered input (as
+        PyTorch's style would pass it) is returned and each child's output kept for it."""
         local = x.to_local() if isinstance(x, DTensor) else x
         gathered, outs = all_gather_matmul(
             local,
             [c.weight.to_local().t() for c in children],
-            layout.dim % local.ndim,
-            device_mesh,
+            self.gathered.layout.dim % local.ndim,
+            self.mesh,
             backend=children[0]._tpk_fused.backend,
             return_a=True,
         )
         passed = (
             gathered
-            if self.use_local_output
-            else DTensor.from_local(gathered, device_mesh, (Replicate(),), run_check=False)
+            if self.style.use_local_output
+            else DTensor.from_local(gathered, self.mesh, (Replicate(),), run_check=False)
         )
         for child, y in zip(children, outs):
             if child.bias is not None:
                 y = y + child.bias.to_local()
-            child._tpk_fused.precomputed = (
-                passed,
-                DTensor.from_local(y, device_mesh, (Shard(y.ndim - 1),), run_check=False),
-            )
-        prepared = []
-        for i, (arg, have, want) in enumerate(
-            zip(inputs, self.input_layouts, self.desired_input_layouts)
-        ):
-            prepared.append(
-                passed if i == index else self._prepare_input_arg(arg, device_mesh, have, want)
-            )
-        return tuple(prepared)
+            out = DTensor.from_local(y, self.mesh, (Shard(y.ndim - 1),), run_check=False)
+            self._outputs[id(child)] = (passed, out)
+        return passed
 
 
 def _why_not_grouped(children, x, layout, device_mesh) -> str | None:
+    """Why a call of a grouping PrepareModuleInput cannot fuse its gather (None: it can)."""
     if not children:
         return "no tp_kernels ColwiseParallel Linear children"
     if isinstance(x, DTensor):
@@ -411,13 +492,6 @@ def _why_not_grouped(children, x, layout, device_mesh) -> str | None:
     if len({c._tpk_fused.backend for c in children}) > 1:
         return "its colwise children ask for different backends"
     return None
-
-
-def _drop_unclaimed(mod, inputs, outputs):
-    for child in mod.children():
-        fused = getattr(child, "_tpk_fused", None)
-        if fused is not None:
-            fused.precomputed = None
 
 
 class PrepareModuleInputOutput(_torch_style.PrepareModuleInputOutput):
