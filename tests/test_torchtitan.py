@@ -1,0 +1,279 @@
+"""torchtitan 0.2.x's Llama3, parallelized by torchtitan's own ``apply_tp`` under ``patched()``.
+
+Three copies of one tiny model (torchtitan's Llama3 debug model shrunk: dim 64, 2 layers, 4 heads,
+2 KV heads at 2 ranks and 4 at 4 ranks, since ``apply_tp`` shards whole KV heads) run the same
+batch of 2 sequences of 16 tokens: unsharded, parallelized with PyTorch's styles (``apply_tp`` as
+shipped) and with tp_kernels' (``apply_tp`` inside ``patched()``). Every backend, loss parallel on
+and off, and activation checkpointing.
+
+Tolerances: as in test_llama.py, per quantity (the loss, each parameter's full gradient), the
+norm-relative error against a float64 run of the same unsharded model must stay within
+``max(2 * err_ref, 2 * eps(float32))``, ``err_ref`` being the error of the float32 run it is
+compared with (the unsharded model, or PyTorch's styles): sharding only reorders sums. (The
+float64 run is float64 except RoPE, which torchtitan computes in complex64 whatever the dtype;
+both float32 runs round it the same way, so it only adds to ``err_ref``.)
+
+Fused path, per forward of the 2-layer model: one grouped all-gather-matmul per attention and per
+feed-forward input plus one for ``output`` (5), one matmul-reduce-scatter per ``wo`` and ``w2``
+(4); the backward runs the transposed ops; nothing falls back. Needs torchtitan 0.2.x
+(``pip install torchtitan==0.2.2 --no-deps`` and the deps its imports need: tyro, torchdata,
+tensorboard, datasets, einops, tomli); skipped without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import parallel as torch_tp
+
+import tp_kernels
+
+pytest.importorskip("torchtitan.models.llama3.infra.parallelize")
+from torchtitan.config.job_config import ActivationCheckpoint  # noqa: E402
+from torchtitan.distributed.activation_checkpoint import apply_ac  # noqa: E402
+from torchtitan.models.llama3 import Transformer, TransformerModelArgs  # noqa: E402
+from torchtitan.models.llama3.infra import parallelize as llama3_parallelize  # noqa: E402
+
+from tp_kernels.integrations import torchtitan as titan  # noqa: E402
+
+BATCH, SEQ, VOCAB, LAYERS = 2, 16, 128, 2
+FLOOR = 2 * torch.finfo(torch.float32).eps
+BACKENDS = ["reference", "pipelined", "symm", "auto"]
+# Per forward of the 2-layer model, and per backward (see the module docstring).
+FORWARD = {"all_gather_matmul": 2 * LAYERS + 1, "matmul_reduce_scatter": 2 * LAYERS}
+BACKWARD = {
+    "matmul_reduce_scatter": 2 * LAYERS + 1,  # input grads of each gathered input
+    "all_gather": 2 * LAYERS + 1,  # the saved shard, gathered again for the weight grads
+    "all_gather_matmul": 2 * LAYERS,  # output grads of wo and w2, fused with their input grads
+}
+
+
+def _model_args(world: int) -> TransformerModelArgs:
+    return TransformerModelArgs(
+        dim=64,
+        n_layers=LAYERS,
+        n_heads=4,
+        n_kv_heads=2 if world == 2 else 4,
+        vocab_size=VOCAB,
+        multiple_of=64,  # ffn hidden 192: divisible by 2 and 4
+        rope_theta=500000,
+        max_seq_len=SEQ,
+    )
+
+
+def _base_model(world: int) -> Transformer:
+    torch.manual_seed(0)  # every rank builds the same weights
+    model = Transformer(_model_args(world))
+    with torch.no_grad():  # as torchtitan's trainer calls it
+        model.init_weights()
+    return model
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(7))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _loss_and_grads(
+    model: torch.nn.Module, loss_parallel: bool
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Next-token cross entropy and ``backward()``; the full loss and gradients, by name."""
+    inputs, targets = _batch()
+    with tp_kernels.loss_parallel() if loss_parallel else contextlib.nullcontext():
+        logits = model(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        loss.backward()
+    if isinstance(loss, DTensor):
+        loss = loss.full_tensor()
+    grads = {
+        # AC wrappers add a prefix to the names; the unsharded model has none.
+        name.replace("_checkpoint_wrapped_module.", ""): (
+            p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        )
+        for name, p in model.named_parameters()
+    }
+    return loss.detach(), grads
+
+
+def _parallel(base: Transformer, *, styles: str, loss_parallel: bool, ac: str = "none"):
+    """A copy of ``base`` through torchtitan's ``apply_tp`` (and ``apply_ac`` unless "none")."""
+    model = copy.deepcopy(base)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    with titan.patched() if styles == "tp_kernels" else contextlib.nullcontext():
+        llama3_parallelize.apply_tp(
+            model, mesh, loss_parallel=loss_parallel, enable_float8_tensorwise_tp=False
+        )
+    wq = model.layers["0"].attention.wq
+    assert hasattr(wq, "_tpk_fused") == (styles == "tp_kernels"), styles
+    if ac != "none":
+        apply_ac(model, ActivationCheckpoint(mode=ac, selective_ac_option="op"))
+    return model
+
+
+def _rel(x: torch.Tensor, truth: torch.Tensor) -> float:
+    return ((x.double() - truth.double()).norm() / truth.double().norm()).item()
+
+
+def _run_cases(backends: list[str], ac: str = "none") -> dict:
+    """Per (backend, loss_parallel): errors of tp_kernels and of its references, fused counts.
+
+    Returns ``{(backend, lp): {"errors": {quantity: (err_tpk, err_unsharded, err_torch)},
+    "forward": {kind: n}, "backward": {kind: n}, "fallback": n}}``.
+    """
+    base = _base_model(dist.get_world_size())
+    truth = _loss_and_grads(copy.deepcopy(base).double(), loss_parallel=False)
+    unsharded = _loss_and_grads(copy.deepcopy(base), loss_parallel=False)
+    out = {}
+    for lp in (False, True):
+        theirs = _loss_and_grads(
+            _parallel(base, styles="torch", loss_parallel=lp, ac=ac), loss_parallel=lp
+        )
+        for backend in backends:
+            model = _parallel(base, styles="tp_kernels", loss_parallel=lp, ac=ac)
+            with tp_kernels.use_backend(backend):
+                tp_kernels.reset_comm_stats()
+                # Forward counts come from a forward of its own (no backward, nothing recomputed)
+                inputs, _ = _batch()
+                with torch.no_grad():
+                    model(inputs)
+                forward = tp_kernels.comm_stats()
+                tp_kernels.reset_comm_stats()
+                ours = _loss_and_grads(model, loss_parallel=lp)
+                both = tp_kernels.comm_stats()
+            errors = {}
+            for key, (got, ref64, ref, torch_ref) in {
+                "loss": (ours[0], truth[0], unsharded[0], theirs[0]),
+                **{n: (ours[1][n], truth[1][n], unsharded[1][n], theirs[1][n]) for n in truth[1]},
+            }.items():
+                assert got.shape == ref.shape and got.dtype == ref.dtype, key
+                errors[key] = (_rel(got, ref64), _rel(ref, ref64), _rel(torch_ref, ref64))
+            assert ours[1].keys() == truth[1].keys()
+            out[(backend, lp)] = {
+                "errors": errors,
+                "forward": {k: forward.total("forward", k) for k in FORWARD},
+                # forward-kind calls of the training step: its forward, and any recompute
+                "step": {k: both.total("forward", k) for k in FORWARD},
+                "backward": {k: both.total("backward", k) for k in BACKWARD},
+                "fallback": forward.total(kind="fallback") + both.total(kind="fallback"),
+            }
+    return out
+
+
+def _failures(result: dict) -> list[str]:
+    failures = []
+    for (backend, lp), case in result.items():
+        where = f"backend={backend} loss_parallel={lp}"
+        for name, (err, err_unsharded, err_torch) in case["errors"].items():
+            for ref_name, ref in (("unsharded", err_unsharded), ("PyTorch's styles", err_torch)):
+                if err > max(2 * ref, FLOOR):
+                    failures.append(
+                        f"{where} {name}: err {err:.3e} > max(2 * {ref:.3e} ({ref_name}), "
+                        f"{FLOOR:.1e})"
+                    )
+        if case["fallback"]:
+            failures.append(f"{where}: {case['fallback']} calls fell back to PyTorch's path")
+    return failures
+
+
+def _backends() -> list:
+    symm = tp_kernels.available_backends()["symm"]
+    skip = pytest.mark.skipif(symm != "ok", reason=f"symm: {symm}")
+    return [pytest.param(b, marks=skip) if b == "symm" else b for b in BACKENDS]
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_apply_tp_matches_unsharded_and_torch_styles_at_2_ranks(worlds, backend):
+    per_rank = worlds(2).run(_run_cases, [backend])
+    assert all(r == per_rank[0] for r in per_rank), "ranks disagree on the full tensors"
+    result = per_rank[0]
+    assert not _failures(result), "\n".join(_failures(result))
+    for case in result.values():
+        assert len(case["errors"]) == 1 + len(list(_base_model(2).parameters()))
+        assert case["forward"] == case["step"] == FORWARD
+        assert case["backward"] == BACKWARD
+
+
+def test_apply_tp_at_4_ranks(worlds):
+    # One backend that moves bytes through shared memory and one that chooses: 4 ranks on 2
+    # cores are slow to start, and the 2-rank tests cover every backend.
+    backends = [b for b in ("symm", "auto") if tp_kernels.available_backends().get(b, "ok") == "ok"]
+    result = worlds(4).run(_run_cases, backends)[0]
+    assert not _failures(result), "\n".join(_failures(result))
+    for case in result.values():
+        assert case["forward"] == case["step"] == FORWARD and case["backward"] == BACKWARD
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_apply_tp_with_activation_checkpointing(worlds, mode):
+    # torchtitan wraps each block; its backward runs the block's forward again, fused ops
+    # included: one more forward's worth of the blocks' calls (not the output's).
+    # (torchtitan's selective "op" policy saves PyTorch's reduce-scatter outputs, not tp_kernels'
+    # ops, so those are recomputed too.)
+    result = worlds(2).run(_run_cases, ["pipelined"], ac=mode)[0]
+    assert not _failures(result), "\n".join(_failures(result))
+    recomputed = {"all_gather_matmul": 2 * LAYERS, "matmul_reduce_scatter": 2 * LAYERS}
+    for case in result.values():
+        assert case["forward"] == FORWARD
+        assert case["step"] == {k: FORWARD[k] + recomputed[k] for k in FORWARD}
+        assert case["backward"] == BACKWARD
+
+
+def _patch_and_restore() -> list[str]:
+    """Check on a rank (where torchtitan is imported) that every patched name comes back."""
+    problems = []
+    modules, _ = titan._style_modules()
+    before = {m.__name__: dict(vars(m)) for m in modules}
+    llama3 = llama3_parallelize
+    with titan.patched() as names:
+        with titan.patched():  # nested: the inner exit must not restore
+            pass
+        if llama3.__name__ not in names:
+            problems.append(f"{llama3.__name__} not in {names}")
+        imported = ("ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput")
+        for name in imported:
+            if getattr(llama3, name) is not getattr(tp_kernels, name):
+                problems.append(f"inside: llama3's {name} is {getattr(llama3, name)}")
+        if llama3.parallelize_module is not torch_tp.parallelize_module:
+            problems.append("parallelize_module was rebound")
+    try:
+        with titan.patched():
+            raise KeyError("inside")
+    except KeyError:
+        pass
+    titan.patch()
+    titan.unpatch()
+    for module in modules:
+        for key, value in before[module.__name__].items():
+            if vars(module).get(key) is not value:
+                problems.append(f"after: {module.__name__}.{key} is {vars(module).get(key)}")
+    try:
+        titan.unpatch()
+        problems.append("unpatch() without patch() did not raise")
+    except RuntimeError:
+        pass
+    return problems
+
+
+def test_patched_restores_every_name(worlds):
+    for problems in worlds(2).run(_patch_and_restore):
+        assert not problems, "\n".join(problems)
+
+
+def test_patched_names_the_version_when_nothing_imports_the_styles(monkeypatch):
+    import torchtitan
+
+    monkeypatch.setattr(titan, "_style_modules", lambda: ([], {}))
+    monkeypatch.setattr(torchtitan, "__version__", "0.3.0")
+    with pytest.raises(RuntimeError, match=r"torchtitan 0\.3\.0 .*nothing to patch.*0\.2\.x"):
+        with titan.patched():
+            pass
+    # the failed entry left nothing open
+    with pytest.raises(RuntimeError, match="without a patch"):
+        titan.unpatch()

@@ -1,0 +1,257 @@
+"""Train a small random Hugging Face decoder with tensor + sequence parallelism on tp_kernels' fused
+path, then check it against unsharded runs.
+
+Run plainly, it starts its own gloo ranks on this machine::
+
+    python -m tp_kernels.examples.train_hf --model llama --world-size 2 --steps 20
+
+Under ``torchrun`` it joins those ranks instead (NCCL on ``cuda:LOCAL_RANK`` when CUDA is
+available, gloo on the CPU otherwise)::
+
+    torchrun --nproc-per-node 4 -m tp_kernels.examples.train_hf --model qwen3 --steps 20
+
+The model is transformers' own ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``
+or ``Qwen3ForCausalLM`` from a tiny random config (needs ``pip install tp_kernels[hf]``),
+parallelized with :func:`tp_kernels.integrations.hf.sequence_parallel_plan`. Every rank trains
+three copies (same seed, same data, AdamW): the parallel one (printed step by step from rank 0),
+an unsharded one in the same dtype and an unsharded one in float64; data, tolerance and report are
+those of :mod:`tp_kernels.examples.train_llama`. The exit status is 1 when the parallel loss curve
+strays from the float64 curve by more than ``train_llama.curve_tolerance`` allows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import transformers
+from torch.distributed.device_mesh import init_device_mesh
+
+import tp_kernels
+from tp_kernels.backends import check_backend_name
+from tp_kernels.examples import train_llama
+from tp_kernels.integrations import hf
+from tp_kernels.launch import LocalWorld
+
+__all__ = ["TrainOptions", "build_model", "main", "parse_args", "train_rank"]
+
+MODELS = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+}
+
+
+@dataclass
+class TrainOptions:
+    """Command-line options (see ``--help``); ``world_size=None``: 2 locally, else torchrun's."""
+
+    model: str = "llama"
+    world_size: int | None = None
+    steps: int = 20
+    hidden: int = 64
+    layers: int = 2
+    heads: int = 8
+    kv_heads: int = 4
+    seq_len: int = 32
+    batch: int = 8
+    lr: float = 3e-3
+    seed: int = 0
+    backend: str | None = None
+    dtype: str = "float32"
+    loss_parallel: bool = False
+
+    def model_config(self) -> transformers.PretrainedConfig:
+        if self.hidden % self.heads:
+            raise ValueError(f"--hidden {self.hidden} must be a multiple of --heads {self.heads}")
+        if self.heads % self.kv_heads:
+            raise ValueError(
+                f"--heads {self.heads} must be a multiple of --kv-heads {self.kv_heads}"
+            )
+        return MODELS[self.model][0](
+            vocab_size=train_llama.VOCAB,  # the synthetic data's alphabet
+            hidden_size=self.hidden,
+            intermediate_size=2 * self.hidden,
+            num_hidden_layers=self.layers,
+            num_attention_heads=self.heads,
+            num_key_value_heads=self.kv_heads,
+            head_dim=self.hidden // self.heads,
+            max_position_embeddings=self.seq_len,
+            tie_word_embeddings=False,
+        )
+
+
+def parse_args(argv: Sequence[str] | None = None) -> TrainOptions:
+    defaults = TrainOptions()
+    p = argparse.ArgumentParser(
+        prog="python -m tp_kernels.examples.train_hf", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--model", choices=sorted(MODELS), default=defaults.model)
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="ranks to start locally (default 2); under torchrun, must equal WORLD_SIZE",
+    )
+    p.add_argument("--steps", type=int, default=defaults.steps)
+    p.add_argument("--hidden", type=int, default=defaults.hidden)
+    p.add_argument("--layers", type=int, default=defaults.layers)
+    p.add_argument("--heads", type=int, default=defaults.heads)
+    p.add_argument("--kv-heads", type=int, default=defaults.kv_heads)
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        default=defaults.seq_len,
+        help="tokens per sequence; must be divisible by the world size",
+    )
+    p.add_argument("--batch", type=int, default=defaults.batch)
+    p.add_argument("--lr", type=float, default=defaults.lr)
+    p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument(
+        "--backend",
+        default=None,
+        help="tp_kernels backend of the Colwise/Rowwise styles (default: process-wide)",
+    )
+    p.add_argument("--dtype", choices=sorted(train_llama.DTYPES), default=defaults.dtype)
+    p.add_argument(
+        "--loss-parallel",
+        action="store_true",
+        help="keep the logits vocab-sharded and compute the loss under loss_parallel()",
+    )
+    ns = p.parse_args(argv)
+    for name in ("steps", "hidden", "layers", "heads", "kv_heads", "seq_len", "batch"):
+        if getattr(ns, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(ns, name)}")
+    if ns.world_size is not None and ns.world_size < 1:
+        p.error(f"--world-size must be >= 1, got {ns.world_size}")
+    try:
+        if ns.backend is not None:
+            check_backend_name(ns.backend, argument="--backend")
+        opts = TrainOptions(**vars(ns))
+        opts.model_config()
+    except ValueError as e:
+        p.error(str(e))
+    return opts
+
+
+class _Logits(nn.Module):
+    """``tokens [B, S] -> logits [B, S, V]`` of a transformers model: the interface of
+    ``train_llama.train``, which computes the loss itself (under ``loss_parallel`` if asked)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids).logits
+
+
+def build_model(opts: TrainOptions, device: torch.device) -> nn.Module:
+    """The random ``*ForCausalLM`` of ``opts`` in ``opts.dtype``, the same on every rank."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(opts.seed)
+        model = MODELS[opts.model][1](opts.model_config())
+    return model.to(device=device, dtype=train_llama.DTYPES[opts.dtype])
+
+
+def train_rank(opts: TrainOptions) -> dict[str, list[float]]:
+    """Run on every rank of an initialised process group; return the three loss curves
+    (``"tp"``, ``"unsharded"``, ``"float64"``, as ``train_llama.train_rank``)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    hf.check_tp_compatible(opts.model_config(), world, seq_len=opts.seq_len)
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    base = build_model(opts, device)
+    log = rank == 0
+    if log:
+        n_params = sum(p.numel() for p in base.parameters())
+        print(
+            f"{type(base).__name__} {n_params / 1e3:.0f}k params, hidden {opts.hidden}, "
+            f"{opts.layers} layers, {opts.heads}/{opts.kv_heads} heads; TP+SP on {world} ranks "
+            f"({dist.get_backend()}, {device.type}), {opts.dtype}, "
+            f"batch {opts.batch} x seq {opts.seq_len}",
+            flush=True,
+        )
+    mesh = init_device_mesh(device.type, (world,))
+    tp_model = copy.deepcopy(base)
+    plan = hf.sequence_parallel_plan(
+        tp_model.config, loss_parallel=opts.loss_parallel, backend=opts.backend
+    )
+    tp_kernels.parallelize_module(tp_model, mesh, plan)
+    tp_kernels.reset_comm_stats()
+    curves = {
+        "tp": train_llama.train(
+            _Logits(tp_model), opts, device, loss_parallel=opts.loss_parallel, log=log
+        )
+    }
+    if log:
+        stats = tp_kernels.comm_stats()
+        fused = sorted({backend for (_, kind, backend) in stats if kind != "fallback"})
+        per_step = {kind: stats.total(kind=kind) // opts.steps for (_, kind, _) in stats}
+        print(
+            f"fused path: {stats.total(kind='all_gather_matmul')} all-gather-matmuls, "
+            f"{stats.total(kind='matmul_reduce_scatter')} matmul-reduce-scatters "
+            f"(backends {', '.join(fused) or 'none'}), {stats.total(kind='fallback')} fallbacks; "
+            f"per step (forward + backward) {per_step}",
+            flush=True,
+        )
+    curves["unsharded"] = train_llama.train(
+        _Logits(copy.deepcopy(base)), opts, device, loss_parallel=False, log=False
+    )
+    curves["float64"] = train_llama.train(
+        _Logits(copy.deepcopy(base).to(torch.float64)), opts, device, loss_parallel=False, log=False
+    )
+    return curves
+
+
+def main(argv: Sequence[str] | None = None, *, world: LocalWorld | None = None) -> int:
+    """Parse ``argv``, train on ``world`` (or torchrun's ranks, or a new local world); exit status
+    0 when the parallel loss curve stays within ``train_llama.curve_tolerance``, else 1."""
+    opts = parse_args(argv)
+    if world is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        ranks = int(os.environ["WORLD_SIZE"])
+        if opts.world_size not in (None, ranks):
+            raise SystemExit(
+                f"--world-size {opts.world_size} does not match torchrun's WORLD_SIZE={ranks}"
+            )
+        hf.check_tp_compatible(opts.model_config(), ranks, seq_len=opts.seq_len)
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        try:
+            curves = train_rank(opts)
+        finally:
+            dist.destroy_process_group()
+        # Every rank holds the same curves, so every rank reaches the same verdict.
+        if int(os.environ["RANK"]) == 0:
+            return 0 if train_llama.report(curves, opts.dtype) else 1
+        return 0 if train_llama.check_curves(curves, opts.dtype)[0] else 1
+    size = opts.world_size or 2
+    hf.check_tp_compatible(opts.model_config(), size, seq_len=opts.seq_len)  # before spawning
+    if world is not None:
+        if world.world_size != size:
+            raise ValueError(
+                f"main: --world-size is {size} but the given world has {world.world_size} ranks"
+            )
+        curves = world.run(train_rank, opts)[0]
+    else:
+        with LocalWorld(size, timeout_s=600.0) as new_world:
+            curves = new_world.run(train_rank, opts)[0]
+    return 0 if train_llama.report(curves, opts.dtype) else 1
+
+
+if __name__ == "__main__":
+    # Import main from the package, not from __main__, so that the spawned ranks can unpickle
+    # train_rank and TrainOptions by their module path.
+    from tp_kernels.examples.train_hf import main as _main
+
+    sys.exit(_main())

@@ -1,0 +1,179 @@
+"""torchtitan's own parallelize functions, running tp_kernels' fused sequence-parallel boundaries.
+
+**torchtitan 0.2.x** (tested with 0.2.2). Each model family's ``parallelize_*`` function
+(``torchtitan/models/<family>/infra/parallelize.py``: llama3, llama4, qwen3, deepseek_v3, gpt_oss;
+and the experiments that import the styles the same way, e.g. ``transformers_modeling_backend``,
+``rl/unified``) builds its plan from the classes its module imported from
+``torch.distributed.tensor.parallel``. :func:`patched` rebinds those module globals to tp_kernels'
+classes of the same names (``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``,
+``PrepareModuleInput``, ``PrepareModuleOutput``, ``PrepareModuleInputOutput``) for the duration of
+a ``with`` block, and restores PyTorch's afterwards::
+
+    from tp_kernels.integrations import torchtitan as tpk_titan
+
+    with tpk_titan.patched():
+        parallelize_llama(model, parallel_dims, job_config)   # or apply_tp(model, tp_mesh, ...)
+
+Only the plan is built inside the block: the hooks it installs stay after it, so the forward and
+backward may run anywhere. Functions that other modules import from a patched one (simple_fsdp,
+vlm and flux reuse llama3's ``apply_tp``) look the names up in the patched module, so they follow.
+Not rebound: ``parallelize_module`` (tp_kernels' styles run inside PyTorch's; rebinding it would
+only add tp_kernels' 1-D mesh check to the expert-parallel calls that share the name), and the
+float8 styles that ``apply_tp`` imports from torchao when ``enable_float8_tensorwise_tp`` is set
+(they keep their own path). :func:`patch` / :func:`unpatch` do the same without a block.
+
+**torchtitan 0.3+** builds dense models from per-module sharding configs and calls no style
+class, so :func:`patched` raises there, naming the installed version; docs/torchtitan.md
+describes its own fused linears (``tp_gemm_backend="dist_gemm"``) and where tp_kernels' ops
+would plug in.
+
+Patching rebinds module attributes, which is process-wide: while any ``patched()`` block (or a
+:func:`patch` without its :func:`unpatch`) is open, every thread sees tp_kernels' classes. Nested
+and concurrent blocks are counted under a lock; the last one out restores PyTorch's names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import logging
+import pathlib
+import threading
+from collections.abc import Iterator
+from types import ModuleType
+
+from torch.distributed.tensor import parallel as _torch_tp
+
+from tp_kernels import styles as _tpk_styles
+
+__all__ = [
+    "patch",
+    "patched",
+    "unpatch",
+]
+
+logger = logging.getLogger("tp_kernels")
+
+# The names rebound wherever a module holds PyTorch's class under them (or any other name).
+STYLE_NAMES = (
+    "ColwiseParallel",
+    "RowwiseParallel",
+    "SequenceParallel",
+    "PrepareModuleInput",
+    "PrepareModuleOutput",
+    "PrepareModuleInputOutput",
+)
+# PyTorch's class -> tp_kernels' class of the same name.
+_STYLES = {
+    getattr(_torch_tp, name): getattr(_tpk_styles, name)
+    for name in STYLE_NAMES
+    if getattr(_torch_tp, name) is not getattr(_tpk_styles, name)  # re-exports need no patch
+}
+_IMPORT_LINE = "from torch.distributed.tensor.parallel import"
+
+
+def _is_torch_style(value: object) -> bool:
+    # A class test first: module globals hold unhashable values too.
+    return isinstance(value, type) and value in _STYLES
+
+
+def _torchtitan() -> ModuleType:
+    try:
+        import torchtitan
+    except ImportError as e:
+        raise ImportError(
+            "tp_kernels.integrations.torchtitan needs torchtitan installed "
+            "(tested: pip install torchtitan==0.2.2 --no-deps, plus the small deps its imports "
+            f"need; see docs/torchtitan.md): {e}"
+        ) from e
+    return torchtitan
+
+
+def _version(torchtitan: ModuleType) -> str:
+    return f"torchtitan {getattr(torchtitan, '__version__', '(unknown version)')}"
+
+
+def _style_modules() -> tuple[list[ModuleType], dict[str, str]]:
+    """torchtitan's modules that import PyTorch's style classes by name, imported; and the
+    ``{module: why}`` of those whose import failed (an experiment whose own deps are missing)."""
+    torchtitan = _torchtitan()
+    root = pathlib.Path(torchtitan.__file__).parent
+    found, skipped = [], {}
+    # Reading the sources finds every family, including ones added in later 0.2 releases; only
+    # the modules that import the styles get imported.
+    for path in sorted(root.rglob("*.py")):
+        if "tests" in path.parts or _IMPORT_LINE not in path.read_text(errors="replace"):
+            continue
+        name = ".".join(("torchtitan", *path.relative_to(root).with_suffix("").parts))
+        try:
+            module = importlib.import_module(name)
+        except Exception as e:  # noqa: BLE001 (any failure of an unrelated experiment)
+            skipped[name] = f"{type(e).__name__}: {e}"
+            continue
+        if any(_is_torch_style(value) for value in vars(module).values()):
+            found.append(module)
+    return found, skipped
+
+
+_lock = threading.Lock()
+_depth = 0
+# (module, global name, PyTorch's object) for every name rebound by the outermost patch()
+_rebound: list[tuple[ModuleType, str, object]] = []
+
+
+def patch() -> list[str]:
+    """Rebind PyTorch's style names in torchtitan 0.2.x's parallelize modules to tp_kernels'.
+
+    Returns the patched module names. Counted: each call needs one :func:`unpatch`. Raises
+    ``RuntimeError`` (naming the installed version) when no module imports PyTorch's styles,
+    as in torchtitan 0.3+, and ``ImportError`` when torchtitan is not installed.
+    """
+    global _depth
+    with _lock:
+        if _depth == 0:
+            modules, skipped = _style_modules()
+            for name, why in skipped.items():
+                logger.info("tp_kernels.integrations.torchtitan: not patched %s (%s)", name, why)
+            if not modules:
+                torchtitan = _torchtitan()
+                raise RuntimeError(
+                    f"{_version(torchtitan)} (at {pathlib.Path(torchtitan.__file__).parent}): no "
+                    f"module imports PyTorch's tensor-parallel styles, so there is nothing to "
+                    f"patch. patched() supports torchtitan 0.2.x, whose "
+                    f"models/<family>/infra/parallelize.py build plans from those classes; "
+                    f"torchtitan 0.3+ shards dense models with per-module sharding configs and "
+                    f"fuses with its own tp_gemm_backend='dist_gemm' linears (see tp_kernels' "
+                    f"docs/torchtitan.md)"
+                )
+            for module in modules:
+                for attr, value in list(vars(module).items()):
+                    if _is_torch_style(value):
+                        _rebound.append((module, attr, value))
+                        setattr(module, attr, _STYLES[value])
+        _depth += 1
+        return sorted({module.__name__ for module, _, _ in _rebound})
+
+
+def unpatch() -> None:
+    """Undo one :func:`patch`; the last one restores every name PyTorch's object had."""
+    global _depth
+    with _lock:
+        if _depth == 0:
+            raise RuntimeError("tp_kernels.integrations.torchtitan.unpatch() without a patch()")
+        _depth -= 1
+        if _depth == 0:
+            for module, attr, original in _rebound:
+                setattr(module, attr, original)
+            _rebound.clear()
+
+
+@contextlib.contextmanager
+def patched() -> Iterator[list[str]]:
+    """``with patched() as modules:`` torchtitan 0.2.x's parallelize functions build their plans
+    from tp_kernels' styles; PyTorch's are restored on exit (see the module docstring)."""
+    modules = patch()
+    try:
+        yield modules
+    finally:
+        unpatch()
