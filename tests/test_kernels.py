@@ -109,6 +109,7 @@ def test_ag_matmul_consumer(dtype, world_size, rank, m, k, ns):
     a_out = torch.full((world_size * m, k), NAN, dtype=dtype)
     order = torch.empty(world_size, dtype=torch.int64)
     status = kernels.new_status(world_size, torch.device("cpu"))
+    scratch = _gather_scratch(world_size, m)
     kernels.ag_matmul_consumer(
         _addresses(shards),
         signal_ptrs,
@@ -120,10 +121,12 @@ def test_ag_matmul_consumer(dtype, world_size, rank, m, k, ns):
         channel=CHANNEL,
         epoch=7,
         a_local=a_out,
-        **_gather_scratch(world_size, m),
+        **scratch,
         order_out=order,
     )
     assert status.tolist() == [0] * world_size
+    # The persistent programs (2 here) drew every tile's ticket and the last drawer zeroed it.
+    assert scratch["sched"].tolist() == [0]
     assert order.tolist() == _rotation(rank, world_size)
     assert torch.equal(a_out, a)
     for j, (b, c) in enumerate(zip(bs, outs, strict=True)):

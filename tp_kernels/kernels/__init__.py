@@ -172,6 +172,19 @@ def gemm_configs(pre_hook=None) -> list[triton.Config]:
     ]
 
 
+# Programs of a persistent launch in the interpreter: more than one, so that the tile loops and
+# the ticket's hand-over between programs run in the CPU tests too.
+_INTERPRETER_PROGRAMS = 2
+
+
+def persistent_programs(device: torch.device) -> int:
+    """How many programs a persistent GEMM launches at most: one per SM (each loops over tiles),
+    so every program is resident and none waits for a place behind one that spins."""
+    if INTERPRET:
+        return _INTERPRETER_PROGRAMS
+    return torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
+
+
 def tma_supported(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the GEMMs read local ``dtype`` operands with tensor descriptors on ``device``: on
     GPUs with TMA (sm_90 and newer), and in the interpreter (so CPU tests run the same code).

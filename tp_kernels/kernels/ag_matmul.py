@@ -9,9 +9,11 @@ buffer, stores them into the local gathered ``A`` as it goes, and once its tile 
 local flag (the epoch) for that M tile. The other column tiles of the M tile acquire the flag and
 read the rows from the local ``A``: every remote byte crosses the link once, however wide ``C``
 is (peer memory is not cached in this GPU's L2, so reading it once per column tile would cross
-the link ``cdiv(N, BLOCK_N)`` times). Tiles are handed out by an atomic ticket in that order, so a
-puller has always started before the tiles that wait for it: no tile can wait for one that is not
-running. Further right-hand matrices of the same call read the local ``A`` only (no waits).
+the link ``cdiv(N, BLOCK_N)`` times). The launch is persistent (at most one program per SM, each
+looping over tiles), and tiles are handed out by an atomic ticket in that order, so a puller has
+always been drawn by a running program before the tiles that wait for it: no tile can wait for
+one that is not running. Further right-hand matrices of the same call read the local ``A`` only
+(no waits), their tiles strided over the programs.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from tp_kernels.kernels import (
     gemm_configs,
     new_trace,
     on_device,
+    persistent_programs,
     set_block_shape,
     store_order,
     timeout_ns,
@@ -100,7 +103,7 @@ def _ag_matmul_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """One output tile: ``C[s*m + i, n] = sum_k A_s[i, k] * B[k, n]`` (fp32 accumulation).
+    """Output tiles: ``C[s*m + i, n] = sum_k A_s[i, k] * B[k, n]`` (fp32 accumulation).
 
     ``a_ptrs[s]``: address of rank s's shard A_s [m, K] in its symmetric buffer (row-major,
     16-byte aligned); ``a_local`` [W*m, K] is this rank's gathered A (``a_local_ptr``, and
@@ -112,79 +115,94 @@ def _ag_matmul_kernel(
     rows. PULL (the call's first launch): tiles come from the ticket ``sched[0]``; the first
     column tile of an M tile waits for ``epoch`` in word ``channel * W + s`` of this rank's pad,
     reads A_s, stores it into ``a_local`` and then releases ``flags[M tile] = epoch``; the other
-    column tiles acquire that flag and read ``a_local``. The last tile to finish (``sched[1]``)
+    column tiles acquire that flag and read ``a_local``; the program that draws the last ticket
     zeroes ``sched`` for the next launch. On a timeout ``status[s] = epoch``. Without PULL every
-    tile reads ``a_local``, complete since the first launch (stream order).
+    tile reads ``a_local``, complete since the first launch (stream order). Persistent: the grid
+    has at most :func:`~tp_kernels.kernels.persistent_programs` programs, each looping over tiles
+    (by ticket with PULL, else strided by the grid size).
     """
     n_tiles = tl.cdiv(N, BLOCK_N)
     tiles_per_shard = tl.cdiv(m, BLOCK_M)
+    total = world_size * tiles_per_shard * n_tiles
+    programs = tl.num_programs(0)
+    # Persistent: each program computes tiles until none is left (the grid is at most one
+    # program per SM, so no program waits behind another for a place to run).
     if PULL:
         tile = tl.atomic_add(sched_ptr, 1, sem="relaxed", scope="gpu")
     else:
         tile = tl.program_id(0)
-    m_tile, col_tile = _tile_coords(tile, tiles_per_shard, n_tiles, GROUP_M)
-    src = (rank + m_tile // tiles_per_shard) % world_size
-    row0 = (m_tile % tiles_per_shard) * BLOCK_M
-    rows = row0 + tl.arange(0, BLOCK_M)
-    cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < m
-    col_ok = cols < N
-    # int64 offsets: W*m*K or W*m*N elements may pass 2**31.
-    rows64 = rows.to(tl.int64)
-    cols64 = cols.to(tl.int64)
-    local_rows = a_local_ptr + src.to(tl.int64) * m * K
-    puller = PULL & (col_tile == 0)
-    if PULL:
-        # The puller waits for the peer's data, every other tile for the puller's local copy:
-        # one wait, on the address of one word or the other.
-        pad = tl.load(signal_ptrs + rank)
-        ready_word = pad + (channel * world_size + src).to(tl.int64) * 4
-        flag_word = flags_ptr.to(tl.int64) + m_tile.to(tl.int64) * 4
-        word = tl.where(puller, ready_word, flag_word).to(tl.pointer_type(tl.int32))
-        status = status_addr.to(tl.pointer_type(tl.int32))
-        _wait_signal(word, epoch, timeout_ns, status + src)
-        # Symmetric buffers (and their halves) start on 16-byte multiples; Triton cannot see
-        # that through an address loaded from a table.
-        remote = tl.load(a_ptrs + src)
-        a_base = tl.where(puller, remote, local_rows.to(tl.int64)).to(tl.pointer_type(DTYPE))
-        a_base = tl.multiple_of(a_base, 16)
-    else:
-        a_base = local_rows
-    if TRACE:
-        _note_first_touch(trace_ptr, src, world_size)
-
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if A_LAYOUT == "rc":
-            # Rows past this shard's m come from the next shard (or TMA's zero fill): they only
-            # reach output rows that the masked store below drops.
-            a = a_local_desc.load([src * m + row0, k0])
+    while tile < total:
+        m_tile, col_tile = _tile_coords(tile, tiles_per_shard, n_tiles, GROUP_M)
+        src = (rank + m_tile // tiles_per_shard) % world_size
+        row0 = (m_tile % tiles_per_shard) * BLOCK_M
+        rows = row0 + tl.arange(0, BLOCK_M)
+        cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < m
+        col_ok = cols < N
+        # int64 offsets: W*m*K or W*m*N elements may pass 2**31.
+        rows64 = rows.to(tl.int64)
+        cols64 = cols.to(tl.int64)
+        local_rows = a_local_ptr + src.to(tl.int64) * m * K
+        puller = PULL & (col_tile == 0)
+        if PULL:
+            # The puller waits for the peer's data, every other tile for the puller's local copy:
+            # one wait, on the address of one word or the other.
+            pad = tl.load(signal_ptrs + rank)
+            ready_word = pad + (channel * world_size + src).to(tl.int64) * 4
+            flag_word = flags_ptr.to(tl.int64) + m_tile.to(tl.int64) * 4
+            word = tl.where(puller, ready_word, flag_word).to(tl.pointer_type(tl.int32))
+            status = status_addr.to(tl.pointer_type(tl.int32))
+            _wait_signal(word, epoch, timeout_ns, status + src)
+            # Symmetric buffers (and their halves) start on 16-byte multiples; Triton cannot see
+            # that through an address loaded from a table.
+            remote = tl.load(a_ptrs + src)
+            a_base = tl.where(puller, remote, local_rows.to(tl.int64)).to(tl.pointer_type(DTYPE))
+            a_base = tl.multiple_of(a_base, 16)
         else:
-            ks = k0 + tl.arange(0, BLOCK_K)
-            a_mask = row_ok[:, None] & (ks < K)[None, :]
-            a_offsets = rows64[:, None] * K + ks[None, :]
-            a = tl.load(a_base + a_offsets, mask=a_mask, other=0.0)
-            if PULL:
-                tl.store(local_rows + a_offsets, a, mask=a_mask & puller)
-        b_blk = _load_block(
-            b, k0, col_tile * BLOCK_N, K, N, stride_bk, stride_bn, B_LAYOUT, BLOCK_K, BLOCK_N
-        )
-        if BF16_BY_HAND:
-            a = a.to(tl.float32)
-            b_blk = b_blk.to(tl.float32)
-        acc = tl.dot(a, b_blk, acc, input_precision=INPUT_PRECISION)
-    c_tile = c_ptr + (src * m + rows64)[:, None] * N + cols64[None, :]
-    tl.store(c_tile, _round_to(acc, DTYPE, BF16_BY_HAND), mask=row_ok[:, None] & col_ok[None, :])
+            a_base = local_rows
+        if TRACE:
+            _note_first_touch(trace_ptr, src, world_size)
 
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if A_LAYOUT == "rc":
+                # Rows past this shard's m come from the next shard (or TMA's zero fill): they only
+                # reach output rows that the masked store below drops.
+                a = a_local_desc.load([src * m + row0, k0])
+            else:
+                ks = k0 + tl.arange(0, BLOCK_K)
+                a_mask = row_ok[:, None] & (ks < K)[None, :]
+                a_offsets = rows64[:, None] * K + ks[None, :]
+                a = tl.load(a_base + a_offsets, mask=a_mask, other=0.0)
+                if PULL:
+                    tl.store(local_rows + a_offsets, a, mask=a_mask & puller)
+            b_blk = _load_block(
+                b, k0, col_tile * BLOCK_N, K, N, stride_bk, stride_bn, B_LAYOUT, BLOCK_K, BLOCK_N
+            )
+            if BF16_BY_HAND:
+                a = a.to(tl.float32)
+                b_blk = b_blk.to(tl.float32)
+            acc = tl.dot(a, b_blk, acc, input_precision=INPUT_PRECISION)
+        c_tile = c_ptr + (src * m + rows64)[:, None] * N + cols64[None, :]
+        tl.store(
+            c_tile, _round_to(acc, DTYPE, BF16_BY_HAND), mask=row_ok[:, None] & col_ok[None, :]
+        )
+
+        if PULL:
+            # Every thread's stores of the local rows precede the flag's release.
+            tl.debug_barrier()
+            if puller:
+                tl.atomic_xchg(flags_ptr + m_tile, epoch, sem="release", scope="gpu")
+        if PULL:
+            tile = tl.atomic_add(sched_ptr, 1, sem="relaxed", scope="gpu")
+        else:
+            tile += programs
     if PULL:
-        # Every thread's stores of the local rows precede the flag's release.
-        tl.debug_barrier()
-        if puller:
-            tl.atomic_xchg(flags_ptr + m_tile, epoch, sem="release", scope="gpu")
-        done = tl.atomic_add(sched_ptr + 1, 1, sem="acq_rel", scope="gpu")
-        if done == world_size * tiles_per_shard * n_tiles - 1:
+        # Every program draws tickets until one is past the last tile, so the launch draws
+        # total + programs of them; whoever draws the last knows no program draws again and
+        # zeroes the ticket for the next launch.
+        if tile == total + programs - 1:
             tl.atomic_xchg(sched_ptr, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(sched_ptr + 1, 0, sem="relaxed", scope="gpu")
 
 
 def signal_ready(
@@ -218,9 +236,9 @@ def new_flags(world_size: int, m: int, device: torch.device) -> torch.Tensor:
 
 
 def new_sched(device: torch.device) -> torch.Tensor:
-    """The zeroed tile ticket of :func:`ag_matmul_consumer` (int32 [2]); the kernel leaves it
+    """The zeroed tile ticket of :func:`ag_matmul_consumer` (int32 [1]); the kernel leaves it
     zeroed, so one tensor serves every launch on one stream."""
-    return torch.zeros(2, dtype=torch.int32, device=device)
+    return torch.zeros(1, dtype=torch.int32, device=device)
 
 
 def ag_matmul_consumer(
@@ -262,7 +280,7 @@ def ag_matmul_consumer(
         flags: int32, at least :func:`flag_words` of them, on the device: "the rows of M tile t
             are in ``a_local``", as epochs (one buffer per caller, never reset: each call waits for
             its own epoch).
-        sched: int32 [2], zero, on the device: the tile ticket; the kernel leaves it zeroed, so
+        sched: int32 [1], zero, on the device: the tile ticket; the kernel leaves it zeroed, so
             one serves every launch on one stream.
         status: the timeout record (:func:`tp_kernels.kernels.new_status`): a wait for rank s
             that passes ``timeout_s`` stores ``epoch`` into ``status[s]``; read it with
@@ -305,7 +323,7 @@ def ag_matmul_consumer(
             f"least {need} words (flag_words({world_size}, {m}))"
         )
     check_matrix(flags, tuple(flags.shape), torch.int32, device, argument="flags")
-    check_matrix(sched, (2,), torch.int32, device, argument="sched")
+    check_matrix(sched, (1,), torch.int32, device, argument="sched")
     check_ptr_table(a_ptrs, world_size, device, argument="a_ptrs")
     check_ptr_table(signal_ptrs, world_size, device, argument="signal_ptrs")
     check_status(status, world_size)
@@ -315,6 +333,7 @@ def ag_matmul_consumer(
     trace = new_trace(world_size, device) if order_out is not None else None
     wait_ns = timeout_ns(timeout_s)
     tma = tma_supported(device, dtype)
+    programs = persistent_programs(device)
     with on_device(device):
         for j, (b, c) in enumerate(zip(bs, outs)):
             first = j == 0
@@ -325,7 +344,7 @@ def ag_matmul_consumer(
 
             def grid(meta: dict, n: int = n) -> tuple[int]:
                 tiles = triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])
-                return (world_size * tiles,)
+                return (min(world_size * tiles, programs),)
 
             _ag_matmul_kernel[grid](
                 a_ptrs,

@@ -41,6 +41,7 @@ from tp_kernels.kernels import (
     dot_precision,
     new_trace,
     on_device,
+    persistent_programs,
     set_block_shape,
     store_order,
     timeout_ns,
@@ -108,62 +109,64 @@ def _matmul_rs_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """One tile of ``P = A @ B`` (fp32 accumulation) for destination ``d``, pushed to ``d``:
+    """Tiles of ``P = A @ B`` (fp32 accumulation), each for a destination ``d``, pushed to ``d``:
 
     ``slots_d[rank, i, n] = sum_k A[d*m + i, k] * B[k, n]``, with ``slots_d`` the [W, m, N] view
     of the buffer at ``slot_ptrs[d]``; ``a`` is A [W*m, K] and ``b`` is B [K, N] as
     :func:`_load_block` reads them with ``A_LAYOUT`` and ``B_LAYOUT`` (strides for ``"pointer"``).
-    Program ``p`` computes M tile ``p // (cdiv(m, BLOCK_M) * cdiv(N, BLOCK_N))`` and on
-    (:func:`_tile_coords`); M tile ``t`` serves ``d = (rank + 1 + t // cdiv(m, BLOCK_M)) % W``.
+    Tile ``t`` (program ``p`` computes ``t = p, p + P, ...`` for a grid of ``P``) is in M tile
+    ``t // (cdiv(m, BLOCK_M) * cdiv(N, BLOCK_N))`` and on (:func:`_tile_coords`); M tile ``t``
+    serves ``d = (rank + 1 + t // cdiv(m, BLOCK_M)) % W``.
     The tile that completes slot ``d`` (counted in ``counter_ptr[d]``, which it then resets to
     zero for the next launch) stores ``epoch`` into word ``channel * W + rank`` of ``d``'s pad
     (release, system scope).
     """
-    pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
     tiles_per_slot = tl.cdiv(m, BLOCK_M)
-    m_tile, col_tile = _tile_coords(pid, tiles_per_slot, n_tiles, GROUP_M)
-    dst = (rank + 1 + m_tile // tiles_per_slot) % world_size
-    if TRACE:
-        _note_first_touch(trace_ptr, dst, world_size)
+    # Persistent: program p computes tiles p, p + P, p + 2P, ... (P programs, at most one per SM).
+    for tile in range(tl.program_id(0), world_size * tiles_per_slot * n_tiles, tl.num_programs(0)):
+        m_tile, col_tile = _tile_coords(tile, tiles_per_slot, n_tiles, GROUP_M)
+        dst = (rank + 1 + m_tile // tiles_per_slot) % world_size
+        if TRACE:
+            _note_first_touch(trace_ptr, dst, world_size)
 
-    row0 = (m_tile % tiles_per_slot) * BLOCK_M
-    rows = row0 + tl.arange(0, BLOCK_M)
-    cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < m
-    col_ok = cols < N
-    rows64 = rows.to(tl.int64)
-    cols64 = cols.to(tl.int64)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        # Rows past d's m belong to the next destination (or are zeros past A): they only reach
-        # output rows that the masked store below drops.
-        a_blk = _load_block(
-            a, dst * m + row0, k0, world_size * m, K, stride_am, stride_ak, A_LAYOUT, BLOCK_M,
-            BLOCK_K,
-        )  # fmt: skip
-        b_blk = _load_block(
-            b, k0, col_tile * BLOCK_N, K, N, stride_bk, stride_bn, B_LAYOUT, BLOCK_K, BLOCK_N
+        row0 = (m_tile % tiles_per_slot) * BLOCK_M
+        rows = row0 + tl.arange(0, BLOCK_M)
+        cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < m
+        col_ok = cols < N
+        rows64 = rows.to(tl.int64)
+        cols64 = cols.to(tl.int64)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            # Rows past d's m belong to the next destination (or are zeros past A): they only reach
+            # output rows that the masked store below drops.
+            a_blk = _load_block(
+                a, dst * m + row0, k0, world_size * m, K, stride_am, stride_ak, A_LAYOUT, BLOCK_M,
+                BLOCK_K,
+            )  # fmt: skip
+            b_blk = _load_block(
+                b, k0, col_tile * BLOCK_N, K, N, stride_bk, stride_bn, B_LAYOUT, BLOCK_K, BLOCK_N
+            )
+            if BF16_BY_HAND:
+                a_blk = a_blk.to(tl.float32)
+                b_blk = b_blk.to(tl.float32)
+            acc = tl.dot(a_blk, b_blk, acc, input_precision=INPUT_PRECISION)
+        slots = tl.multiple_of(tl.load(slot_ptrs + dst).to(tl.pointer_type(DTYPE)), 16)
+        tl.store(
+            slots + (rank * m + rows64)[:, None] * N + cols64[None, :],
+            _round_to(acc, DTYPE, BF16_BY_HAND),
+            mask=row_ok[:, None] & col_ok[None, :],
         )
-        if BF16_BY_HAND:
-            a_blk = a_blk.to(tl.float32)
-            b_blk = b_blk.to(tl.float32)
-        acc = tl.dot(a_blk, b_blk, acc, input_precision=INPUT_PRECISION)
-    slots = tl.multiple_of(tl.load(slot_ptrs + dst).to(tl.pointer_type(DTYPE)), 16)
-    tl.store(
-        slots + (rank * m + rows64)[:, None] * N + cols64[None, :],
-        _round_to(acc, DTYPE, BF16_BY_HAND),
-        mask=row_ok[:, None] & col_ok[None, :],
-    )
 
-    # Every thread's stores precede the count; the last tile's release publishes all of them.
-    tl.debug_barrier()
-    done = tl.atomic_add(counter_ptr + dst, 1, sem="acq_rel", scope="sys")
-    if done == tiles_per_slot * n_tiles - 1:
-        # Every tile of this slot has counted, so nobody else touches the counter this launch.
-        tl.atomic_xchg(counter_ptr + dst, 0, sem="relaxed", scope="gpu")
-        pad = tl.load(signal_ptrs + dst).to(tl.pointer_type(tl.int32))
-        tl.atomic_xchg(pad + channel * world_size + rank, epoch, sem="release", scope="sys")
+        # Every thread's stores precede the count; the last tile's release publishes all of them.
+        tl.debug_barrier()
+        done = tl.atomic_add(counter_ptr + dst, 1, sem="acq_rel", scope="sys")
+        if done == tiles_per_slot * n_tiles - 1:
+            # Every tile of this slot has counted, so nobody else touches the counter this launch.
+            tl.atomic_xchg(counter_ptr + dst, 0, sem="relaxed", scope="gpu")
+            pad = tl.load(signal_ptrs + dst).to(tl.pointer_type(tl.int32))
+            tl.atomic_xchg(pad + channel * world_size + rank, epoch, sem="release", scope="sys")
 
 
 @triton.autotune(configs=_reduce_configs(), key=["numel", "OUT_DTYPE"])
@@ -262,7 +265,8 @@ def matmul_rs_producer(
 
     trace = new_trace(world_size, a.device) if order_out is not None else counters
     config = _producer_config(m, N, a.dtype)
-    grid = (world_size * triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"]),)
+    tiles = world_size * triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"])
+    grid = (min(tiles, persistent_programs(a.device)),)
     tma = tma_supported(a.device, a.dtype)
     a_layout = tma_layout(a) if tma else "pointer"
     if a_layout == "cr" and m * a.element_size() % 16:
