@@ -2,9 +2,10 @@
 takes (positional or keyword, local tensor or DTensor, even or uneven), and fused outputs have
 the memory layout PyTorch's give them (callers ``.view()`` results).
 
-Each form is one call on world size 2, counted with :func:`tp_kernels.comm_stats` (fused ops
-by kind, ``fallback`` for PyTorch's path), and its output compared with PyTorch's styles on the
-same model: values, strides and a ``.view(-1, features)``.
+Each form is one call on world size 2, counted with :func:`tp_kernels.comm_stats` (fused ops by
+kind, ``fallback`` for PyTorch's path), and its output compared with PyTorch's styles on the same
+model: values, strides and a ``.view(-1, features)``. A norm under ``SequenceParallel`` keeps an
+uneven sequence's global shape (5 rows on 2 ranks used to come out as 6 and 4).
 """
 
 from __future__ import annotations
@@ -231,4 +232,32 @@ def test_fused_ops_return_row_major_outputs(worlds, backend: str) -> None:
     if backend == "symm" and tpk.available_backends()["symm"] != "ok":
         pytest.skip(f"symm: {tpk.available_backends()['symm']}")
     for failures in worlds(2).run(_row_major_ops, backend):
+        assert failures == []
+
+
+def _sequence_parallel_uneven() -> list[str]:
+    """A norm under SequenceParallel with a global sequence of 5 on 2 ranks (3 + 2 rows)."""
+    import copy
+
+    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+    torch.manual_seed(0)
+    norm = nn.LayerNorm(H)
+    ours = tpk.parallelize_module(copy.deepcopy(norm), mesh, tpk.SequenceParallel())
+    theirs = torch_tp.parallelize_module(copy.deepcopy(norm), mesh, torch_tp.SequenceParallel())
+    full = torch.randn(B, 5, H, generator=torch.Generator().manual_seed(3))
+    local = full.tensor_split(2, dim=1)[dist.get_rank()]
+    x = DTensor.from_local(local, mesh, (Shard(1),), shape=full.shape, stride=full.stride())
+    got, want = ours(x), theirs(x)
+    failures = [] if got.shape == want.shape else [f"global shape {got.shape} != {want.shape}"]
+    # full_tensor() is a collective: only where every rank's shape is right (the old code gave
+    # 6 rows on rank 0 and 4 on rank 1, and the gather would not have matched up).
+    ok = torch.tensor([float(not failures)])
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if ok.item() and not torch.allclose(got.full_tensor(), want.full_tensor(), atol=1e-6):
+        failures.append("full_tensor() differs from PyTorch's")
+    return failures
+
+
+def test_sequence_parallel_keeps_an_uneven_global_shape(worlds) -> None:
+    for failures in worlds(2).run(_sequence_parallel_uneven):
         assert failures == []

@@ -419,6 +419,15 @@ def _bad_call(kind: str) -> str:
             tpk.all_gather_matmul(a, b, 0, 42)
         elif kind == "bad_group_name":
             tpk.all_gather_matmul(a, b, 0, "no-such-group")
+        elif kind == "int_dtype":
+            # pipelined summed int64 in float32 (67108864 for 67108867); symm raised late.
+            big = torch.full((4, 3), 2**24 + 1, dtype=torch.int64)
+            tpk.matmul_reduce_scatter(big, torch.ones(3, 2, dtype=torch.int64), 0, group)
+        elif kind == "bool_dtype":
+            tpk.all_gather_matmul(a.bool(), [b[0].bool()], 0, group, backend="pipelined")
+        elif kind == "default_group":
+            _, (out,) = tpk.all_gather_matmul(a, b, 0, None)
+            return f"ok {tuple(out.shape)}"
         elif kind == "dtensor_input":
             mesh = dist.device_mesh.init_device_mesh("cpu", (dist.get_world_size(),))
             dt = dist.tensor.distribute_tensor(torch.ones(4, 3), mesh, [dist.tensor.Shard(0)])
@@ -463,8 +472,19 @@ def _bad_call(kind: str) -> str:
         (
             "bad_group_type",
             r"TypeError: all_gather_matmul: group must be a ProcessGroup, a 1-D "
-            r"DeviceMesh or a group name, got int",
+            r"DeviceMesh, a group name or None \(the default group\), got int",
         ),
+        (
+            "int_dtype",
+            r"TypeError: matmul_reduce_scatter: a has dtype torch.int64; the fused ops take "
+            r"floating tensors only",
+        ),
+        (
+            "bool_dtype",
+            r"TypeError: all_gather_matmul: a_shard has dtype torch.bool; the fused ops take "
+            r"floating tensors only",
+        ),
+        ("default_group", r"ok \(8, 2\)"),
         (
             "bad_group_name",
             r"ValueError: all_gather_matmul: group 'no-such-group' is not a "

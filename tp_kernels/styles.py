@@ -300,7 +300,11 @@ def _sequence_local_forward(self: nn.Module, x: Any) -> Any:
         )
     else:
         y = F.rms_norm(x_local, self.normalized_shape, local(self.weight), self.eps)
-    return DTensor.from_local(y, mesh, x.placements, run_check=False)
+    # The input's global shape and strides, not ones inferred from this rank's shard: with an
+    # uneven sequence the shards differ in length.
+    return DTensor.from_local(
+        y, mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride()
+    )
 
 
 class SequenceParallel(_torch_style.SequenceParallel):

@@ -24,11 +24,19 @@ from tp_kernels._compat import all_gather_single
 
 T = TypeVar("T")
 
-GroupLike = dist.ProcessGroup | DeviceMesh | str
+GroupLike = dist.ProcessGroup | DeviceMesh | str | None
 
 
 def resolve_group(group: object, *, op: str) -> dist.ProcessGroup:
-    """A ProcessGroup from a ProcessGroup, a 1-D DeviceMesh or a registered group name."""
+    """A ProcessGroup from a ProcessGroup, a 1-D DeviceMesh, a registered group name, or ``None``
+    (the default group, as everywhere in torch.distributed)."""
+    if group is None:
+        if not dist.is_initialized():
+            raise ValueError(
+                f"{op}: group=None means the default process group, and none is initialized; "
+                "call torch.distributed.init_process_group first or pass a group"
+            )
+        group = dist.group.WORLD
     if isinstance(group, DeviceMesh):
         if group.ndim != 1:
             raise ValueError(
@@ -51,8 +59,8 @@ def resolve_group(group: object, *, op: str) -> dist.ProcessGroup:
         )
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(
-            f"{op}: group must be a ProcessGroup, a 1-D DeviceMesh or a group name, "
-            f"got {type(group).__name__}"
+            f"{op}: group must be a ProcessGroup, a 1-D DeviceMesh, a group name or None (the "
+            f"default group), got {type(group).__name__}"
         )
     if group.rank() < 0:
         raise ValueError(
@@ -60,6 +68,22 @@ def resolve_group(group: object, *, op: str) -> dist.ProcessGroup:
             f"group {group.group_name!r}"
         )
     return group
+
+
+# The fused ops multiply and sum in floating point: an integer or bool input would be rounded
+# (pipelined summed int64 in float32) or fail inside a backend after transfers were posted.
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def _check_operand(t: object, name: str, op: str) -> torch.Tensor:
+    """A tensor operand of a fused op: :func:`_check_tensor`, in one of :data:`FLOAT_DTYPES`."""
+    t = _check_tensor(t, name, op)
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{op}: {name} has dtype {t.dtype}; the fused ops take floating tensors only, one of "
+            f"{[str(d).removeprefix('torch.') for d in FLOAT_DTYPES]}"
+        )
+    return t
 
 
 def _check_tensor(t: object, name: str, op: str) -> torch.Tensor:
@@ -116,7 +140,7 @@ def check_all_gather_matmul(
     a_shard: object, bs: object, gather_dim: object
 ) -> tuple[torch.Tensor, list[torch.Tensor], int]:
     op = "all_gather_matmul"
-    a_shard = _check_tensor(a_shard, "a_shard", op)
+    a_shard = _check_operand(a_shard, "a_shard", op)
     if a_shard.ndim < 2:
         raise ValueError(
             f"{op}: a_shard must have >= 2 dims [..., K], got shape {tuple(a_shard.shape)}"
@@ -139,7 +163,7 @@ def check_matmul_reduce_scatter(
     bias: object = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     op = "matmul_reduce_scatter"
-    a = _check_tensor(a, "a", op)
+    a = _check_operand(a, "a", op)
     if a.ndim < 2:
         raise ValueError(f"{op}: a must have >= 2 dims [..., K], got shape {tuple(a.shape)}")
     dim = _normalize_dim(scatter_dim, a.ndim, "scatter_dim", op, "a")

@@ -96,9 +96,10 @@ def all_gather_matmul(
     for backward and gathers it again there, overlapped with the reduce-scatter: ``W`` times less
     saved memory than keeping ``a``; ``True`` saves ``a`` and skips that gather.
 
-    ``group``: a ProcessGroup, a 1-D DeviceMesh or a group name. ``backend``: ``"reference"``,
-    ``"pipelined"``, ``"symm"``, ``"auto"`` or ``None`` (the current default, see
-    :func:`tp_kernels.set_backend`). Mirrors ``torch.ops.symm_mem.fused_all_gather_matmul``.
+    ``group``: a ProcessGroup, a 1-D DeviceMesh, a group name or None (the default group).
+    ``backend``: ``"reference"``, ``"pipelined"``, ``"symm"``, ``"auto"`` or ``None`` (the current
+    default, see :func:`tp_kernels.set_backend`). Mirrors
+    ``torch.ops.symm_mem.fused_all_gather_matmul``.
     """
     op = "all_gather_matmul"
     pg = resolve_group(group, op=op)
