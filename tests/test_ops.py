@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import time
 
 import pytest
@@ -425,6 +426,13 @@ def _bad_call(kind: str) -> str:
             tpk.matmul_reduce_scatter(big, torch.ones(3, 2, dtype=torch.int64), 0, group)
         elif kind == "bool_dtype":
             tpk.all_gather_matmul(a.bool(), [b[0].bool()], 0, group, backend="pipelined")
+        elif kind in ("chunks_differ", "chunks_not_a_number"):
+            value = str(2 + rank) if kind == "chunks_differ" else ("abc" if rank else "2")
+            os.environ["TP_KERNELS_PIPELINE_CHUNKS"] = value
+            try:
+                tpk.all_gather_matmul(a, b, 0, group, backend="pipelined")
+            finally:
+                del os.environ["TP_KERNELS_PIPELINE_CHUNKS"]
         elif kind == "default_group":
             _, (out,) = tpk.all_gather_matmul(a, b, 0, None)
             return f"ok {tuple(out.shape)}"
@@ -485,6 +493,16 @@ def _bad_call(kind: str) -> str:
             r"floating tensors only",
         ),
         ("default_group", r"ok \(8, 2\)"),
+        (
+            "chunks_differ",
+            r"ValueError: all_gather_matmul: the ranks .* called with different arguments.*"
+            r"rank 0: .*chunks=2.*rank 1: .*chunks=3",
+        ),
+        (
+            "chunks_not_a_number",
+            r"ValueError: all_gather_matmul: .*different arguments.*rank 1: error: "
+            r"TP_KERNELS_PIPELINE_CHUNKS: got 'abc', expected a positive integer",
+        ),
         (
             "bad_group_name",
             r"ValueError: all_gather_matmul: group 'no-such-group' is not a "

@@ -53,11 +53,24 @@ def set_chunks(chunks: int | None) -> None:
     _chunks_override = chunks
 
 
+def chunks_setting() -> int | None:
+    """The row blocks per peer transfer fixed by :func:`set_chunks` or, else, by
+    ``TP_KERNELS_PIPELINE_CHUNKS``; ``None``: chosen from the shape. Part of what the ranks agree
+    on before a fused call (a different count on one rank would pair blocks wrongly), so a bad
+    value is an error every rank raises together."""
+    if _chunks_override is not None:
+        return _chunks_override
+    env = os.environ.get("TP_KERNELS_PIPELINE_CHUNKS", "")
+    if not env:
+        return None
+    if not env.isdigit() or int(env) < 1:
+        raise ValueError(f"TP_KERNELS_PIPELINE_CHUNKS: got {env!r}, expected a positive integer")
+    return int(env)
+
+
 def chunks_for(rows: int, row_bytes: int) -> int:
     """Row blocks per peer transfer of ``rows`` rows of ``row_bytes`` bytes each."""
-    chosen = _chunks_override
-    if chosen is None and os.environ.get("TP_KERNELS_PIPELINE_CHUNKS"):
-        chosen = int(os.environ["TP_KERNELS_PIPELINE_CHUNKS"])
+    chosen = chunks_setting()
     if chosen is None:
         chosen = min(_MAX_CHUNKS, max(1, rows * row_bytes // _MIN_BLOCK_BYTES))
     return max(1, min(chosen, rows))

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from tp_kernels.backends import check_backend_name, choose, get_backend
+from tp_kernels.backends import check_backend_name, choose, get_backend, pipelined
 from tp_kernels.backends.auto import Candidates, Shape, time_and_choose
 from tp_kernels.ops._checks import (
     GroupLike,
@@ -23,8 +23,11 @@ __all__ = ["all_gather_matmul", "matmul_reduce_scatter"]
 
 def _signature(op: str, a_shape: tuple[int, ...], a: torch.Tensor, dim: int, **opts) -> str:
     """What every rank of the group must agree on for one call (sizes that may differ per rank,
-    such as a colwise weight's uneven N or a rowwise weight's uneven K, are left out)."""
-    return f"{op} a={a_shape} {a.dtype} {a.device.type} dim={dim} {opts}"
+    such as a colwise weight's uneven N or a rowwise weight's uneven K, are left out), including
+    the per-rank settings that change the protocol: the pipelined backend's block count, which
+    ``auto`` may time even where it then picks another backend."""
+    chunks = pipelined.chunks_setting()
+    return f"{op} a={a_shape} {a.dtype} {a.device.type} dim={dim} {opts} chunks={chunks}"
 
 
 def _validated(
