@@ -45,21 +45,29 @@ def check_tp_compatible(config: LlamaConfig, tp_size: int, *, seq_len: int | Non
     grouping), ``ffn_hidden_dim`` (``w1/w3/w2``) and ``vocab_size`` (``tok_embeddings``,
     ``output``); and, when ``seq_len`` is given, the sequence length (sequence-parallel shards).
     """
-    if not isinstance(tp_size, int) or tp_size < 1:
-        raise ValueError(f"check_tp_compatible: tp_size must be a positive int, got {tp_size!r}")
     sizes = {
         "n_heads": config.n_heads,
         "n_kv_heads": config.n_kv_heads,
         "ffn_hidden_dim": config.ffn_hidden_dim,
         "vocab_size": config.vocab_size,
     }
+    require_divisible("Llama", sizes, tp_size, seq_len=seq_len)
+
+
+def require_divisible(
+    model: str, sizes: dict[str, int], tp_size: int, *, seq_len: int | None = None
+) -> None:
+    """Raise ValueError unless ``tp_size`` is a positive int dividing every one of ``sizes``
+    (``{name: size}``) and ``seq_len`` when given, naming ``model`` and each size that does not."""
+    if not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"check_tp_compatible: tp_size must be a positive int, got {tp_size!r}")
     if seq_len is not None:
-        sizes["seq_len"] = seq_len
+        sizes = {**sizes, "seq_len": seq_len}
     bad = {name: size for name, size in sizes.items() if size % tp_size}
     if bad:
         seen = ", ".join(f"{name}={size}" for name, size in bad.items())
         raise ValueError(
-            f"Llama cannot be split over a tensor-parallel mesh of {tp_size} ranks: {seen} "
+            f"{model} cannot be split over a tensor-parallel mesh of {tp_size} ranks: {seen} "
             f"{'is' if len(bad) == 1 else 'are'} not divisible by {tp_size}"
         )
 

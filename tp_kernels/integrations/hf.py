@@ -80,6 +80,7 @@ from transformers.integrations.tensor_parallel import ALL_PARALLEL_STYLES, Tenso
 
 from tp_kernels import styles as tpk_styles
 from tp_kernels.api import parallelize_module
+from tp_kernels.plans import require_divisible
 
 __all__ = [
     "FAMILIES",
@@ -154,23 +155,13 @@ def check_tp_compatible(config: Any, tp_size: int, *, seq_len: int | None = None
             "sequence_parallel_plan: tie_word_embeddings=True is not supported: the plan shards "
             "embed_tokens and lm_head separately, which would untie them"
         )
-    if not isinstance(tp_size, int) or tp_size < 1:
-        raise ValueError(f"check_tp_compatible: tp_size must be a positive int, got {tp_size!r}")
     sizes = {
         "num_attention_heads": config.num_attention_heads,
         "num_key_value_heads": config.num_key_value_heads,
         "intermediate_size": config.intermediate_size,
         "vocab_size": config.vocab_size,
     }
-    if seq_len is not None:
-        sizes["seq_len"] = seq_len
-    bad = {name: size for name, size in sizes.items() if size % tp_size}
-    if bad:
-        seen = ", ".join(f"{name}={size}" for name, size in bad.items())
-        raise ValueError(
-            f"{model_type} cannot be split over a tensor-parallel mesh of {tp_size} ranks: {seen} "
-            f"{'is' if len(bad) == 1 else 'are'} not divisible by {tp_size}"
-        )
+    require_divisible(model_type, sizes, tp_size, seq_len=seq_len)
 
 
 # One table drives both forms of the plan: module path -> style name, and style name -> a
