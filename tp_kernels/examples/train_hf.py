@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -167,11 +166,7 @@ def train_rank(opts: TrainOptions) -> dict[str, list[float]]:
     (``"tp"``, ``"unsharded"``, ``"float64"``, as ``train_llama.train_rank``)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     hf.check_tp_compatible(opts.model_config(), world, seq_len=opts.seq_len)
-    if dist.get_backend() == "nccl":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
+    device = train_llama.rank_device()
     base = build_model(opts, device)
     log = rank == 0
     if log:
@@ -219,34 +214,12 @@ def main(argv: Sequence[str] | None = None, *, world: LocalWorld | None = None) 
     """Parse ``argv``, train on ``world`` (or torchrun's ranks, or a new local world); exit status
     0 when the parallel loss curve stays within ``train_llama.curve_tolerance``, else 1."""
     opts = parse_args(argv)
-    if world is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        ranks = int(os.environ["WORLD_SIZE"])
-        if opts.world_size not in (None, ranks):
-            raise SystemExit(
-                f"--world-size {opts.world_size} does not match torchrun's WORLD_SIZE={ranks}"
-            )
-        hf.check_tp_compatible(opts.model_config(), ranks, seq_len=opts.seq_len)
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        try:
-            curves = train_rank(opts)
-        finally:
-            dist.destroy_process_group()
-        # Every rank holds the same curves, so every rank reaches the same verdict.
-        if int(os.environ["RANK"]) == 0:
-            return 0 if train_llama.report(curves, opts.dtype) else 1
-        return 0 if train_llama.check_curves(curves, opts.dtype)[0] else 1
-    size = opts.world_size or 2
-    hf.check_tp_compatible(opts.model_config(), size, seq_len=opts.seq_len)  # before spawning
-    if world is not None:
-        if world.world_size != size:
-            raise ValueError(
-                f"main: --world-size is {size} but the given world has {world.world_size} ranks"
-            )
-        curves = world.run(train_rank, opts)[0]
-    else:
-        with LocalWorld(size, timeout_s=600.0) as new_world:
-            curves = new_world.run(train_rank, opts)[0]
-    return 0 if train_llama.report(curves, opts.dtype) else 1
+    return train_llama.launch(
+        opts,
+        train_rank,
+        lambda ranks: hf.check_tp_compatible(opts.model_config(), ranks, seq_len=opts.seq_len),
+        world,
+    )
 
 
 if __name__ == "__main__":

@@ -27,8 +27,9 @@ import copy
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -187,6 +188,15 @@ def train(
     return losses
 
 
+def rank_device() -> torch.device:
+    """This rank's device: ``cuda:LOCAL_RANK`` (made current) under NCCL, else the CPU."""
+    if dist.get_backend() != "nccl":
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", dist.get_rank())))
+    torch.cuda.set_device(device)
+    return device
+
+
 def train_rank(opts: TrainOptions) -> dict[str, list[float]]:
     """Run on every rank of an initialised process group; return the three loss curves.
 
@@ -196,11 +206,7 @@ def train_rank(opts: TrainOptions) -> dict[str, list[float]]:
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = opts.model_config()
     check_tp_compatible(cfg, world, seq_len=opts.seq_len)
-    if dist.get_backend() == "nccl":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
+    device = rank_device()
     dtype = DTYPES[opts.dtype]
     base = Llama(cfg, seed=opts.seed, device=device, dtype=dtype)
     log = rank == 0
@@ -284,13 +290,30 @@ def main(argv: Sequence[str] | None = None, *, world: LocalWorld | None = None) 
     Returns 0 when the parallel loss curve stays within :func:`curve_tolerance`, 1 otherwise.
     """
     opts = parse_args(argv)
+    return launch(
+        opts,
+        train_rank,
+        lambda ranks: check_tp_compatible(opts.model_config(), ranks, seq_len=opts.seq_len),
+        world,
+    )
+
+
+def launch(
+    opts: Any,
+    train_rank: Callable[[Any], dict[str, list[float]]],
+    check_compatible: Callable[[int], None],
+    world: LocalWorld | None,
+) -> int:
+    """Run ``train_rank(opts)`` on ``world``, or on torchrun's ranks, or on a new local world of
+    ``opts.world_size`` (default 2) ranks, after ``check_compatible(ranks)`` (which raises when
+    the model cannot be split over that many); 0 when the curves pass :func:`check_curves`."""
     if world is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         ranks = int(os.environ["WORLD_SIZE"])
         if opts.world_size not in (None, ranks):
             raise SystemExit(
                 f"--world-size {opts.world_size} does not match torchrun's WORLD_SIZE={ranks}"
             )
-        check_tp_compatible(opts.model_config(), ranks, seq_len=opts.seq_len)
+        check_compatible(ranks)
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         try:
             curves = train_rank(opts)
@@ -301,7 +324,7 @@ def main(argv: Sequence[str] | None = None, *, world: LocalWorld | None = None) 
             return 0 if report(curves, opts.dtype) else 1
         return 0 if check_curves(curves, opts.dtype)[0] else 1
     size = opts.world_size or 2
-    check_tp_compatible(opts.model_config(), size, seq_len=opts.seq_len)  # before spawning ranks
+    check_compatible(size)  # before spawning ranks
     if world is not None:
         if world.world_size != size:
             raise ValueError(
