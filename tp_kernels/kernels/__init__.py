@@ -477,6 +477,17 @@ def _tile_coords(tile, tiles_per_shard, n_tiles, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _tile_span(m_tile, col_tile, tiles_per_block, m, N, BLOCK_M, BLOCK_N):
+    """Where output tile ``(m_tile, col_tile)`` lies in its ``m``-row block of an ``N``-wide
+    output: ``(row0, rows64, cols64, row_ok, col_ok)``, its first row within the block, its rows
+    and columns as int64 (``W*m*K`` or ``W*m*N`` elements may pass 2**31) and their masks."""
+    row0 = (m_tile % tiles_per_block) * BLOCK_M
+    rows = row0 + tl.arange(0, BLOCK_M)
+    cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    return row0, rows.to(tl.int64), cols.to(tl.int64), rows < m, cols < N
+
+
+@triton.jit
 def _load_block(x, r0, c0, R, C, stride_r, stride_c, LAYOUT: tl.constexpr, BLOCK_R, BLOCK_C):
     """The block ``X[r0 : r0 + BLOCK_R, c0 : c0 + BLOCK_C]`` of an operand ``X`` [R, C], zero
     outside ``X``. ``LAYOUT`` (see :func:`tma_layout`): ``"rc"``, ``x`` is a descriptor over

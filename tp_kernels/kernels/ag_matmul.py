@@ -32,6 +32,7 @@ from tp_kernels.kernels import (
     _note_first_touch,
     _round_to,
     _tile_coords,
+    _tile_span,
     _wait_signal,
     check_matrix,
     check_ptr_table,
@@ -134,14 +135,9 @@ def _ag_matmul_kernel(
     while tile < total:
         m_tile, col_tile = _tile_coords(tile, tiles_per_shard, n_tiles, GROUP_M)
         src = (rank + m_tile // tiles_per_shard) % world_size
-        row0 = (m_tile % tiles_per_shard) * BLOCK_M
-        rows = row0 + tl.arange(0, BLOCK_M)
-        cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = rows < m
-        col_ok = cols < N
-        # int64 offsets: W*m*K or W*m*N elements may pass 2**31.
-        rows64 = rows.to(tl.int64)
-        cols64 = cols.to(tl.int64)
+        row0, rows64, cols64, row_ok, col_ok = _tile_span(
+            m_tile, col_tile, tiles_per_shard, m, N, BLOCK_M, BLOCK_N
+        )
         local_rows = a_local_ptr + src.to(tl.int64) * m * K
         puller = PULL & (col_tile == 0)
         if PULL:

@@ -33,6 +33,7 @@ from tp_kernels.kernels import (
     _note_first_touch,
     _round_to,
     _tile_coords,
+    _tile_span,
     _wait_signal,
     check_matrix,
     check_ptr_table,
@@ -130,13 +131,9 @@ def _matmul_rs_kernel(
         if TRACE:
             _note_first_touch(trace_ptr, dst, world_size)
 
-        row0 = (m_tile % tiles_per_slot) * BLOCK_M
-        rows = row0 + tl.arange(0, BLOCK_M)
-        cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = rows < m
-        col_ok = cols < N
-        rows64 = rows.to(tl.int64)
-        cols64 = cols.to(tl.int64)
+        row0, rows64, cols64, row_ok, col_ok = _tile_span(
+            m_tile, col_tile, tiles_per_slot, m, N, BLOCK_M, BLOCK_N
+        )
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             # Rows past d's m belong to the next destination (or are zeros past A): they only reach
