@@ -38,8 +38,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.tensor.parallel as torch_tp
 import transformers
+from _training import full, relative_error
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 import tp_kernels
 from tp_kernels.examples import train_hf
@@ -90,10 +91,6 @@ def _batch() -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 def _loss_and_grads(
     model: torch.nn.Module, *, loss_parallel: bool = False
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict, dict]:
@@ -105,13 +102,8 @@ def _loss_and_grads(
         forward = tp_kernels.comm_stats()
         loss.backward()
     backward = tp_kernels.comm_stats() - forward
-    grads = {name: _full(p.grad) for name, p in model.named_parameters()}
-    return _full(loss).detach(), grads, dict(forward), dict(backward)
-
-
-def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
-    ref = ref.double()
-    return ((x.double() - ref).norm() / ref.norm()).item()
+    grads = {name: full(p.grad) for name, p in model.named_parameters()}
+    return full(loss).detach(), grads, dict(forward), dict(backward)
 
 
 def _placements(model: torch.nn.Module) -> dict[str, tuple]:
@@ -133,10 +125,13 @@ def _runs(family: str, backends: tuple[str, ...]) -> dict:
             plan = hf.sequence_parallel_plan(model.config, loss_parallel=lp, **kwargs)
             tp_kernels.parallelize_module(model, mesh, plan)
             loss, grads, forward, backward = _loss_and_grads(model, loss_parallel=lp)
-            errors = {"loss": (_rel(loss, loss64), _rel(loss_ref, loss64))}
+            errors = {"loss": (relative_error(loss, loss64), relative_error(loss_ref, loss64))}
             for name, g in grads.items():
                 assert g.dtype == torch.float32 and g.shape == grads_ref[name].shape, name
-                errors[name] = (_rel(g, grads64[name]), _rel(grads_ref[name], grads64[name]))
+                errors[name] = (
+                    relative_error(g, grads64[name]),
+                    relative_error(grads_ref[name], grads64[name]),
+                )
             out[(label, lp)] = {
                 "errors": errors,
                 "forward": forward,
@@ -247,7 +242,9 @@ def _load_sharded(path: str) -> dict:
     )
     loss64, grads64, _, _ = _loss_and_grads(truth)
     loss, grads, forward, backward = _loss_and_grads(model)
-    errors = {"loss": _rel(loss, loss64)} | {n: _rel(g, grads64[n]) for n, g in grads.items()}
+    errors = {"loss": relative_error(loss, loss64)} | {
+        n: relative_error(g, grads64[n]) for n, g in grads.items()
+    }
     reference = copy.deepcopy(truth).float()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     tp_kernels.parallelize_module(reference, mesh, hf.sequence_parallel_plan(reference.config))
@@ -258,7 +255,7 @@ def _load_sharded(path: str) -> dict:
         "backward": _by_kind(backward),
         "same_sharding": _placements(model) == _placements(reference),
         "same_weights": all(
-            torch.equal(_full(p), _full(q))
+            torch.equal(full(p), full(q))
             for p, q in zip(model.parameters(), reference.parameters(), strict=True)
         ),
     }

@@ -24,7 +24,6 @@ its colwise children) and two fused reduce-scatters (``wo``, ``w2``), plus one a
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import re
 
@@ -32,6 +31,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _training import next_token_loss_and_grads, relative_error
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor import parallel as torch_tp
@@ -60,19 +60,7 @@ def _tokens(seed: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
 def _loss_and_grads(
     model: torch.nn.Module, *, loss_parallel: bool = False
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Cross entropy of the next token, ``loss.backward()``; full (unsharded) loss and gradients."""
-    inputs, targets = _tokens()
-    with tp_kernels.loss_parallel() if loss_parallel else contextlib.nullcontext():
-        logits = model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-        loss.backward()
-    if isinstance(loss, DTensor):
-        loss = loss.full_tensor()
-    grads = {
-        name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-        for name, p in model.named_parameters()
-    }
-    return loss.detach(), grads
+    return next_token_loss_and_grads(model, *_tokens(), loss_parallel=loss_parallel)
 
 
 def _parallel_copy(base: Llama, **plan_kwargs: object) -> Llama:
@@ -101,11 +89,6 @@ def _check_sharded(model: Llama, sequence_parallel: bool) -> None:
     assert norm_is_dtensor == sequence_parallel
 
 
-def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
-    ref = ref.double()
-    return ((x.double() - ref).norm() / ref.norm()).item()
-
-
 def _errors_vs_unsharded(
     backend: str,
 ) -> dict[tuple[str, bool, bool], dict[str, tuple[float, float]]]:
@@ -119,10 +102,13 @@ def _errors_vs_unsharded(
             model = _parallel_copy(base, sequence_parallel=sp, loss_parallel=lp, backend=backend)
             _check_sharded(model, sp)
             loss, grads = _loss_and_grads(model, loss_parallel=lp)
-            errs = {"loss": (_rel(loss, loss64), _rel(loss_ref, loss64))}
+            errs = {"loss": (relative_error(loss, loss64), relative_error(loss_ref, loss64))}
             for name, g in grads.items():
                 assert g.dtype == dtype and g.shape == grads_ref[name].shape, name
-                errs[name] = (_rel(g, grads64[name]), _rel(grads_ref[name], grads64[name]))
+                errs[name] = (
+                    relative_error(g, grads64[name]),
+                    relative_error(grads_ref[name], grads64[name]),
+                )
             out[(dtype_name, sp, lp)] = errs
     return out
 

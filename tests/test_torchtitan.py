@@ -28,9 +28,8 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from _training import next_token_loss_and_grads, relative_error
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import parallel as torch_tp
 
 import tp_kernels
@@ -84,22 +83,7 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
 def _loss_and_grads(
     model: torch.nn.Module, loss_parallel: bool
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Next-token cross entropy and ``backward()``; the full loss and gradients, by name."""
-    inputs, targets = _batch()
-    with tp_kernels.loss_parallel() if loss_parallel else contextlib.nullcontext():
-        logits = model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-        loss.backward()
-    if isinstance(loss, DTensor):
-        loss = loss.full_tensor()
-    grads = {
-        # AC wrappers add a prefix to the names; the unsharded model has none.
-        name.replace("_checkpoint_wrapped_module.", ""): (
-            p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-        )
-        for name, p in model.named_parameters()
-    }
-    return loss.detach(), grads
+    return next_token_loss_and_grads(model, *_batch(), loss_parallel=loss_parallel)
 
 
 def _parallel(base: Transformer, *, styles: str, loss_parallel: bool, ac: str = "none"):
@@ -115,10 +99,6 @@ def _parallel(base: Transformer, *, styles: str, loss_parallel: bool, ac: str = 
     if ac != "none":
         apply_ac(model, ActivationCheckpoint(mode=ac, selective_ac_option="op"))
     return model
-
-
-def _rel(x: torch.Tensor, truth: torch.Tensor) -> float:
-    return ((x.double() - truth.double()).norm() / truth.double().norm()).item()
 
 
 def _run_cases(backends: list[str], ac: str = "none") -> dict:
@@ -153,7 +133,11 @@ def _run_cases(backends: list[str], ac: str = "none") -> dict:
                 **{n: (ours[1][n], truth[1][n], unsharded[1][n], theirs[1][n]) for n in truth[1]},
             }.items():
                 assert got.shape == ref.shape and got.dtype == ref.dtype, key
-                errors[key] = (_rel(got, ref64), _rel(ref, ref64), _rel(torch_ref, ref64))
+                errors[key] = (
+                    relative_error(got, ref64),
+                    relative_error(ref, ref64),
+                    relative_error(torch_ref, ref64),
+                )
             assert ours[1].keys() == truth[1].keys()
             out[(backend, lp)] = {
                 "errors": errors,
