@@ -50,7 +50,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tp_kernels.deadline import (
+    DEFAULT_TIMEOUT_S,
+    PeerTimeoutError,
+    check_timeout,
+    gather_objects,
+    get_timeout,
+    set_timeout,
+)
+
 __all__ = [
+    "DEFAULT_TIMEOUT_S",
     "SHM_NAME_PREFIX",
     "SymmTimeoutError",
     "SymmWorkspace",
@@ -60,7 +70,6 @@ __all__ = [
     "symm_unavailable_reason",
 ]
 
-DEFAULT_TIMEOUT_S = 300.0
 # Every segment of the CPU heap is named "/" + SHM_NAME_PREFIX + <allocation id> + "_" + <rank>.
 SHM_NAME_PREFIX = "tp_kernels_"
 # The CPU heap's signal pad has the default size of CUDA symmetric memory's (32 blocks x 72 ranks x
@@ -69,7 +78,7 @@ _CPU_SIGNAL_PAD_BYTES = 32 * 72 * 4
 _SIGNAL_WORD_BYTES = 4
 
 
-class SymmTimeoutError(RuntimeError):
+class SymmTimeoutError(PeerTimeoutError):
     """A signal or barrier wait passed its deadline.
 
     The message names the group, this rank, the peer, the channel and how long it waited; the same
@@ -83,52 +92,19 @@ class SymmTimeoutError(RuntimeError):
         channel: int | None = None,
         timeout_s: float | None = None,
     ) -> None:
-        super().__init__(message)
+        super().__init__(
+            message,
+            phase="signal wait",
+            peers=None if peer is None else [peer],
+            waited_s=timeout_s,
+        )
         self.peer = peer
         self.channel = channel
         self.timeout_s = timeout_s
 
 
-# --- timeouts -------------------------------------------------------------------------------------
-
-_timeout_s: float | None = None  # None until set or first read from TP_KERNELS_TIMEOUT_S
-
-
-def _check_timeout(value: object, argument: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{argument}: expected a number of seconds, got {value!r}")
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(
-            f"{argument}: expected a positive, finite number of seconds, got {value!r}"
-        )
-    return float(value)
-
-
-def set_timeout(seconds: float) -> None:
-    """Set the default deadline of every signal wait and barrier in this process, in seconds."""
-    global _timeout_s
-    _timeout_s = _check_timeout(seconds, "seconds")
-
-
-def get_timeout() -> float:
-    """The default deadline of waits: :func:`set_timeout`'s value, else ``TP_KERNELS_TIMEOUT_S``,
-    else 300 s."""
-    global _timeout_s
-    if _timeout_s is None:
-        raw = os.environ.get("TP_KERNELS_TIMEOUT_S")
-        if raw is None:
-            _timeout_s = DEFAULT_TIMEOUT_S
-        else:
-            try:
-                value = float(raw)
-            except ValueError:
-                value = raw  # rejected with the message below
-            _timeout_s = _check_timeout(value, "TP_KERNELS_TIMEOUT_S")
-    return _timeout_s
-
-
 def _resolve_timeout(timeout_s: float | None) -> float:
-    return get_timeout() if timeout_s is None else _check_timeout(timeout_s, "timeout_s")
+    return get_timeout() if timeout_s is None else check_timeout(timeout_s, "timeout_s")
 
 
 # --- availability ---------------------------------------------------------------------------------
@@ -642,12 +618,6 @@ atexit.register(_replaced.clear)
 _ALLOW_SHARED_GPU = "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"
 
 
-def _all_gather(group: dist.ProcessGroup, obj: Any) -> list[Any]:
-    out: list[Any] = [None] * group.size()
-    dist.all_gather_object(out, obj, group=group)
-    return out
-
-
 def _agree(group: dist.ProcessGroup, nbytes: int, device: torch.device, tag: str) -> str:
     """Check on every rank, together, that allocating is possible and that all ranks ask the same;
     raise the same error on every rank if not. Returns rank 0's allocation id."""
@@ -661,7 +631,7 @@ def _agree(group: dist.ProcessGroup, nbytes: int, device: torch.device, tag: str
         "host": socket.gethostname(),
         "uid": uuid.uuid4().hex,
     }
-    infos = _all_gather(group, mine)
+    infos = gather_objects(group, mine, "symmetric memory setup")
     where = f"get_workspace(tag={tag!r}) on group {label}"
     bad = {r: i["reason"] for r, i in enumerate(infos) if i["reason"] is not None}
     if bad:
@@ -702,7 +672,7 @@ def _on_every_rank(group: dist.ProcessGroup, step: Callable[[], None], what: str
         error = None
     except (OSError, RuntimeError, ValueError) as exc:
         error = f"{type(exc).__name__}: {exc}"
-    errors = _all_gather(group, error)
+    errors = gather_objects(group, error, "symmetric memory setup")
     failed = {r: e for r, e in enumerate(errors) if e is not None}
     if failed:
         details = "; ".join(f"rank {r}: {e}" for r, e in failed.items())
@@ -715,25 +685,34 @@ def _allocate_shm(group: dist.ProcessGroup, nbytes: int, uid: str) -> _ShmWorksp
     native = _native()
     world_size = group.size()
     channels = _CPU_SIGNAL_PAD_BYTES // (_SIGNAL_WORD_BYTES * world_size)
+    prefix = f"/{SHM_NAME_PREFIX}{uid}_"
     heap = native.Heap(
-        group.group_name,
-        group.rank(),
-        world_size,
-        f"/{SHM_NAME_PREFIX}{uid}_",
-        nbytes,
-        channels * world_size,
+        group.group_name, group.rank(), world_size, prefix, nbytes, channels * world_size
     )
-    # A failed step leaves the heap to its destructor, which unmaps and unlinks what it made.
-    _on_every_rank(group, heap.create, "create its shared-memory segment")
     try:
+        _on_every_rank(group, heap.create, "create its shared-memory segment")
         _on_every_rank(group, heap.map_peers, "map the segments of its peers")
-    finally:
-        # Every rank has passed the exchange above, so every segment is mapped (or never will be).
-        heap.unlink()
+    except BaseException:
+        # A peer may have died between creating its segment and unlinking it: every rank knows
+        # every segment's name, so the survivors remove them all (the heap's destructor unmaps
+        # and unlinks this rank's own).
+        _unlink_segments(prefix, world_size)
+        raise
+    # Every rank has passed the exchange above, so every segment is mapped.
+    heap.unlink()
     workspace = _ShmWorkspace(group, heap, native)
     # Once get_workspace returns on any rank, no segment of this allocation has a name left.
     workspace.barrier()
     return workspace
+
+
+def _unlink_segments(prefix: str, world_size: int) -> None:
+    """Remove the names of every rank's segment of one allocation, those that exist."""
+    from _posixshmem import shm_unlink  # the POSIX call, as multiprocessing.shared_memory uses it
+
+    for rank in range(world_size):
+        with contextlib.suppress(FileNotFoundError):
+            shm_unlink(f"{prefix}{rank}")
 
 
 def _on_device(device: torch.device) -> contextlib.AbstractContextManager[Any]:

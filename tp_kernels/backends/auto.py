@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from tp_kernels import cost
+from tp_kernels import cost, deadline
 
 logger = logging.getLogger("tp_kernels")
 
@@ -147,7 +147,8 @@ def _agreed_max(values: list[float], group: dist.ProcessGroup, device: torch.dev
     local = torch.tensor(values, dtype=torch.float64)
     if "nccl" in str(dist.get_backend(group)):
         local = local.to(device)
-    dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+    work = dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    deadline.wait(work, group, "auto backend choice")
     return local.cpu().tolist()
 
 
@@ -216,6 +217,13 @@ def time_and_choose(
     time ``run(name)`` for every other candidate on every rank, agree on the slowest rank's
     medians, keep and log the winner. Collective: every rank of ``group`` must call it for the
     same shape class with the same candidates."""
+    with deadline.fused_call(group, shape.op, "forward"):
+        return _time_and_choose(shape, group, found, run)
+
+
+def _time_and_choose(
+    shape: Shape, group: dist.ProcessGroup, found: Candidates, run: Callable[[str], None]
+) -> str:
     found = _ruled_out_by_model(shape, group, found)
     names = found.names
     if len(names) == 1:

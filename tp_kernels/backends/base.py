@@ -20,19 +20,23 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from tp_kernels import deadline
 from tp_kernels._compat import all_gather_single
 
 
 class PendingGather:
-    """An all-gather in flight; :meth:`wait` returns the gathered ``[W*m, K]`` tensor."""
+    """An all-gather in flight on ``group``; :meth:`wait` (bounded by the deadline where the host
+    waits, see :func:`tp_kernels.deadline.host_waits`) returns the gathered ``[W*m, K]`` tensor."""
 
-    def __init__(self, out: torch.Tensor, work: dist.Work | None) -> None:
-        self._out = out
-        self._work = work
+    def __init__(
+        self, out: torch.Tensor, work: dist.Work | None, group: dist.ProcessGroup | None = None
+    ) -> None:
+        self._out, self._work, self._group = out, work, group
 
     def wait(self) -> torch.Tensor:
-        if self._work is not None:
-            self._work.wait()
+        if self._work is not None and self._group is not None:
+            bounded = deadline.host_waits(self._group, self._out.device)
+            deadline.wait(self._work, self._group, "all-gather", bounded=bounded)
             self._work = None
         return self._out
 
@@ -58,7 +62,8 @@ class Backend(ABC):
         if world == 1:
             out.copy_(a_shard)
             return PendingGather(out, None)
-        return PendingGather(out, all_gather_single(out, a_shard, group, async_op=True))
+        work = all_gather_single(out, a_shard, group, async_op=True)
+        return PendingGather(out, work, group)
 
     @abstractmethod
     def all_gather_matmul(

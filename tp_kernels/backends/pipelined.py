@@ -13,7 +13,10 @@ It needs nothing but the ProcessGroup (NCCL, gloo, across nodes). The order of w
   order ``0..W-1``, so the result does not depend on arrival order.
 
 On CUDA the transfers run on the communicator's stream and ``Work.wait()`` only makes the compute
-stream wait for them, so the host never blocks; on gloo the transfers run on gloo's threads.
+stream wait for them, so the host never blocks (NCCL's watchdog bounds them); on gloo the transfers
+run on gloo's threads and the host waits for them within the deadline of :mod:`tp_kernels.deadline`.
+A call that fails after posting transfers (a matmul that raises on every rank) waits for the
+transfers it posted before it raises, so the next call on the group pairs its own.
 
 Every row block travels in its own ``batch_isend_irecv``: the block this rank receives and the
 matching block it sends (see :func:`_exchange`). One block per batch because backends differ in
@@ -32,6 +35,7 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from tp_kernels import deadline
 from tp_kernels.backends import schedule
 from tp_kernels.backends.base import Backend
 
@@ -134,7 +138,11 @@ class PipelinedBackend(Backend):
         a = a_shard.new_empty((world * m, a_shard.shape[1]))
         outs = [a_shard.new_empty((world * m, b.shape[1])) for b in bs]
         transport = _GatherBlocks(a_shard, a, group)
-        schedule.all_gather_matmul(a_shard, bs, outs, a, rank, world, transport)
+        try:
+            schedule.all_gather_matmul(a_shard, bs, outs, a, rank, world, transport)
+        except BaseException:
+            transport.drain()
+            raise
         return (a if return_a else None), outs
 
     def matmul_reduce_scatter(
@@ -147,7 +155,11 @@ class PipelinedBackend(Backend):
     ) -> torch.Tensor:
         world, rank = group.size(), group.rank()
         transport = _ScatterBlocks(a.shape[0] // world, b.shape[1], a, group)
-        return schedule.matmul_reduce_scatter(a, b, addend, rank, world, transport)
+        try:
+            return schedule.matmul_reduce_scatter(a, b, addend, rank, world, transport)
+        except BaseException:
+            transport.received()  # drain: wait for what was posted
+            raise
 
 
 class _GatherBlocks:
@@ -159,7 +171,8 @@ class _GatherBlocks:
         world, rank = group.size(), group.rank()
         m = a_shard.shape[0]
         chunks = chunks_for(m, a_shard.shape[1] * a_shard.element_size())
-        self._a, self._m = a, m
+        self._a, self._m, self._group = a, m, group
+        self._bounded = deadline.host_waits(group, a.device)
         self._pending: dict[int, list[tuple[int, int, list[dist.Work]]]] = {}
         for step in range(1, world):
             src, dst = (rank + step) % world, (rank - step) % world
@@ -176,8 +189,14 @@ class _GatherBlocks:
             # On NCCL one Work stands for the block's send and receive together; the send's
             # source is the caller's a_shard, alive until the call returns.
             for work in works:
-                work.wait()
+                deadline.wait(work, self._group, "transfer", bounded=self._bounded)
             yield begin, end, self._a[base + begin : base + end]
+
+    def drain(self) -> None:
+        """Wait for every transfer still posted (a call that failed midway)."""
+        for src in list(self._pending):
+            for _ in self.arrivals(src):
+                pass
 
 
 class _ScatterBlocks:
@@ -193,6 +212,7 @@ class _ScatterBlocks:
         # [k-1]: the block for rank r+k, kept alive until the sends complete.
         self._sent = a.new_empty((self._world - 1, m, n))
         self._works: list[dist.Work] = []
+        self._bounded = deadline.host_waits(group, a.device)
 
     def slots(self, dst: int) -> list[schedule.Block]:
         if dst == self._rank:
@@ -210,8 +230,9 @@ class _ScatterBlocks:
         return (dst - self._rank) % self._world
 
     def received(self) -> torch.Tensor:
-        for work in self._works:
-            work.wait()
+        works, self._works = self._works, []
+        for work in works:
+            deadline.wait(work, self._group, "transfer", bounded=self._bounded)
         return self._received
 
 

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from tp_kernels import deadline
 from tp_kernels._compat import reduce_scatter_single
 from tp_kernels.backends.base import Backend
 
@@ -42,7 +43,9 @@ class ReferenceBackend(Backend):
         if world == 1:
             return partial
         out = partial.new_empty((partial.shape[0] // world, partial.shape[1]))
-        reduce_scatter_single(out, partial, group)
+        work = reduce_scatter_single(out, partial, group, async_op=True)
+        bounded = deadline.host_waits(group, out.device)
+        deadline.wait(work, group, "reduce-scatter", bounded=bounded)
         return out
 
 

@@ -359,7 +359,7 @@ class _Round:
             self.state.broken = str(exc)
             raise symm.SymmTimeoutError(
                 f"{self.where}, call {self.seq}: {what} for peer rank {peer} on channel "
-                f"{_READY} ran past its deadline: {exc}",
+                f"{_READY} ran past its deadline: {exc.detail}",
                 peer=peer,
                 channel=_READY,
                 timeout_s=exc.timeout_s,

@@ -4,15 +4,23 @@ Local checks (types, ranks, dims, dtypes, devices, group membership) run on ever
 could disagree on (shapes, dtypes, options, the backend they resolved, a local check that failed on
 one rank only) is compared across the group by :func:`checked` — one tiny all-gather of a digest —
 when consistency checks are on: by default for CPU tensors, not for CUDA tensors where the extra
-latency per op matters; ``TP_KERNELS_CHECK_CONSISTENCY=1``/``0`` forces either. With the check off,
-ranks that call with different shapes are a user error that the collective itself may or may not
-detect (NCCL then hangs until its watchdog timeout).
+latency per op matters; ``TP_KERNELS_CHECK_CONSISTENCY=1``/``0`` forces either. The first call on
+a group always agrees, and on the mode too, so ranks whose modes differ fail together there instead
+of one waiting in an agreement the other skips. With the check off, ranks that call with different
+shapes are a user error that the collective itself may or may not detect (NCCL then hangs until its
+watchdog timeout). Every exchange here is bounded by :mod:`tp_kernels.deadline`.
+
+A rank whose call fails before it knows its group (a ``group`` argument naming none it belongs to)
+cannot take part in the agreement: its peers end at the deadline. So that its *next* call does not
+pair with the call its peers are still waiting in, it carries a note of the failed call into its
+next agreement, where the peers see it as a mismatch.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import weakref
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -20,11 +28,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from tp_kernels import deadline
 from tp_kernels._compat import all_gather_single
 
 T = TypeVar("T")
 
 GroupLike = dist.ProcessGroup | DeviceMesh | str | None
+
+
+class NotAMemberError(ValueError):
+    """This rank is not a member of the group a fused op was given (no peer waits for it)."""
 
 
 def resolve_group(group: object, *, op: str) -> dist.ProcessGroup:
@@ -54,7 +67,7 @@ def resolve_group(group: object, *, op: str) -> dist.ProcessGroup:
                 f"{op}: group {group!r} is not a registered process group name: {exc}"
             ) from exc
     if group is dist.GroupMember.NON_GROUP_MEMBER:
-        raise ValueError(
+        raise NotAMemberError(
             f"{op}: this rank (global rank {dist.get_rank()}) is not a member of the given group"
         )
     if not isinstance(group, dist.ProcessGroup):
@@ -63,7 +76,7 @@ def resolve_group(group: object, *, op: str) -> dist.ProcessGroup:
             f"default group), got {type(group).__name__}"
         )
     if group.rank() < 0:
-        raise ValueError(
+        raise NotAMemberError(
             f"{op}: this rank (global rank {dist.get_rank()}) is not a member of "
             f"group {group.group_name!r}"
         )
@@ -185,6 +198,25 @@ def check_matmul_reduce_scatter(
     return a, b, dim
 
 
+# Set by a call that failed before it could reach its peers; taken by the next agreement.
+_unmatched_call: str | None = None
+# The groups whose first call has agreed (see the module docstring).
+_agreed: weakref.WeakSet[dist.ProcessGroup] = weakref.WeakSet()
+
+
+def resolve_group_or_note(group: object, *, op: str) -> dist.ProcessGroup:
+    """:func:`resolve_group`, noting a failure for the next agreement (see the module
+    docstring)."""
+    global _unmatched_call
+    try:
+        return resolve_group(group, op=op)
+    except NotAMemberError:
+        raise
+    except (TypeError, ValueError):
+        _unmatched_call = op
+        raise
+
+
 def consistency_checks_on(device: torch.device) -> bool:
     env = os.environ.get("TP_KERNELS_CHECK_CONSISTENCY")
     if env is not None:
@@ -222,20 +254,28 @@ def agree_across_ranks(
     Ranks exchange a 7-byte digest of ``signature`` (one tiny all-gather); only when they differ
     are the texts gathered, so the error can say which rank called with what.
     """
-    if group.size() == 1 or not consistency_checks_on(device):
+    global _unmatched_call
+    checks = consistency_checks_on(device)
+    if group.size() == 1 or (not checks and group in _agreed):
         return
+    signature += f" consistency_checks={checks}"
+    if _unmatched_call is not None:
+        signature += (
+            f" (after a {_unmatched_call} call on this rank that failed before it knew its group)"
+        )
+        _unmatched_call = None
     digest = int.from_bytes(hashlib.blake2b(signature.encode(), digest_size=7).digest(), "little")
     mine = torch.tensor(
         [digest], dtype=torch.int64, device=device if device.type == "cuda" else "cpu"
     )
     everyone = mine.new_empty(group.size())
-    all_gather_single(everyone, mine, group)
+    deadline.wait(all_gather_single(everyone, mine, group, async_op=True), group, "agreement")
     if bool((everyone != mine).any()):
-        texts: list[str | None] = [None] * group.size()
-        dist.all_gather_object(texts, signature, group=group)
+        texts = deadline.gather_objects(group, signature, "agreement")
         lines = "\n".join(f"  rank {r}: {t}" for r, t in enumerate(texts))
         raise ValueError(
             f"{op}: the ranks of group {group.group_name!r} called with different "
             f"arguments; every rank must pass the same shapes, dtypes and options:\n"
             f"{lines}"
         )
+    _agreed.add(group)

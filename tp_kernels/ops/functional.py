@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from tp_kernels import deadline
 from tp_kernels.backends import check_backend_name, choose, get_backend, pipelined
 from tp_kernels.backends.auto import Candidates, Shape, time_and_choose
 from tp_kernels.ops._checks import (
@@ -14,7 +15,7 @@ from tp_kernels.ops._checks import (
     check_all_gather_matmul,
     check_matmul_reduce_scatter,
     checked,
-    resolve_group,
+    resolve_group_or_note,
 )
 from tp_kernels.ops.library import all_gather_matmul_2d, matmul_reduce_scatter_2d
 
@@ -59,7 +60,8 @@ def _validated(
         name, pending = choose(backend, shape, group)
         return (args, name, shape, pending), signature(args, name)
 
-    return checked(op, group, _device_of(a), check)
+    with deadline.fused_call(group, op, "forward"):
+        return checked(op, group, _device_of(a), check)
 
 
 def _row_major(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -105,7 +107,7 @@ def all_gather_matmul(
     ``torch.ops.symm_mem.fused_all_gather_matmul``.
     """
     op = "all_gather_matmul"
-    pg = resolve_group(group, op=op)
+    pg = resolve_group_or_note(group, op=op)
 
     def signature(args: tuple, name: str) -> str:
         a, checked_bs, dim = args
@@ -175,7 +177,7 @@ def matmul_reduce_scatter(
     Mirrors ``torch.ops.symm_mem.fused_matmul_reduce_scatter``.
     """
     op = "matmul_reduce_scatter"
-    pg = resolve_group(group, op=op)
+    pg = resolve_group_or_note(group, op=op)
 
     def signature(args: tuple, name: str) -> str:
         a_, b_, dim = args

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from tp_kernels import deadline
 from tp_kernels.backends import BACKEND_NAMES, get_backend, resolve
 from tp_kernels.backends.auto import Shape
 from tp_kernels.backends.base import Backend
@@ -52,11 +53,12 @@ def all_gather_matmul_2d(
     save_a: bool,
 ) -> list[torch.Tensor]:
     group = _resolve_process_group(group_name)
-    impl = _backend(backend, group, Shape.of_all_gather_matmul(a_shard, bs))
-    record("forward", "all_gather_matmul", impl.name)
-    keep_a = return_a or save_a
-    a, outs = impl.all_gather_matmul(a_shard.contiguous(), bs, group, return_a=keep_a)
-    return [a, *outs] if keep_a else outs
+    with deadline.fused_call(group, "all_gather_matmul", "forward"):
+        impl = _backend(backend, group, Shape.of_all_gather_matmul(a_shard, bs))
+        record("forward", "all_gather_matmul", impl.name)
+        keep_a = return_a or save_a
+        a, outs = impl.all_gather_matmul(a_shard.contiguous(), bs, group, return_a=keep_a)
+        return [a, *outs] if keep_a else outs
 
 
 @all_gather_matmul_2d.register_fake
@@ -77,22 +79,23 @@ def all_gather_matmul_backward_2d(
     backend: str,
 ) -> list[torch.Tensor]:
     group = _resolve_process_group(group_name)
-    impl = _backend(backend, group, Shape.of_all_gather_matmul(a, bs))
-    rows = a.shape[0] if a_is_gathered else a.shape[0] * group.size()
-    # The gather of A for the weight grads runs while the fused matmul-reduce-scatter computes
-    # the input grad.
-    pending = None
-    if not a_is_gathered and grad_outs:
-        record("backward", "all_gather", impl.name)
-        pending = impl.all_gather_async(a.contiguous(), group)
-    grad_cat = torch.cat(grad_outs, dim=1) if grad_outs else a.new_zeros((rows, 0))
-    b_cat = torch.cat(bs, dim=1) if bs else a.new_zeros((a.shape[1], 0))
-    record("backward", "matmul_reduce_scatter", impl.name)
-    grad_a_shard = impl.matmul_reduce_scatter(
-        grad_cat.contiguous(), b_cat.t(), group, addend=grad_a
-    )
-    gathered = a if pending is None else pending.wait()
-    return [grad_a_shard, *(gathered.t() @ g for g in grad_outs)]
+    with deadline.fused_call(group, "all_gather_matmul", "backward"):
+        impl = _backend(backend, group, Shape.of_all_gather_matmul(a, bs))
+        rows = a.shape[0] if a_is_gathered else a.shape[0] * group.size()
+        # The gather of A for the weight grads runs while the fused matmul-reduce-scatter computes
+        # the input grad.
+        pending = None
+        if not a_is_gathered and grad_outs:
+            record("backward", "all_gather", impl.name)
+            pending = impl.all_gather_async(a.contiguous(), group)
+        grad_cat = torch.cat(grad_outs, dim=1) if grad_outs else a.new_zeros((rows, 0))
+        b_cat = torch.cat(bs, dim=1) if bs else a.new_zeros((a.shape[1], 0))
+        record("backward", "matmul_reduce_scatter", impl.name)
+        grad_a_shard = impl.matmul_reduce_scatter(
+            grad_cat.contiguous(), b_cat.t(), group, addend=grad_a
+        )
+        gathered = a if pending is None else pending.wait()
+        return [grad_a_shard, *(gathered.t() @ g for g in grad_outs)]
 
 
 @all_gather_matmul_backward_2d.register_fake
@@ -148,12 +151,13 @@ def matmul_reduce_scatter_2d(
     avg: bool,
 ) -> torch.Tensor:
     group = _resolve_process_group(group_name)
-    impl = _backend(backend, group, Shape.of_matmul_reduce_scatter(a, b, group.size()))
-    record("forward", "matmul_reduce_scatter", impl.name)
-    out = impl.matmul_reduce_scatter(a.contiguous(), b, group)
-    if avg:
-        out.div_(group.size())
-    return out if bias is None else out.add_(bias)
+    with deadline.fused_call(group, "matmul_reduce_scatter", "forward"):
+        impl = _backend(backend, group, Shape.of_matmul_reduce_scatter(a, b, group.size()))
+        record("forward", "matmul_reduce_scatter", impl.name)
+        out = impl.matmul_reduce_scatter(a.contiguous(), b, group)
+        if avg:
+            out.div_(group.size())
+        return out if bias is None else out.add_(bias)
 
 
 @matmul_reduce_scatter_2d.register_fake
@@ -172,14 +176,17 @@ def matmul_reduce_scatter_backward_2d(
     avg: bool,
 ) -> list[torch.Tensor]:
     group = _resolve_process_group(group_name)
-    impl = _backend(backend, group, Shape.of_matmul_reduce_scatter(a, b, group.size()))
-    record("backward", "all_gather_matmul", impl.name)
-    gathered, (grad_a,) = impl.all_gather_matmul(grad.contiguous(), [b.t()], group, return_a=True)
-    grad_b = a.t() @ gathered
-    if avg:
-        grad_a.div_(group.size())
-        grad_b.div_(group.size())
-    return [grad_a, grad_b, gathered.sum(0)] if with_bias else [grad_a, grad_b]
+    with deadline.fused_call(group, "matmul_reduce_scatter", "backward"):
+        impl = _backend(backend, group, Shape.of_matmul_reduce_scatter(a, b, group.size()))
+        record("backward", "all_gather_matmul", impl.name)
+        gathered, (grad_a,) = impl.all_gather_matmul(
+            grad.contiguous(), [b.t()], group, return_a=True
+        )
+        grad_b = a.t() @ gathered
+        if avg:
+            grad_a.div_(group.size())
+            grad_b.div_(group.size())
+        return [grad_a, grad_b, gathered.sum(0)] if with_bias else [grad_a, grad_b]
 
 
 @matmul_reduce_scatter_backward_2d.register_fake

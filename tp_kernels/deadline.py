@@ -1,0 +1,280 @@
+"""One deadline for every wait of a fused op, one error when it passes, and broken groups.
+
+Everything a fused op or style waits on (the ranks' agreement, symmetric-memory setup and growth,
+signal waits, the pipelined transfers, the backward's re-gathers, ``auto``'s timing exchange) is
+bounded by :func:`get_timeout` (``TP_KERNELS_TIMEOUT_S``, :func:`set_timeout`, default 300 s).
+
+* A torch.distributed ``Work`` is waited with torch's own ``Work.wait(timeout)`` (:func:`wait`),
+  where the host waits anyway: CPU tensors, and any group whose backend is not NCCL. On an NCCL
+  group a transfer's ``wait()`` only orders the compute stream after it and the host never blocks;
+  a timeout there would block the host on every transfer and undo the overlap, so those waits are
+  bounded by NCCL's own watchdog (the process group's ``timeout``; leave
+  ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` at its default so a timed-out communicator is aborted).
+* Python objects are exchanged by :func:`gather_objects`: two bounded tensor all-gathers, where
+  ``all_gather_object`` would wait for the group's timeout.
+* Symmetric-memory signal waits carry the deadline themselves (:mod:`tp_kernels.symm`).
+
+A wait that fails (past the deadline, or the transport saw a peer's connection close) raises
+:class:`PeerTimeoutError`, naming the op, the pass and phase, the group, the peers not heard from
+and how long it waited. The peers not heard from are found by a roll call on the group's store:
+every rank that gives up posts its name under the call's number and waits a short grace for the
+others', so ranks stuck in the same call find each other and name only the absent ones. The group
+is then *broken* in this process: every later fused call on it raises at once (its collectives
+may still be half-matched in the transport, so nothing on it can be trusted); create a new group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import datetime
+import math
+import os
+import pickle
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "PeerTimeoutError",
+    "fused_call",
+    "gather_objects",
+    "get_timeout",
+    "host_waits",
+    "set_timeout",
+    "wait",
+]
+
+DEFAULT_TIMEOUT_S = 300.0
+# How long a rank that gave up waits for the other ranks stuck in the same call to say so.
+_ROLL_CALL_GRACE_S = 2.0
+
+
+class PeerTimeoutError(TimeoutError):
+    """A wait for peers ended without them: past the deadline, or their connection closed.
+
+    Attributes (``None``/empty when unknown): ``op``, ``phase`` (``"forward"``/``"backward"``
+    and what was waited for, e.g. ``"forward agreement"``), ``group`` (its name), ``peers`` (the
+    group ranks not heard from), ``waited_s``, ``detail`` (the message without the call's
+    op and phase).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        op: str | None = None,
+        phase: str | None = None,
+        group: str | None = None,
+        peers: list[int] | None = None,
+        waited_s: float | None = None,
+    ) -> None:
+        self.detail = message
+        call = _call.get()
+        if op is None and call is not None:
+            op, pass_ = call
+            phase = f"{pass_} {phase}" if phase else pass_
+            message = f"{op} ({phase}): {message}"
+        super().__init__(message)
+        self.op, self.phase, self.group = op, phase, group
+        self.peers = list(peers or [])
+        self.waited_s = waited_s
+
+
+# --- the deadline ---------------------------------------------------------------------------------
+
+_timeout_s: float | None = None  # None until set or first read from TP_KERNELS_TIMEOUT_S
+
+
+def check_timeout(value: object, argument: str) -> float:
+    """``value`` as seconds if it is a positive, finite number; else an error naming
+    ``argument``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{argument}: expected a number of seconds, got {value!r}")
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(
+            f"{argument}: expected a positive, finite number of seconds, got {value!r}"
+        )
+    return float(value)
+
+
+def set_timeout(seconds: float) -> None:
+    """Set the deadline of every wait of tp_kernels in this process, in seconds."""
+    global _timeout_s
+    _timeout_s = check_timeout(seconds, "seconds")
+
+
+def get_timeout() -> float:
+    """The deadline of waits: :func:`set_timeout`'s value, else ``TP_KERNELS_TIMEOUT_S``, else
+    300 s."""
+    global _timeout_s
+    if _timeout_s is None:
+        raw = os.environ.get("TP_KERNELS_TIMEOUT_S")
+        if raw is None:
+            _timeout_s = DEFAULT_TIMEOUT_S
+        else:
+            try:
+                value: object = float(raw)
+            except ValueError:
+                value = raw  # rejected with the message of check_timeout
+            _timeout_s = check_timeout(value, "TP_KERNELS_TIMEOUT_S")
+    return _timeout_s
+
+
+# --- fused calls and broken groups ----------------------------------------------------------------
+
+# (op, "forward" | "backward") of the fused call this thread is in, for errors raised below it.
+_call: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar(
+    "tp_kernels_call", default=None
+)
+# group -> the error that broke it.
+_broken: weakref.WeakKeyDictionary[dist.ProcessGroup, PeerTimeoutError]
+_broken = weakref.WeakKeyDictionary()
+# group -> fused calls entered on it: the same on every rank that made the same calls, so it
+# numbers the roll call.
+_calls: weakref.WeakKeyDictionary[dist.ProcessGroup, int] = weakref.WeakKeyDictionary()
+
+
+@contextlib.contextmanager
+def fused_call(group: dist.ProcessGroup, op: str, pass_: str) -> Iterator[None]:
+    """The extent of one fused call (or one of its parts) on ``group``: refuses at once on a
+    broken group, names ``op`` and ``pass_`` in the deadline errors raised inside, and marks the
+    group broken when one is."""
+    broken = _broken.get(group)
+    if broken is not None:
+        raise PeerTimeoutError(
+            f"{op} ({pass_}): group {group.group_name!r} is broken by an earlier failed wait, "
+            f"so its peers' state is unknown; create a new group. The failure was: {broken}",
+            op=op,
+            phase=pass_,
+            group=group.group_name,
+            peers=broken.peers,
+            waited_s=0.0,
+        )
+    _calls[group] = _calls.get(group, 0) + 1
+    token = _call.set((op, pass_))
+    try:
+        yield
+    except PeerTimeoutError as exc:
+        _broken.setdefault(group, exc)
+        raise
+    finally:
+        _call.reset(token)
+
+
+# --- bounded waits --------------------------------------------------------------------------------
+
+
+def host_waits(group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether the host blocks anyway in a ``Work.wait()`` of ``group`` for ``device`` tensors
+    (and so may bound it): everything but CUDA tensors on an NCCL group."""
+    return device.type != "cuda" or "nccl" not in str(dist.get_backend(group))
+
+
+def wait(work: dist.Work, group: dist.ProcessGroup, what: str, *, bounded: bool = True) -> None:
+    """``work.wait()`` within the deadline; on failure a :class:`PeerTimeoutError` about
+    ``what`` (e.g. ``"agreement"``). ``bounded=False`` (see :func:`host_waits`) leaves the wait
+    to the transport's own watchdog."""
+    if not bounded:
+        work.wait()
+        return
+    timeout = get_timeout()
+    start = time.monotonic()
+    try:
+        work.wait(datetime.timedelta(seconds=timeout))
+    except RuntimeError as exc:
+        raise _failed(group, what, time.monotonic() - start, timeout, exc) from exc
+
+
+def _failed(
+    group: dist.ProcessGroup, what: str, waited: float, timeout: float, exc: BaseException
+) -> PeerTimeoutError:
+    rank = group.rank()
+    absent = _roll_call(group)
+    if absent is None:
+        who = "the peers could not be told apart (the group's store did not answer)"
+    elif absent:
+        globals_ = [dist.get_global_rank(group, r) for r in absent]
+        who = f"rank(s) {absent} of the group (global {globals_}) were not heard from"
+    else:
+        who = "every peer is stuck in this call too"
+    cause = "past the deadline" if "timed out" in str(exc).lower() else f"the transport: {exc}"
+    return PeerTimeoutError(
+        f"rank {rank} of group {group.group_name!r} waited {waited:.1f} s (deadline "
+        f"{timeout:g} s) for its peers in the {what} and gave up ({cause}); {who}",
+        phase=what,
+        group=group.group_name,
+        peers=absent or [],
+        waited_s=waited,
+    )
+
+
+def _store(group: dist.ProcessGroup) -> dist.Store | None:
+    from torch.distributed.distributed_c10d import _world
+
+    entry = _world.pg_map.get(group)
+    return None if entry is None else entry[1]
+
+
+def _roll_call(group: dist.ProcessGroup) -> list[int] | None:
+    """The group ranks that did not post under this call's number within the grace, or None if
+    the store does not answer. Run on a daemon thread: a store whose host is stopped would hold a
+    store operation until the store's own timeout."""
+    store = _store(group)
+    if store is None:
+        return None
+    rank, world = group.rank(), group.size()
+    prefix = f"tp_kernels/roll_call/{_calls.get(group, 0)}/"
+    others = [r for r in range(world) if r != rank]
+    result: list[list[int]] = []
+
+    def call_roll() -> None:
+        store.set(f"{prefix}{rank}", "1")
+        with contextlib.suppress(RuntimeError):  # DistStoreError on the grace's end
+            store.wait([f"{prefix}{r}" for r in others], datetime.timedelta(seconds=_grace()))
+        result.append([r for r in others if not store.check([f"{prefix}{r}"])])
+
+    thread = threading.Thread(target=call_roll, daemon=True, name="tp_kernels-roll-call")
+    thread.start()
+    thread.join(_grace() + 1.0)
+    return result[0] if result else None
+
+
+def _grace() -> float:
+    return min(_ROLL_CALL_GRACE_S, get_timeout())
+
+
+# --- bounded object exchange ----------------------------------------------------------------------
+
+
+def gather_objects(group: dist.ProcessGroup, obj: Any, what: str) -> list[Any]:
+    """Every rank's picklable ``obj``, in group rank order, each exchange within the deadline
+    (:func:`dist.all_gather_object` waits for the group's timeout)."""
+    from tp_kernels._compat import all_gather_single
+
+    world = group.size()
+    if world == 1:
+        return [obj]
+    backend = str(dist.get_backend(group))
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if "nccl" in backend and "gloo" not in backend
+        else torch.device("cpu")
+    )
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    sizes = size.new_empty(world)
+    wait(all_gather_single(sizes, size, group, async_op=True), group, what)
+    longest = int(sizes.max())
+    padded = data.new_zeros(longest)
+    padded[: data.numel()] = data
+    everyone = data.new_empty(world * longest)
+    wait(all_gather_single(everyone, padded, group, async_op=True), group, what)
+    rows = everyone.view(world, longest).cpu()
+    return [pickle.loads(rows[r, : int(sizes[r])].numpy().tobytes()) for r in range(world)]
