@@ -430,7 +430,7 @@ def test_killed_peer_fails_survivors_at_the_deadline(tmp_path):
     for rank in (0, 1):
         report = json.loads(Path(tmp_path, f"rank{rank}.json").read_text())
         assert report["peer"] == 2 and report["channel"] == symm_backend._READY, report
-        assert "wait_signal for peer rank 2 on channel 1 ran past its deadline" in report["error"]
+        assert "wait_signal on channel 1 ran past its deadline; rank(s) [2]" in report["error"]
         assert "gave up after" in report["error"], report["error"]
         assert 2.0 <= report["waited"] < 30.0, report
         assert "cannot use the symm backend any more" in report["next_call"], report

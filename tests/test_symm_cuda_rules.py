@@ -214,8 +214,17 @@ class World:
         monkeypatch.setattr(symm, "torch", FakeTorch(self.cuda))
 
     def dist(self, *, rank: int, world_size: int) -> None:
-        """This process's global rank and the default world's size."""
-        self._monkeypatch.setattr(symm, "dist", FakeDist(rank=rank, world_size=world_size))
+        """This process's global rank and the default world's size; the setup's object exchange
+        (tp_kernels.deadline.gather_objects) through the fake's all_gather_object."""
+        fake = FakeDist(rank=rank, world_size=world_size)
+        self._monkeypatch.setattr(symm, "dist", fake)
+
+        def gather_objects(group: FakeGroup, obj: Any, what: str) -> list[Any]:
+            out: list[Any] = [None] * group.size()
+            fake.all_gather_object(out, obj, group)
+            return out
+
+        self._monkeypatch.setattr(symm, "gather_objects", gather_objects)
 
     def torch_release(self, version: str, **kwargs: Any) -> FakeSymmMem:
         """Make ``torch.distributed._symmetric_memory`` look like ``version``'s."""

@@ -13,6 +13,7 @@ from torch.distributed.tensor.parallel import loss_parallel  # noqa: E402
 
 from tp_kernels.api import parallelize_module  # noqa: E402
 from tp_kernels.backends import available_backends, set_backend, use_backend  # noqa: E402
+from tp_kernels.deadline import PeerTimeoutError, get_timeout, set_timeout  # noqa: E402
 from tp_kernels.ops import all_gather_matmul, matmul_reduce_scatter  # noqa: E402
 from tp_kernels.ops.stats import comm_stats, reset_comm_stats  # noqa: E402
 from tp_kernels.styles import (  # noqa: E402
@@ -32,16 +33,19 @@ __all__ = [
     "ParallelStyle",
     "PrepareModuleInput",
     "PrepareModuleInputOutput",
+    "PeerTimeoutError",
     "PrepareModuleOutput",
     "RowwiseParallel",
     "SequenceParallel",
     "all_gather_matmul",
     "available_backends",
     "comm_stats",
+    "get_timeout",
     "loss_parallel",
     "matmul_reduce_scatter",
     "parallelize_module",
     "reset_comm_stats",
     "set_backend",
+    "set_timeout",
     "use_backend",
 ]

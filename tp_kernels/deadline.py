@@ -4,11 +4,13 @@ Everything a fused op or style waits on (the ranks' agreement, symmetric-memory 
 signal waits, the pipelined transfers, the backward's re-gathers, ``auto``'s timing exchange) is
 bounded by :func:`get_timeout` (``TP_KERNELS_TIMEOUT_S``, :func:`set_timeout`, default 300 s).
 
-* A torch.distributed ``Work`` is waited with torch's own ``Work.wait(timeout)`` (:func:`wait`),
-  where the host waits anyway: CPU tensors, and any group whose backend is not NCCL. On an NCCL
-  group a transfer's ``wait()`` only orders the compute stream after it and the host never blocks;
-  a timeout there would block the host on every transfer and undo the overlap, so those waits are
-  bounded by NCCL's own watchdog (the process group's ``timeout``; leave
+* A torch.distributed ``Work`` is waited with torch's own ``Work.wait(timeout)`` (:func:`wait`)
+  where the host waits anyway: CPU tensors, and any group whose backend is not NCCL. gloo honours
+  that timeout for its all-gather, all-reduce, all-to-all and point-to-point Works but not for its
+  reduce-scatter, which tp_kernels therefore does not use on gloo (``backends/reference.py``). On
+  an NCCL group a transfer's ``wait()`` only orders the compute stream after it and the host never
+  blocks; a timeout there would block the host on every transfer and undo the overlap, so those
+  waits are bounded by NCCL's own watchdog (the process group's ``timeout``; leave
   ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` at its default so a timed-out communicator is aborted).
 * Python objects are exchanged by :func:`gather_objects`: two bounded tensor all-gathers, where
   ``all_gather_object`` would wait for the group's timeout.
@@ -17,10 +19,13 @@ bounded by :func:`get_timeout` (``TP_KERNELS_TIMEOUT_S``, :func:`set_timeout`, d
 A wait that fails (past the deadline, or the transport saw a peer's connection close) raises
 :class:`PeerTimeoutError`, naming the op, the pass and phase, the group, the peers not heard from
 and how long it waited. The peers not heard from are found by a roll call on the group's store:
-every rank that gives up posts its name under the call's number and waits a short grace for the
-others', so ranks stuck in the same call find each other and name only the absent ones. The group
-is then *broken* in this process: every later fused call on it raises at once (its collectives
-may still be half-matched in the transport, so nothing on it can be trusted); create a new group.
+every rank that gives up posts when its wait began and ended, under its rank and the call's
+number, and waits a short grace for the others': ranks stuck in the same call find each other and
+name only the absent or late ones, and a rank that arrives late (resumed after a stop) learns which
+peers gave up before it.
+The group is then *broken* in this process: every later fused call on it raises at once (its
+collectives may still be half-matched in the transport, so nothing on it can be trusted); create a
+new group.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ __all__ = [
     "fused_call",
     "gather_objects",
     "get_timeout",
-    "host_waits",
+    "posting",
     "set_timeout",
     "wait",
 ]
@@ -171,17 +176,14 @@ def fused_call(group: dist.ProcessGroup, op: str, pass_: str) -> Iterator[None]:
 # --- bounded waits --------------------------------------------------------------------------------
 
 
-def host_waits(group: dist.ProcessGroup, device: torch.device) -> bool:
-    """Whether the host blocks anyway in a ``Work.wait()`` of ``group`` for ``device`` tensors
-    (and so may bound it): everything but CUDA tensors on an NCCL group."""
-    return device.type != "cuda" or "nccl" not in str(dist.get_backend(group))
-
-
-def wait(work: dist.Work, group: dist.ProcessGroup, what: str, *, bounded: bool = True) -> None:
+def wait(
+    work: dist.Work, group: dist.ProcessGroup, what: str, device: torch.device | None = None
+) -> None:
     """``work.wait()`` within the deadline; on failure a :class:`PeerTimeoutError` about
-    ``what`` (e.g. ``"agreement"``). ``bounded=False`` (see :func:`host_waits`) leaves the wait
-    to the transport's own watchdog."""
-    if not bounded:
+    ``what`` (e.g. ``"agreement"``). ``device``: that of the Work's tensors, where the host need
+    not wait: for CUDA tensors on an NCCL group the wait only orders the current stream after the
+    transfer, and NCCL's watchdog bounds it."""
+    if device is not None and device.type == "cuda" and "nccl" in str(dist.get_backend(group)):
         work.wait()
         return
     timeout = get_timeout()
@@ -192,25 +194,46 @@ def wait(work: dist.Work, group: dist.ProcessGroup, what: str, *, bounded: bool 
         raise _failed(group, what, time.monotonic() - start, timeout, exc) from exc
 
 
+@contextlib.contextmanager
+def posting(group: dist.ProcessGroup, what: str) -> Iterator[None]:
+    """Around the posting of collectives or transfers: the transport refuses to post on a
+    connection a peer closed (it died, or gave up on this group) with a RuntimeError, which
+    becomes the :class:`PeerTimeoutError` of :func:`wait`."""
+    start = time.monotonic()
+    try:
+        yield
+    except RuntimeError as exc:
+        raise _failed(group, what, time.monotonic() - start, get_timeout(), exc) from exc
+
+
 def _failed(
     group: dist.ProcessGroup, what: str, waited: float, timeout: float, exc: BaseException
 ) -> PeerTimeoutError:
     rank = group.rank()
-    absent = _roll_call(group)
-    if absent is None:
+    now = time.time()
+    roll = _roll_call(group, now - waited, now)
+    if roll is None:
+        peers: list[int] = []
         who = "the peers could not be told apart (the group's store did not answer)"
-    elif absent:
-        globals_ = [dist.get_global_rank(group, r) for r in absent]
-        who = f"rank(s) {absent} of the group (global {globals_}) were not heard from"
     else:
-        who = "every peer is stuck in this call too"
+        silent, gone = roll
+        parts = []
+        if silent:
+            globals_ = [dist.get_global_rank(group, r) for r in silent]
+            parts.append(
+                f"rank(s) {silent} of the group (global {globals_}) were not heard from in time"
+            )
+        if gone:
+            parts.append(f"rank(s) {gone} had given up on this call before this rank waited")
+        who = "; ".join(parts) or "every peer was stuck in this call too"
+        peers = sorted(silent + gone)
     cause = "past the deadline" if "timed out" in str(exc).lower() else f"the transport: {exc}"
     return PeerTimeoutError(
         f"rank {rank} of group {group.group_name!r} waited {waited:.1f} s (deadline "
         f"{timeout:g} s) for its peers in the {what} and gave up ({cause}); {who}",
         phase=what,
         group=group.group_name,
-        peers=absent or [],
+        peers=peers,
         waited_s=waited,
     )
 
@@ -222,9 +245,14 @@ def _store(group: dist.ProcessGroup) -> dist.Store | None:
     return None if entry is None else entry[1]
 
 
-def _roll_call(group: dist.ProcessGroup) -> list[int] | None:
-    """The group ranks that did not post under this call's number within the grace, or None if
-    the store does not answer. Run on a daemon thread: a store whose host is stopped would hold a
+def _roll_call(
+    group: dist.ProcessGroup, began: float, gave_up: float
+) -> tuple[list[int], list[int]] | None:
+    """``(silent, gone)`` among the other ranks of ``group``, for this rank's wait from ``began``
+    to ``gave_up`` (wall clock) in the current call: *silent* ranks posted no give-up of their
+    own within the grace, or began their wait only after this rank gave up (they came late);
+    *gone* ranks gave up before this rank began. The rest waited with this rank. None if the
+    store does not answer. Run on a daemon thread: a store whose host is stopped would hold a
     store operation until the store's own timeout."""
     store = _store(group)
     if store is None:
@@ -232,13 +260,19 @@ def _roll_call(group: dist.ProcessGroup) -> list[int] | None:
     rank, world = group.rank(), group.size()
     prefix = f"tp_kernels/roll_call/{_calls.get(group, 0)}/"
     others = [r for r in range(world) if r != rank]
-    result: list[list[int]] = []
+    result: list[tuple[list[int], list[int]]] = []
 
     def call_roll() -> None:
-        store.set(f"{prefix}{rank}", "1")
+        store.set(f"{prefix}{rank}", f"{began!r} {gave_up!r}")
         with contextlib.suppress(RuntimeError):  # DistStoreError on the grace's end
             store.wait([f"{prefix}{r}" for r in others], datetime.timedelta(seconds=_grace()))
-        result.append([r for r in others if not store.check([f"{prefix}{r}"])])
+        waits = {
+            r: [float(t) for t in store.get(f"{prefix}{r}").split()]
+            for r in others
+            if store.check([f"{prefix}{r}"])
+        }
+        silent = [r for r in others if r not in waits or waits[r][0] > gave_up]
+        result.append((silent, [r for r, (_, end) in waits.items() if end < began]))
 
     thread = threading.Thread(target=call_roll, daemon=True, name="tp_kernels-roll-call")
     thread.start()
@@ -270,11 +304,15 @@ def gather_objects(group: dist.ProcessGroup, obj: Any, what: str) -> list[Any]:
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
     size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
     sizes = size.new_empty(world)
-    wait(all_gather_single(sizes, size, group, async_op=True), group, what)
+    with posting(group, what):
+        work = all_gather_single(sizes, size, group, async_op=True)
+    wait(work, group, what)
     longest = int(sizes.max())
     padded = data.new_zeros(longest)
     padded[: data.numel()] = data
     everyone = data.new_empty(world * longest)
-    wait(all_gather_single(everyone, padded, group, async_op=True), group, what)
+    with posting(group, what):
+        work = all_gather_single(everyone, padded, group, async_op=True)
+    wait(work, group, what)
     rows = everyone.view(world, longest).cpu()
     return [pickle.loads(rows[r, : int(sizes[r])].numpy().tobytes()) for r in range(world)]

@@ -147,7 +147,8 @@ def _agreed_max(values: list[float], group: dist.ProcessGroup, device: torch.dev
     local = torch.tensor(values, dtype=torch.float64)
     if "nccl" in str(dist.get_backend(group)):
         local = local.to(device)
-    work = dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    with deadline.posting(group, "auto backend choice"):
+        work = dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group, async_op=True)
     deadline.wait(work, group, "auto backend choice")
     return local.cpu().tolist()
 

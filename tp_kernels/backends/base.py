@@ -25,8 +25,8 @@ from tp_kernels._compat import all_gather_single
 
 
 class PendingGather:
-    """An all-gather in flight on ``group``; :meth:`wait` (bounded by the deadline where the host
-    waits, see :func:`tp_kernels.deadline.host_waits`) returns the gathered ``[W*m, K]`` tensor."""
+    """An all-gather in flight on ``group``; :meth:`wait` (within the deadline, see
+    :func:`tp_kernels.deadline.wait`) returns the gathered ``[W*m, K]`` tensor."""
 
     def __init__(
         self, out: torch.Tensor, work: dist.Work | None, group: dist.ProcessGroup | None = None
@@ -35,8 +35,7 @@ class PendingGather:
 
     def wait(self) -> torch.Tensor:
         if self._work is not None and self._group is not None:
-            bounded = deadline.host_waits(self._group, self._out.device)
-            deadline.wait(self._work, self._group, "all-gather", bounded=bounded)
+            deadline.wait(self._work, self._group, "all-gather", self._out.device)
             self._work = None
         return self._out
 
@@ -62,7 +61,8 @@ class Backend(ABC):
         if world == 1:
             out.copy_(a_shard)
             return PendingGather(out, None)
-        work = all_gather_single(out, a_shard, group, async_op=True)
+        with deadline.posting(group, "all-gather"):
+            work = all_gather_single(out, a_shard, group, async_op=True)
         return PendingGather(out, work, group)
 
     @abstractmethod

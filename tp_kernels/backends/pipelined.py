@@ -98,12 +98,13 @@ def _exchange(
     Neither tensor may be touched (``recv`` read, ``send`` overwritten or freed) until *every*
     returned Work has been waited: NCCL returns one Work for the whole batch, gloo one per op.
     """
-    return dist.batch_isend_irecv(
-        [
-            dist.P2POp(dist.isend, send, group=group, group_peer=dst),
-            dist.P2POp(dist.irecv, recv, group=group, group_peer=src),
-        ]
-    )
+    with deadline.posting(group, "transfer"):
+        return dist.batch_isend_irecv(
+            [
+                dist.P2POp(dist.isend, send, group=group, group_peer=dst),
+                dist.P2POp(dist.irecv, recv, group=group, group_peer=src),
+            ]
+        )
 
 
 class PipelinedBackend(Backend):
@@ -172,7 +173,6 @@ class _GatherBlocks:
         m = a_shard.shape[0]
         chunks = chunks_for(m, a_shard.shape[1] * a_shard.element_size())
         self._a, self._m, self._group = a, m, group
-        self._bounded = deadline.host_waits(group, a.device)
         self._pending: dict[int, list[tuple[int, int, list[dist.Work]]]] = {}
         for step in range(1, world):
             src, dst = (rank + step) % world, (rank - step) % world
@@ -189,7 +189,7 @@ class _GatherBlocks:
             # On NCCL one Work stands for the block's send and receive together; the send's
             # source is the caller's a_shard, alive until the call returns.
             for work in works:
-                deadline.wait(work, self._group, "transfer", bounded=self._bounded)
+                deadline.wait(work, self._group, "transfer", self._a.device)
             yield begin, end, self._a[base + begin : base + end]
 
     def drain(self) -> None:
@@ -212,7 +212,6 @@ class _ScatterBlocks:
         # [k-1]: the block for rank r+k, kept alive until the sends complete.
         self._sent = a.new_empty((self._world - 1, m, n))
         self._works: list[dist.Work] = []
-        self._bounded = deadline.host_waits(group, a.device)
 
     def slots(self, dst: int) -> list[schedule.Block]:
         if dst == self._rank:
@@ -232,7 +231,7 @@ class _ScatterBlocks:
     def received(self) -> torch.Tensor:
         works, self._works = self._works, []
         for work in works:
-            deadline.wait(work, self._group, "transfer", bounded=self._bounded)
+            deadline.wait(work, self._group, "transfer", self._received.device)
         return self._received
 
 

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from tp_kernels import deadline
 from tp_kernels._compat import reduce_scatter_single
+from tp_kernels.backends import schedule
 from tp_kernels.backends.base import Backend
 
 
@@ -43,9 +44,18 @@ class ReferenceBackend(Backend):
         if world == 1:
             return partial
         out = partial.new_empty((partial.shape[0] // world, partial.shape[1]))
-        work = reduce_scatter_single(out, partial, group, async_op=True)
-        bounded = deadline.host_waits(group, out.device)
-        deadline.wait(work, group, "reduce-scatter", bounded=bounded)
+        if "gloo" in str(dist.get_backend(group)) and partial.device.type == "cpu":
+            # gloo's reduce-scatter, while one call of it waits for a peer that never comes,
+            # holds back every later reduce-scatter of the process on any group (a new group
+            # included) until the group's timeout; its all-to-all does not. The same bytes move.
+            parts = partial.new_empty((world, *out.shape))
+            with deadline.posting(group, "reduce-scatter"):
+                work = dist.all_to_all_single(parts, partial, group=group, async_op=True)
+            deadline.wait(work, group, "reduce-scatter")
+            return schedule.sum_in_rank_order(parts)
+        with deadline.posting(group, "reduce-scatter"):
+            work = reduce_scatter_single(out, partial, group, async_op=True)
+        deadline.wait(work, group, "reduce-scatter", out.device)
         return out
 
 

@@ -358,8 +358,8 @@ class _Round:
         except symm.SymmTimeoutError as exc:
             self.state.broken = str(exc)
             raise symm.SymmTimeoutError(
-                f"{self.where}, call {self.seq}: {what} for peer rank {peer} on channel "
-                f"{_READY} ran past its deadline: {exc.detail}",
+                f"{self.where}, call {self.seq}: {what} on channel {_READY} ran past its "
+                f"deadline; rank(s) [{peer}] were not heard from: {exc.detail}",
                 peer=peer,
                 channel=_READY,
                 timeout_s=exc.timeout_s,
@@ -503,7 +503,15 @@ class SymmBackend(Backend):
         # would only cost (on a CPU, peer memory is this machine's memory).
         gathered = a if return_a or len(bs) > 1 else None
         transport = _Arrivals(round_, half, (m, k), dtype)
-        schedule.all_gather_matmul(a_shard, bs, outs, gathered, rank, world, transport)
+        try:
+            schedule.all_gather_matmul(a_shard, bs, outs, gathered, rank, world, transport)
+        except Exception as exc:
+            # A matmul raised after this rank signalled: take the peers' signals of this round
+            # too, so that the next call starts clean (as it does after a mismatch). The
+            # protocol's own errors (a mismatch, a deadline) have settled the round already.
+            if not isinstance(exc, (ValueError, symm.SymmTimeoutError)):
+                round_.receive_all()
+            raise
         return (a if return_a else None), outs
 
     def matmul_reduce_scatter(

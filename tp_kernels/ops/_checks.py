@@ -13,13 +13,14 @@ watchdog timeout). Every exchange here is bounded by :mod:`tp_kernels.deadline`.
 A rank whose call fails before it knows its group (a ``group`` argument naming none it belongs to)
 cannot take part in the agreement: its peers end at the deadline. So that its *next* call does not
 pair with the call its peers are still waiting in, it carries a note of the failed call into its
-next agreement, where the peers see it as a mismatch.
+next agreement within the deadline, where the peers see it as a mismatch.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import TypeVar
@@ -198,8 +199,9 @@ def check_matmul_reduce_scatter(
     return a, b, dim
 
 
-# Set by a call that failed before it could reach its peers; taken by the next agreement.
-_unmatched_call: str | None = None
+# (op, when) of a call that failed before it could reach its peers; taken by the next agreement
+# within the deadline (later, the peers that waited for it have given up).
+_unmatched_call: tuple[str, float] | None = None
 # The groups whose first call has agreed (see the module docstring).
 _agreed: weakref.WeakSet[dist.ProcessGroup] = weakref.WeakSet()
 
@@ -213,7 +215,7 @@ def resolve_group_or_note(group: object, *, op: str) -> dist.ProcessGroup:
     except NotAMemberError:
         raise
     except (TypeError, ValueError):
-        _unmatched_call = op
+        _unmatched_call = (op, time.monotonic())
         raise
 
 
@@ -260,16 +262,20 @@ def agree_across_ranks(
         return
     signature += f" consistency_checks={checks}"
     if _unmatched_call is not None:
-        signature += (
-            f" (after a {_unmatched_call} call on this rank that failed before it knew its group)"
-        )
+        failed_op, when = _unmatched_call
         _unmatched_call = None
+        if time.monotonic() - when < deadline.get_timeout():
+            signature += (
+                f" (after a {failed_op} call on this rank that failed before it knew its group)"
+            )
     digest = int.from_bytes(hashlib.blake2b(signature.encode(), digest_size=7).digest(), "little")
     mine = torch.tensor(
         [digest], dtype=torch.int64, device=device if device.type == "cuda" else "cpu"
     )
     everyone = mine.new_empty(group.size())
-    deadline.wait(all_gather_single(everyone, mine, group, async_op=True), group, "agreement")
+    with deadline.posting(group, "agreement"):
+        work = all_gather_single(everyone, mine, group, async_op=True)
+    deadline.wait(work, group, "agreement")
     if bool((everyone != mine).any()):
         texts = deadline.gather_objects(group, signature, "agreement")
         lines = "\n".join(f"  rank {r}: {t}" for r, t in enumerate(texts))
