@@ -5,7 +5,8 @@ The package metadata lives in pyproject.toml; this file only adds the CMake buil
 
 - ``auto`` (default): build it when CMake, pybind11 and a C++ compiler are found; otherwise, or if
   the build fails, install without it and print why (``pip install -v`` shows the message). The
-  package works without it; only the CPU path of ``tp_kernels.symm`` is then unavailable.
+  package works without it; only the CPU path of ``tp_kernels.symmetric_memory`` is then
+  unavailable.
 - ``1``: build it, and fail the install if that is impossible.
 - ``0``: do not build it.
 

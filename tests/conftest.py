@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from tp_kernels.launch import LocalWorld
+from tp_kernels.testing import LocalWorld
 
 # Every run in a test gets this deadline; the slowest (torch.compile) take ~60 s on 2 cores.
 RUN_TIMEOUT_S = float(os.environ.get("TP_KERNELS_TEST_TIMEOUT", "240"))

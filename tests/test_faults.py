@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 
 import tp_kernels as tpk
-from tp_kernels import deadline, symm
+from tp_kernels import deadline, symmetric_memory
 from tp_kernels.backends import schedule
-from tp_kernels.launch import LocalWorld
+from tp_kernels.testing import LocalWorld
 
 DEADLINE_S = 1.5
 # A survivor gives up at the deadline, then waits the roll call's grace for its peers; the rest
@@ -110,7 +110,7 @@ def _fail_in_setup(step_name: str, act, *, before: bool = False) -> None:
     """Make this rank ``act`` (stop or die) in symmetric-memory setup, right after doing the step
     whose description contains ``step_name`` ("create" or "map") and before telling its peers,
     or, ``before=True``, instead of doing it."""
-    original = symm._on_every_rank
+    original = symmetric_memory._on_every_rank
 
     def patched(group, step, what):
         if step_name in what:
@@ -120,7 +120,7 @@ def _fail_in_setup(step_name: str, act, *, before: bool = False) -> None:
             return original(group, lambda: None, what)
         return original(group, step, what)
 
-    symm._on_every_rank = patched
+    symmetric_memory._on_every_rank = patched
 
 
 def _victim_part(fault: str, backend: str, group, victim: bool) -> None:
@@ -188,7 +188,7 @@ def _fault(fault: str, backend: str) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     victim = rank == world - 1
     saved_env = os.environ.get("TP_KERNELS_CHECK_CONSISTENCY")
-    saved_on_every_rank = symm._on_every_rank
+    saved_on_every_rank = symmetric_memory._on_every_rank
     group = dist.new_group(list(range(world)))
     report: dict = {"rank": rank, "victim": victim, "error": None, "timeout": False}
     start = time.monotonic()
@@ -200,7 +200,7 @@ def _fault(fault: str, backend: str) -> dict:
     finally:
         report["elapsed"] = time.monotonic() - start
         schedule.torch = torch
-        symm._on_every_rank = saved_on_every_rank
+        symmetric_memory._on_every_rank = saved_on_every_rank
         tpk.backends.pipelined.set_chunks(None)
         if saved_env is None:
             os.environ.pop("TP_KERNELS_CHECK_CONSISTENCY", None)
@@ -225,7 +225,7 @@ def _fault(fault: str, backend: str) -> dict:
 
 
 def _shm_left() -> list[str]:
-    return glob.glob(f"/dev/shm/{symm.SHM_NAME_PREFIX}*")
+    return glob.glob(f"/dev/shm/{symmetric_memory.SHM_NAME_PREFIX}*")
 
 
 def _run(world: LocalWorld, fault: str, backend: str) -> list[dict | None]:

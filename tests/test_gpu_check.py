@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tp_kernels.bench import gpu_check as gc
-from tp_kernels.launch import RankError
+from tp_kernels.testing import RankError
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK_CPU = ["--device", "cpu", "--worlds", "2", "--quick"]

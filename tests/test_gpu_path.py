@@ -15,7 +15,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from _processes import run_without_interpreter  # noqa: E402
 
-from tp_kernels import symm  # noqa: E402
+from tp_kernels import symmetric_memory  # noqa: E402
 from tp_kernels.backends import symm as symm_backend  # noqa: E402
 
 
@@ -123,7 +123,7 @@ def _recorded_timeout_raises_at_next_call() -> dict:
             report["unraised"] = symm_backend.unraised_timeouts()
             try:
                 symm_backend.BACKEND.all_gather_matmul(a, bs, group, return_a=False)
-            except symm.SymmTimeoutError as exc:
+            except symmetric_memory.SymmTimeoutError as exc:
                 report |= {"error": str(exc), "peer": exc.peer}
             try:
                 symm_backend.BACKEND.all_gather_matmul(a, bs, group, return_a=False)

@@ -2,7 +2,8 @@
 
 First in one process, with W simulated ranks (a separate tensor per "peer" buffer and signal pad,
 address tables from ``data_ptr()``); then across 2 and 3 processes over the shared-memory heap of
-``tp_kernels.symm``, with a peer that arrives late and repeated calls on the same buffers.
+``tp_kernels.symmetric_memory``, with a peer that arrives late and repeated calls on the same
+buffers.
 Shapes are tiny and deliberately not multiples of the interpreter's 16x16x16 tiles.
 """
 
@@ -493,10 +494,10 @@ def _next_epoch(tag: str) -> int:
 def _workspace(tag: str, nbytes: int):
     import torch.distributed as dist
 
-    from tp_kernels import symm
+    from tp_kernels import symmetric_memory
 
     _require_interpreter()
-    ws = symm.get_workspace(dist.group.WORLD, nbytes, torch.device("cpu"), tag=tag)
+    ws = symmetric_memory.get_workspace(dist.group.WORLD, nbytes, torch.device("cpu"), tag=tag)
     return (
         ws,
         torch.as_tensor(ws.buffer_ptrs(), dtype=torch.int64),

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tp_kernels.launch import LocalWorld, RankError
+from tp_kernels.testing import LocalWorld, RankError
 
 
 def _rank_and_sum() -> tuple[int, float]:

@@ -39,7 +39,7 @@ from torch.distributed.tensor import parallel as torch_tp
 import tp_kernels
 from tp_kernels.examples import train_llama
 from tp_kernels.models import Llama, LlamaConfig
-from tp_kernels.plans import check_tp_compatible, llama_tp_plan
+from tp_kernels.models.plans import check_tp_compatible, llama_tp_plan
 
 # Divisible by 2 and 4 everywhere it must be (heads, kv heads, ffn, vocab, sequence).
 CONFIG = LlamaConfig(

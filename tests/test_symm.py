@@ -1,4 +1,5 @@
-"""tp_kernels.symm on the CPU: the shared-memory heap of tp_kernels._C across local gloo ranks.
+"""tp_kernels.symmetric_memory on the CPU: the shared-memory heap of tp_kernels._C across local
+gloo ranks.
 
 Every workspace test uses its own tag: the worlds live for the whole session, and so does each
 rank's workspace cache. Values are small integers (exact in every dtype used), so all comparisons
@@ -23,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 import tp_kernels
-from tp_kernels import symm
-from tp_kernels.launch import free_port
+from tp_kernels import symmetric_memory
+from tp_kernels.testing import free_port
 
 WORLD_SIZES = (2, 3)
 
@@ -39,7 +40,7 @@ def _segments(prefix: str) -> list[str]:
 SPARE_CHANNEL = 9
 
 
-def _own_pad(ws: symm.SymmWorkspace) -> list[int]:
+def _own_pad(ws: symmetric_memory.SymmWorkspace) -> list[int]:
     """This rank's signal pad, read through the address that kernels would use, except the words
     of SPARE_CHANNEL."""
     n = ws.world_size
@@ -50,8 +51,8 @@ def _own_pad(ws: symm.SymmWorkspace) -> list[int]:
 
 def _views_and_pointers(tag: str) -> str:
     group = dist.group.WORLD
-    assert symm.symm_unavailable_reason("cpu", group=group) is None
-    ws = symm.get_workspace(group, 4096, "cpu", tag=tag)
+    assert symmetric_memory.symm_unavailable_reason("cpu", group=group) is None
+    ws = symmetric_memory.get_workspace(group, 4096, "cpu", tag=tag)
     r, n = ws.rank, ws.world_size
     assert (r, n) == (dist.get_rank(), dist.get_world_size())
     assert ws.group is group and ws.nbytes >= 4096 and ws.device == torch.device("cpu")
@@ -105,7 +106,7 @@ def _views_and_pointers(tag: str) -> str:
     with pytest.raises(ValueError, match="src_rank: expected a rank"):
         ws.wait_signal(-1)
     with pytest.raises(ValueError, match="nbytes: expected a positive number of bytes, got 0"):
-        symm.get_workspace(group, 0, "cpu", tag=tag)
+        symmetric_memory.get_workspace(group, 0, "cpu", tag=tag)
     with pytest.raises(ValueError, match="timeout_s: expected a positive, finite number"):
         ws.barrier(timeout_s=0)
     ws.barrier()
@@ -115,14 +116,14 @@ def _views_and_pointers(tag: str) -> str:
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_peer_views_are_zero_copy(worlds, world_size):
     prefixes = worlds(world_size).run(_views_and_pointers, f"views{world_size}")
-    assert len(set(prefixes)) == 1 and prefixes[0].startswith(symm.SHM_NAME_PREFIX)
+    assert len(set(prefixes)) == 1 and prefixes[0].startswith(symmetric_memory.SHM_NAME_PREFIX)
     assert _segments(prefixes[0]) == []
 
 
 def _ping_pong(tag: str, rounds: int) -> list[int]:
     """A token goes around the ring 0 -> 1 -> ... -> 0 on channel 1, `rounds` times; each hop
     carries a value in the sender's buffer that the signal's release/acquire makes visible."""
-    ws = symm.get_workspace(dist.group.WORLD, 4096, "cpu", tag=tag)
+    ws = symmetric_memory.get_workspace(dist.group.WORLD, 4096, "cpu", tag=tag)
     r, n = ws.rank, ws.world_size
     nxt, prv = (r + 1) % n, (r - 1) % n
     box = ws.buffer(r, (1,), torch.int64)
@@ -150,7 +151,9 @@ def _ping_pong(tag: str, rounds: int) -> list[int]:
     assert pad[2 * n + prv] == 1 and sum(pad) == 1
     ws.wait_signal(prv, channel=2)
     assert not any(_own_pad(ws))
-    with pytest.raises(symm.SymmTimeoutError):  # consumed: it does not satisfy a second wait
+    with pytest.raises(
+        symmetric_memory.SymmTimeoutError
+    ):  # consumed: it does not satisfy a second wait
         ws.wait_signal(prv, channel=2, timeout_s=0.2)
     ws.barrier(SPARE_CHANNEL)
     return seen
@@ -168,12 +171,12 @@ def test_signal_ping_pong(worlds, world_size):
 
 def _timeouts(tag: str) -> None:
     group = dist.group.WORLD
-    ws = symm.get_workspace(group, 4096, "cpu", tag=tag)
+    ws = symmetric_memory.get_workspace(group, 4096, "cpu", tag=tag)
     r, n = ws.rank, ws.world_size
     label = f"group '{group.group_name}'"
     if r == 0:
         start = time.monotonic()
-        with pytest.raises(symm.SymmTimeoutError) as info:
+        with pytest.raises(symmetric_memory.SymmTimeoutError) as info:
             ws.wait_signal(1, channel=3, timeout_s=0.5)
         assert time.monotonic() - start >= 0.5  # it does not give up early
         msg = str(info.value)
@@ -182,21 +185,25 @@ def _timeouts(tag: str) -> None:
         assert (info.value.peer, info.value.channel, info.value.timeout_s) == (1, 3, 0.5)
 
         # Without timeout_s, the process-wide default applies.
-        previous = symm.get_timeout()
-        symm.set_timeout(0.3)
+        previous = symmetric_memory.get_timeout()
+        symmetric_memory.set_timeout(0.3)
         try:
-            with pytest.raises(symm.SymmTimeoutError, match=r"timeout 0\.300 s"):
+            with pytest.raises(symmetric_memory.SymmTimeoutError, match=r"timeout 0\.300 s"):
                 ws.wait_signal(n - 1, channel=5)
         finally:
-            symm.set_timeout(previous)
+            symmetric_memory.set_timeout(previous)
 
         # A barrier that no peer joins: its puts land, its first wait gives up.
-        with pytest.raises(symm.SymmTimeoutError, match=r"peer rank 1: barrier on channel 6"):
+        with pytest.raises(
+            symmetric_memory.SymmTimeoutError, match=r"peer rank 1: barrier on channel 6"
+        ):
             ws.barrier(channel=6, timeout_s=0.3)
     if r == 1:
         # A second put waits for the first to be consumed, which rank 0 does only later.
         ws.put_signal(0, channel=4)
-        with pytest.raises(symm.SymmTimeoutError, match=r"peer rank 0: put_signal on channel 4"):
+        with pytest.raises(
+            symmetric_memory.SymmTimeoutError, match=r"peer rank 0: put_signal on channel 4"
+        ):
             ws.put_signal(0, channel=4, timeout_s=0.3)
     ws.barrier()
     if r == 0:
@@ -216,18 +223,18 @@ def test_wait_deadline_names_peer_and_channel(worlds, world_size):
 def _growth(tag: str) -> list[str]:
     group = dist.group.WORLD
     r = dist.get_rank()
-    ws1 = symm.get_workspace(group, 1000, "cpu", tag=tag)
+    ws1 = symmetric_memory.get_workspace(group, 1000, "cpu", tag=tag)
     assert ws1.nbytes >= 1000
-    assert symm.get_workspace(group, 10, "cpu", tag=tag) is ws1
-    assert symm.get_workspace(group, ws1.nbytes, torch.device("cpu"), tag=tag) is ws1
+    assert symmetric_memory.get_workspace(group, 10, "cpu", tag=tag) is ws1
+    assert symmetric_memory.get_workspace(group, ws1.nbytes, torch.device("cpu"), tag=tag) is ws1
     old = ws1.buffer(r, (4,), torch.float32)
     old.fill_(r)
     big = 3 * ws1.nbytes + 1
-    ws2 = symm.get_workspace(group, big, "cpu", tag=tag)
+    ws2 = symmetric_memory.get_workspace(group, big, "cpu", tag=tag)
     assert ws2 is not ws1 and ws2.nbytes >= big
-    assert symm.get_workspace(group, 1000, "cpu", tag=tag) is ws2
-    assert symm.get_workspace(group, big, "cpu", tag=tag) is ws2
-    other = symm.get_workspace(group, 1000, "cpu", tag=tag + "-other")
+    assert symmetric_memory.get_workspace(group, 1000, "cpu", tag=tag) is ws2
+    assert symmetric_memory.get_workspace(group, big, "cpu", tag=tag) is ws2
+    other = symmetric_memory.get_workspace(group, 1000, "cpu", tag=tag + "-other")
     assert other is not ws2
 
     words = ws2.nbytes // 4
@@ -240,8 +247,8 @@ def _growth(tag: str) -> list[str]:
 
     # A size mismatch at an allocation raises on every rank, and leaves the group usable.
     with pytest.raises(ValueError, match=r"nbytes differs across ranks \(by rank: \[4096, 8192"):
-        symm.get_workspace(group, 4096 * (r + 1), "cpu", tag=tag + "-mismatch")
-    ws3 = symm.get_workspace(group, 4096, "cpu", tag=tag + "-mismatch")
+        symmetric_memory.get_workspace(group, 4096 * (r + 1), "cpu", tag=tag + "-mismatch")
+    ws3 = symmetric_memory.get_workspace(group, 4096, "cpu", tag=tag + "-mismatch")
     ws3.barrier()
     prefixes = [w.shm_name_prefix for w in (ws1, ws2, other, ws3)]
     assert len(set(prefixes)) == 4
@@ -260,7 +267,7 @@ def _killed_peer_child(rank: int, port: int, results: mp.Queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    ws = symm.get_workspace(dist.group.WORLD, 4096, "cpu", tag="killed-peer")
+    ws = symmetric_memory.get_workspace(dist.group.WORLD, 4096, "cpu", tag="killed-peer")
     ws.barrier(timeout_s=60)
     results.put(("ready", rank, ws.shm_name_prefix))
     if rank == 1:
@@ -269,7 +276,7 @@ def _killed_peer_child(rank: int, port: int, results: mp.Queue) -> None:
     try:
         ws.wait_signal(1, channel=0, timeout_s=2.0)
         results.put(("returned", None, None, None))
-    except symm.SymmTimeoutError as exc:
+    except symmetric_memory.SymmTimeoutError as exc:
         results.put(("timeout", str(exc), exc.peer, exc.channel))
     results.close()
     results.join_thread()
@@ -311,24 +318,25 @@ def test_killed_peer_times_out_and_leaves_no_segment():
 
 
 def test_timeout_setting():
-    previous = symm.get_timeout()
+    previous = symmetric_memory.get_timeout()
     try:
-        symm.set_timeout(12.5)
-        assert symm.get_timeout() == 12.5
+        symmetric_memory.set_timeout(12.5)
+        assert symmetric_memory.get_timeout() == 12.5
         for bad in (0, -1.0, float("inf"), float("nan")):
             with pytest.raises(ValueError, match="seconds: expected a positive, finite number"):
-                symm.set_timeout(bad)
+                symmetric_memory.set_timeout(bad)
         with pytest.raises(TypeError, match="seconds: expected a number of seconds, got '3'"):
-            symm.set_timeout("3")
-        assert symm.get_timeout() == 12.5
+            symmetric_memory.set_timeout("3")
+        assert symmetric_memory.get_timeout() == 12.5
     finally:
-        symm.set_timeout(previous)
+        symmetric_memory.set_timeout(previous)
 
 
 def test_timeout_from_environment():
     script = (
-        "from tp_kernels import symm; import sys; print(symm.get_timeout())\n"
-        "try:\n    symm.set_timeout(-2)\nexcept ValueError as e:\n    print('refused')\n"
+        "from tp_kernels import symmetric_memory; print(symmetric_memory.get_timeout())\n"
+        "try:\n    symmetric_memory.set_timeout(-2)\n"
+        "except ValueError as e:\n    print('refused')\n"
     )
     env = dict(os.environ, TP_KERNELS_TIMEOUT_S="7.5")
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
@@ -341,21 +349,23 @@ def test_timeout_from_environment():
 
 
 def test_unavailable_reasons():
-    assert symm.symm_unavailable_reason("cpu") is None
-    assert "not 'meta'" in symm.symm_unavailable_reason(torch.device("meta"))
+    assert symmetric_memory.symm_unavailable_reason("cpu") is None
+    assert "not 'meta'" in symmetric_memory.symm_unavailable_reason(torch.device("meta"))
     if not torch.cuda.is_available():
-        assert "torch.cuda.is_available() is False" in symm.symm_unavailable_reason("cuda")
+        assert "torch.cuda.is_available() is False" in symmetric_memory.symm_unavailable_reason(
+            "cuda"
+        )
     with pytest.raises(ValueError, match="device: not a device: 'gpu0'"):
-        symm.symm_unavailable_reason("gpu0")
+        symmetric_memory.symm_unavailable_reason("gpu0")
     with pytest.raises(TypeError, match="group: expected a torch.distributed.ProcessGroup"):
-        symm.get_workspace(None, 4096, "cpu")
+        symmetric_memory.get_workspace(None, 4096, "cpu")
 
 
 def test_package_imports_without_the_extension():
     script = (
         "import sys; sys.modules['tp_kernels._C'] = None\n"
-        "import tp_kernels; from tp_kernels import symm\n"
-        "print(symm.symm_unavailable_reason('cpu'))\n"
+        "import tp_kernels; from tp_kernels import symmetric_memory\n"
+        "print(symmetric_memory.symm_unavailable_reason('cpu'))\n"
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
@@ -381,7 +391,7 @@ def _mapped(prefix: str) -> int:
 
 def _teardown_with_group() -> tuple[int, int, bool]:
     sub = dist.new_group(list(range(dist.get_world_size())))
-    ws = symm.get_workspace(sub, 4096, "cpu", tag="teardown")
+    ws = symmetric_memory.get_workspace(sub, 4096, "cpu", tag="teardown")
     prefix = ws.shm_name_prefix
     before = _mapped(prefix)
     ws_ref = weakref.ref(ws)

@@ -24,10 +24,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from _numerics import check_close  # noqa: E402
 
-from tp_kernels import symm  # noqa: E402
+from tp_kernels import symmetric_memory  # noqa: E402
 from tp_kernels.backends import pipelined  # noqa: E402
 from tp_kernels.backends import symm as symm_backend  # noqa: E402
-from tp_kernels.launch import LocalWorld, RankError  # noqa: E402
+from tp_kernels.testing import LocalWorld, RankError  # noqa: E402
 
 BACKEND = symm_backend.BACKEND
 NAN = float("nan")
@@ -88,7 +88,7 @@ def _rs_check(where, out, parts, m) -> str | None:
 
 def _fill_own_buffers_with_nan() -> None:
     """NaN into both halves of this rank's data buffer, after every rank is done with them."""
-    ws = symm.get_workspace(dist.group.WORLD, 1, "cpu", tag=symm_backend._DATA_TAG)
+    ws = symmetric_memory.get_workspace(dist.group.WORLD, 1, "cpu", tag=symm_backend._DATA_TAG)
     dist.barrier()
     ws.buffer(dist.get_rank(), ws.nbytes // 4, torch.float32).fill_(NAN)
     dist.barrier()
@@ -270,9 +270,9 @@ def _run_ahead(
     end time on this rank (to show that peers really ran ahead)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     groups = [dist.new_group(list(range(world))) for _ in range(2)]
-    saved_channels, saved_timeout = symm_backend._KERNEL_CHANNELS, symm.get_timeout()
+    saved_channels, saved_timeout = symm_backend._KERNEL_CHANNELS, symmetric_memory.get_timeout()
     symm_backend._KERNEL_CHANNELS = channels
-    symm.set_timeout(timeout_s)
+    symmetric_memory.set_timeout(timeout_s)
     report: dict = {"problems": [], "error": None, "times": []}
     try:
         with _triton_path(), _launched_twice(lag_rank, lag_s):
@@ -292,11 +292,11 @@ def _run_ahead(
                     if problem := _rs_check(where, out, parts, m):
                         report["problems"].append(problem)
                 report["times"].append((start, time.time()))
-    except symm.SymmTimeoutError as exc:
+    except symmetric_memory.SymmTimeoutError as exc:
         report["error"] = str(exc)
     finally:
         symm_backend._KERNEL_CHANNELS = saved_channels
-        symm.set_timeout(saved_timeout)
+        symmetric_memory.set_timeout(saved_timeout)
         for group in groups:
             dist.destroy_process_group(group)
     return report
@@ -399,21 +399,21 @@ def _killed_peer(out_dir: str) -> None:
     group = dist.group.WORLD
     parts = _rs_problem(0, world, 8, 4, 3, torch.float32, False)
     BACKEND.matmul_reduce_scatter(parts[rank]["a"], parts[rank]["b"], group)  # buffers set up
-    symm.set_timeout(2.0)
+    symmetric_memory.set_timeout(2.0)
     victim = world - 1
     if rank == victim:
         # Dies at its first product, after the call began and before its slots are sent.
         torch.mm = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
     report: dict = {
         "prefixes": [
-            symm.get_workspace(group, 1, "cpu", tag=tag).shm_name_prefix
+            symmetric_memory.get_workspace(group, 1, "cpu", tag=tag).shm_name_prefix
             for tag in (symm_backend._CTL_TAG, symm_backend._DATA_TAG)
         ]
     }
     start = time.monotonic()
     try:
         BACKEND.matmul_reduce_scatter(parts[rank]["a"], parts[rank]["b"], group)
-    except symm.SymmTimeoutError as exc:
+    except symmetric_memory.SymmTimeoutError as exc:
         report |= {"error": str(exc), "peer": exc.peer, "channel": exc.channel}
     report["waited"] = time.monotonic() - start
     try:

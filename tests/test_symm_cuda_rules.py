@@ -1,4 +1,4 @@
-"""The CUDA rules of ``tp_kernels.symm``, exercised on a machine without a GPU.
+"""The CUDA rules of ``tp_kernels.symmetric_memory``, exercised on a machine without a GPU.
 
 ``symm``'s view of the world is replaced, for one test at a time, by fakes: its ``torch`` (a proxy
 whose ``torch.cuda`` claims two GPUs and records the current device, and whose ``torch.tensor``
@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tp_kernels import symm
+from tp_kernels import symmetric_memory
 
 SYMM_MEM = "torch.distributed._symmetric_memory"
 PAD_BYTES = 9216  # torch's default signal pad size from 2.7 on
@@ -211,20 +211,20 @@ class World:
         self.cuda = FakeCuda()
         self.symm_mem: FakeSymmMem | None = None
         self.dist(rank=0, world_size=2)
-        monkeypatch.setattr(symm, "torch", FakeTorch(self.cuda))
+        monkeypatch.setattr(symmetric_memory, "torch", FakeTorch(self.cuda))
 
     def dist(self, *, rank: int, world_size: int) -> None:
         """This process's global rank and the default world's size; the setup's object exchange
         (tp_kernels.deadline.gather_objects) through the fake's all_gather_object."""
         fake = FakeDist(rank=rank, world_size=world_size)
-        self._monkeypatch.setattr(symm, "dist", fake)
+        self._monkeypatch.setattr(symmetric_memory, "dist", fake)
 
         def gather_objects(group: FakeGroup, obj: Any, what: str) -> list[Any]:
             out: list[Any] = [None] * group.size()
             fake.all_gather_object(out, obj, group)
             return out
 
-        self._monkeypatch.setattr(symm, "gather_objects", gather_objects)
+        self._monkeypatch.setattr(symmetric_memory, "gather_objects", gather_objects)
 
     def torch_release(self, version: str, **kwargs: Any) -> FakeSymmMem:
         """Make ``torch.distributed._symmetric_memory`` look like ``version``'s."""
@@ -256,8 +256,8 @@ def fake_world(monkeypatch: pytest.MonkeyPatch) -> World:
 def test_signal_pad_size_comes_from_the_handle(fake_world, version):
     symm_mem = fake_world.torch_release(version)
     group = FakeGroup(0, 2, devices=[0, 1])
-    assert symm.symm_unavailable_reason("cuda:0", group=group) is None
-    ws = symm.get_workspace(group, 4096, "cuda:0", tag="pad")
+    assert symmetric_memory.symm_unavailable_reason("cuda:0", group=group) is None
+    ws = symmetric_memory.get_workspace(group, 4096, "cuda:0", tag="pad")
     assert ws.num_signals == PAD_BYTES // (4 * 2)
     ws.put_signal(1, channel=ws.num_signals - 1)  # the last channel is in range
     assert ws._handle.calls[-1][:3] == ("put_signal", 1, ws.num_signals - 1)
@@ -269,7 +269,7 @@ def test_signal_pad_size_of_this_allocation(fake_world, monkeypatch):
     build may differ; since 2.10 set_signal_pad_size changes it)."""
     fake_world.torch_release("2.9")
     monkeypatch.setattr(InstancePadHandle, "pad_bytes", 3 * 1024)
-    ws = symm.get_workspace(FakeGroup(0, 3, devices=[0, 1, 2]), 64, "cuda:0", tag="pad")
+    ws = symmetric_memory.get_workspace(FakeGroup(0, 3, devices=[0, 1, 2]), 64, "cuda:0", tag="pad")
     assert ws.num_signals == 3 * 1024 // (4 * 3)
 
 
@@ -277,7 +277,7 @@ def test_missing_symmetric_memory_api_is_named(fake_world):
     symm_mem = fake_world.torch_release("2.13")
     # A handle class with only some of what symm uses (checked on the class: no handle needed).
     symm_mem._SymmetricMemory = type("Partial", (), {"buffer_ptrs": None, "get_buffer": None})
-    why = symm.symm_unavailable_reason("cuda:0")
+    why = symmetric_memory.symm_unavailable_reason("cuda:0")
     assert why is not None and "lacks" in why, why
     for name in ("signal_pad_ptrs", "signal_pad_size", "put_signal", "wait_signal", "barrier"):
         assert f"handle.{name}" in why, (name, why)
@@ -290,18 +290,18 @@ def test_missing_symmetric_memory_api_is_named(fake_world):
 @pytest.mark.parametrize("backend", ["NVSHMEM", "NCCL"])
 def test_other_symm_mem_backends_are_refused(fake_world, backend):
     symm_mem = fake_world.torch_release("2.13", backend=backend)
-    why = symm.symm_unavailable_reason("cuda:1", group=FakeGroup(0, 2))
+    why = symmetric_memory.symm_unavailable_reason("cuda:1", group=FakeGroup(0, 2))
     assert why is not None, backend
     assert f"backend for cuda:1 is {backend!r}" in why, why
     assert "set_backend('CUDA')" in why and "TORCH_SYMMMEM=CUDA" in why, why
     assert ("get_backend", torch.device("cuda", 1)) in symm_mem.calls  # asked about this device
     with pytest.raises(RuntimeError, match=f"symmetric memory is unavailable: rank 0: .*{backend}"):
-        symm.get_workspace(FakeGroup(0, 2), 4096, "cuda:1")
+        symmetric_memory.get_workspace(FakeGroup(0, 2), 4096, "cuda:1")
 
 
 def test_no_symm_mem_backend_registered(fake_world):
     fake_world.torch_release("2.13", backend=None)
-    why = symm.symm_unavailable_reason("cuda:0")
+    why = symmetric_memory.symm_unavailable_reason("cuda:0")
     assert why is not None and "has no symmetric-memory backend for cuda:0" in why, why
 
 
@@ -309,20 +309,20 @@ def test_backend_of_torch_2_8_comes_from_the_environment(fake_world, monkeypatch
     """torch 2.8 cannot be asked (no get_backend, no set_backend): it picks the backend from
     TORCH_SYMMMEM when it loads. torch 2.7 has only the CUDA backend and ignores the variable."""
     fake_world.torch_release("2.8")
-    assert symm.symm_unavailable_reason("cuda:0") is None
+    assert symmetric_memory.symm_unavailable_reason("cuda:0") is None
     monkeypatch.setenv("TORCH_SYMMMEM", "NVSHMEM")
-    why = symm.symm_unavailable_reason("cuda:0")
+    why = symmetric_memory.symm_unavailable_reason("cuda:0")
     assert why is not None and "is 'NVSHMEM'" in why and "TORCH_SYMMMEM=CUDA" in why, why
     assert "set_backend" not in why
     fake_world.torch_release("2.7")
-    assert symm.symm_unavailable_reason("cuda:0") is None
+    assert symmetric_memory.symm_unavailable_reason("cuda:0") is None
 
 
 # --- 3. groups that span hosts, for CPU and CUDA alike --------------------------------------------
 
 
 def _reasons(group: FakeGroup) -> dict[str, str | None]:
-    return {d: symm.symm_unavailable_reason(d, group=group) for d in ("cpu", "cuda:0")}
+    return {d: symmetric_memory.symm_unavailable_reason(d, group=group) for d in ("cpu", "cuda:0")}
 
 
 def test_group_across_hosts_is_refused_locally(fake_world, monkeypatch):
@@ -361,7 +361,7 @@ def test_cuda_allocation_checks_hosts_for_certain(fake_world):
     fake_world.torch_release("2.13")
     group = FakeGroup(0, 2, hosts=["(this host)", "elsewhere"], devices=[0, 1])
     with pytest.raises(RuntimeError, match=r"needs every rank on one host.*, 'elsewhere'\]"):
-        symm.get_workspace(group, 4096, "cuda:0")
+        symmetric_memory.get_workspace(group, 4096, "cuda:0")
     assert fake_world.symm_mem.calls[-1][0] != "empty"  # refused before allocating
 
 
@@ -373,11 +373,11 @@ def test_gloo_group_on_one_gpu(fake_world, monkeypatch, version):
     """The one-GPU multi-rank check: ranks of a gloo group share cuda:0, with torch's permission."""
     fake_world.torch_release(version)
     group = FakeGroup(1, 2, backend="gloo", devices=[0, 0], name="gloo-on-one-gpu")
-    assert symm.symm_unavailable_reason("cuda:0", group=group) is None
+    assert symmetric_memory.symm_unavailable_reason("cuda:0", group=group) is None
     with pytest.raises(RuntimeError, match=r"ranks \[0, 1\] use cuda:0.*OVERLAPPING_DEVICES=1"):
-        symm.get_workspace(group, 4096, "cuda:0", tag="shared")
+        symmetric_memory.get_workspace(group, 4096, "cuda:0", tag="shared")
     monkeypatch.setenv("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")
-    ws = symm.get_workspace(group, 4096, "cuda:0", tag="shared")
+    ws = symmetric_memory.get_workspace(group, 4096, "cuda:0", tag="shared")
     assert (ws.rank, ws.world_size, ws.device) == (1, 2, torch.device("cuda", 0))
     assert ("rendezvous", "gloo-on-one-gpu", 0) in fake_world.symm_mem.calls
 
@@ -388,16 +388,16 @@ def test_gloo_group_on_one_gpu(fake_world, monkeypatch, version):
 def test_replaced_cuda_workspace_is_kept_for_the_groups_life(fake_world):
     fake_world.torch_release("2.13")
     group = FakeGroup(0, 2, devices=[0, 1], name="grows")
-    first = weakref.ref(symm.get_workspace(group, 1000, "cuda:0", tag="grow"))
-    second = weakref.ref(symm.get_workspace(group, 1500, "cuda:0", tag="grow"))
-    third = symm.get_workspace(group, 8000, "cuda:0", tag="grow")
+    first = weakref.ref(symmetric_memory.get_workspace(group, 1000, "cuda:0", tag="grow"))
+    second = weakref.ref(symmetric_memory.get_workspace(group, 1500, "cuda:0", tag="grow"))
+    third = symmetric_memory.get_workspace(group, 8000, "cuda:0", tag="grow")
     gc.collect()
     # Peers' kernels may still use the replaced workspaces: nothing frees them yet.
     assert first() is not None and second() is not None
     assert first()._tensor.numel() == 1000
     # Growth at least doubles, so all that is kept is smaller than the newest.
     assert (second().nbytes, third.nbytes) == (2000, 8000)
-    assert symm.get_workspace(group, 3000, "cuda:0", tag="grow") is third
+    assert symmetric_memory.get_workspace(group, 3000, "cuda:0", tag="grow") is third
     del third, group
     gc.collect()
     assert first() is None and second() is None  # gone with the group
@@ -410,13 +410,15 @@ def test_workspace_is_made_on_its_own_device(fake_world):
     symm_mem = fake_world.torch_release("2.13")
     assert fake_world.cuda.current == 0
     group = FakeGroup(0, 2, devices=[1, 0], name="on-cuda-1")
-    ws = symm.get_workspace(group, 4096, torch.device("cuda", 1), tag="dev")
+    ws = symmetric_memory.get_workspace(group, 4096, torch.device("cuda", 1), tag="dev")
     assert ws.device == torch.device("cuda", 1)
     made = [c for c in symm_mem.calls if c[0] in ("empty", "rendezvous")]
     assert made == [("empty", torch.device("cuda", 1), 1), ("rendezvous", "on-cuda-1", 1)]
     assert fake_world.cuda.current == 0  # the caller's current device is left as it was
-    assert symm._as_device("cuda") == torch.device("cuda", 0)  # no index: the current device
-    assert symm._as_device("cuda:1") == torch.device("cuda", 1)
-    assert symm.symm_unavailable_reason("cuda:2") == (
+    assert symmetric_memory._as_device("cuda") == torch.device(
+        "cuda", 0
+    )  # no index: the current device
+    assert symmetric_memory._as_device("cuda:1") == torch.device("cuda", 1)
+    assert symmetric_memory.symm_unavailable_reason("cuda:2") == (
         "cuda:2 does not exist: this process sees 2 GPUs"
     )

@@ -14,7 +14,7 @@ bounded by :func:`get_timeout` (``TP_KERNELS_TIMEOUT_S``, :func:`set_timeout`, d
   ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` at its default so a timed-out communicator is aborted).
 * Python objects are exchanged by :func:`gather_objects`: two bounded tensor all-gathers, where
   ``all_gather_object`` would wait for the group's timeout.
-* Symmetric-memory signal waits carry the deadline themselves (:mod:`tp_kernels.symm`).
+* Symmetric-memory signal waits carry the deadline themselves (:mod:`tp_kernels.symmetric_memory`).
 
 A wait that fails (past the deadline, or the transport saw a peer's connection close) raises
 :class:`PeerTimeoutError`, naming the op, the pass and phase, the group, the peers not heard from

@@ -1,4 +1,4 @@
-"""The ``symm`` backend: symmetric memory (``tp_kernels.symm``) and one-sided signals.
+"""The ``symm`` backend: symmetric memory (``tp_kernels.symmetric_memory``) and one-sided signals.
 
 On rank ``r`` of ``W`` ranks (shapes as in ``backends/base.py``), every call uses one half of a
 data workspace that every rank of the group maps (see "Buffer reuse" below):
@@ -18,9 +18,10 @@ data workspace that every rank of the group maps (see "Buffer reuse" below):
 Two paths run this protocol:
 
 * the torch path (default on CPU): torch matmuls on views of the shared buffers, with the 0/1
-  ``put_signal``/``wait_signal`` of :class:`~tp_kernels.symm.SymmWorkspace` on channel
+  ``put_signal``/``wait_signal`` of :class:`~tp_kernels.symmetric_memory.SymmWorkspace` on channel
   :data:`_READY`; on CPU a wait runs on the host with the deadline of
-  :func:`tp_kernels.symm.get_timeout` and raises :class:`~tp_kernels.symm.SymmTimeoutError`.
+  :func:`tp_kernels.symmetric_memory.get_timeout` and raises
+  :class:`~tp_kernels.symmetric_memory.SymmTimeoutError`.
 * the Triton path (default on CUDA; on CPU only with ``TP_KERNELS_SYMM_TRITON=1`` and
   ``TRITON_INTERPRET=1``, since the interpreter is slow and serves to test the kernels'
   signalling across processes): the launchers of :mod:`tp_kernels.kernels`, whose epoch signals
@@ -50,9 +51,9 @@ checks the peer's header after the peer's signal and before touching its data, s
 with different shapes (or ops, or out of step) get a ValueError naming every rank's arguments
 instead of an out-of-bounds read. On a mismatch a rank still collects every peer's signal before
 raising, so each signal is consumed in the call that raised it and the next call starts clean.
-Growing the data workspace is collective (:func:`tp_kernels.symm.get_workspace`), so a rank that
-needs more room first exchanges headers with every peer and grows only if all ask the same;
-otherwise all raise. The Triton path and CUDA do not check headers (on CUDA reading them would
+Growing the data workspace is collective (:func:`tp_kernels.symmetric_memory.get_workspace`), so a
+rank that needs more room first exchanges headers with every peer and grows only if all ask the
+same; otherwise all raise. The Triton path and CUDA do not check headers (on CUDA reading them would
 synchronize the host on every call): the ops layer's consistency check (on by default for CPU
 tensors, ``TP_KERNELS_CHECK_CONSISTENCY=1`` on CUDA) is what catches mismatched calls there.
 
@@ -88,7 +89,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from tp_kernels import symm
+from tp_kernels import symmetric_memory
 from tp_kernels.backends import schedule
 from tp_kernels.backends.base import Backend
 
@@ -150,8 +151,8 @@ class _GroupState:
     tile counters (each made once, not per call)."""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
-        self.ctl = symm.get_workspace(group, _CTL_BYTES, device, tag=_CTL_TAG)
-        self.data: symm.SymmWorkspace | None = None
+        self.ctl = symmetric_memory.get_workspace(group, _CTL_BYTES, device, tag=_CTL_TAG)
+        self.data: symmetric_memory.SymmWorkspace | None = None
         self.half_ptrs: tuple[torch.Tensor, torch.Tensor] | None = None
         self.status: torch.Tensor | None = None
         self.counters: torch.Tensor | None = None
@@ -162,7 +163,9 @@ class _GroupState:
 
     def grow(self, group: dist.ProcessGroup, nbytes: int) -> None:
         """Replace the data workspace by one of ``nbytes`` (collective) and its half tables."""
-        self.data = data = symm.get_workspace(group, nbytes, self.ctl.device, tag=_DATA_TAG)
+        self.data = data = symmetric_memory.get_workspace(
+            group, nbytes, self.ctl.device, tag=_DATA_TAG
+        )
         ptrs = data.buffer_ptrs()
         self.half_ptrs = (ptrs.clone(), ptrs + data.nbytes // 2)
 
@@ -355,9 +358,9 @@ class _Round:
     def _timed(self, wait: Callable[[int, int], None], peer: int, what: str) -> None:
         try:
             wait(peer, _READY)
-        except symm.SymmTimeoutError as exc:
+        except symmetric_memory.SymmTimeoutError as exc:
             self.state.broken = str(exc)
-            raise symm.SymmTimeoutError(
+            raise symmetric_memory.SymmTimeoutError(
                 f"{self.where}, call {self.seq}: {what} on channel {_READY} ran past its "
                 f"deadline; rank(s) [{peer}] were not heard from: {exc.detail}",
                 peer=peer,
@@ -376,7 +379,8 @@ class _Half:
     def ensure(self) -> None:
         """Grow the data workspace when too small for this call. Growing is collective, so
         where headers are checked every rank first exchanges them and all grow only if all ask
-        the same (elsewhere :func:`tp_kernels.symm.get_workspace` compares the sizes asked)."""
+        the same (elsewhere :func:`tp_kernels.symmetric_memory.get_workspace` compares the sizes
+        asked)."""
         state, round_ = self.state, self.round
         if state.data is None or state.data.nbytes // 2 < self.need:
             if round_.checks_headers:
@@ -421,12 +425,12 @@ def _raise_recorded_timeout(state: _GroupState, group: dist.ProcessGroup, op: st
             what="a symm kernel",
             rank=group.rank(),
             channel=_KERNEL_CHANNELS[0],
-            timeout_s=symm.get_timeout(),
+            timeout_s=symmetric_memory.get_timeout(),
             group_name=group.group_name,
         )
     except kernels.PeerWaitTimeout as exc:
         state.broken = str(exc)
-        raise symm.SymmTimeoutError(
+        raise symmetric_memory.SymmTimeoutError(
             f"{exc} (recorded by a kernel; raised by the next symm call on the group, {op})",
             peer=exc.peers[0],
             channel=exc.channel,
@@ -462,7 +466,7 @@ class SymmBackend(Backend):
         rank on this host; CUDA: torch symmetric memory on an NCCL group), and the Triton kernels
         where this device runs them (always on CUDA; on CPU with ``TP_KERNELS_SYMM_TRITON=1``)."""
         device = torch.device(device)
-        why = symm.symm_unavailable_reason(device, group=group)
+        why = symmetric_memory.symm_unavailable_reason(device, group=group)
         if why is not None:
             return why
         if device.type != "cpu" or os.environ.get("TP_KERNELS_SYMM_TRITON") == "1":
@@ -509,7 +513,7 @@ class SymmBackend(Backend):
             # A matmul raised after this rank signalled: take the peers' signals of this round
             # too, so that the next call starts clean (as it does after a mismatch). The
             # protocol's own errors (a mismatch, a deadline) have settled the round already.
-            if not isinstance(exc, (ValueError, symm.SymmTimeoutError)):
+            if not isinstance(exc, (ValueError, symmetric_memory.SymmTimeoutError)):
                 round_.receive_all()
             raise
         return (a if return_a else None), outs
@@ -609,7 +613,7 @@ def _ag_triton(
         flags=state.flags_for(m),
         sched=sched,
         status=status,
-        timeout_s=symm.get_timeout(),
+        timeout_s=symmetric_memory.get_timeout(),
         **_kernel_args(round_),
     )
     if a_shard.device.type == "cpu":  # the kernels have finished: no reason to wait for later
@@ -635,7 +639,7 @@ def _rs_triton(
         out,
         pads,
         status=status,
-        timeout_s=symm.get_timeout(),
+        timeout_s=symmetric_memory.get_timeout(),
         **_kernel_args(round_),
     )
     if a.device.type == "cpu":  # the kernels have finished: no reason to wait for later

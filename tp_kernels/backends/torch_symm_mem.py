@@ -47,7 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tp_kernels import symm
+from tp_kernels import symmetric_memory
 from tp_kernels._compat import reduce_scatter_single
 from tp_kernels.backends.base import Backend
 
@@ -80,7 +80,8 @@ def _missing_ops_reason() -> str | None:
 def _hosts_reason(group: dist.ProcessGroup) -> str | None:
     """Why ``group`` may span more than one host (``None`` when all its ranks are on this one).
 
-    Local facts only, as for our own symmetric memory (:func:`tp_kernels.symm._spans_hosts_reason`);
+    Local facts only, as for our own symmetric memory
+    (:func:`tp_kernels.symmetric_memory._spans_hosts_reason`);
     without ``LOCAL_WORLD_SIZE`` nothing is known, and unlike our workspaces torch's ops have no
     hostname check of ours behind them, so that counts as a reason too.
     """
@@ -90,7 +91,7 @@ def _hosts_reason(group: dist.ProcessGroup) -> str | None:
             f"LOCAL_WORLD_SIZE is {local!r}, so whether every rank of the group runs on this host "
             "cannot be told without communication (torchrun sets it)"
         )
-    return symm._spans_hosts_reason(group, "torch's fused symmetric-memory ops")
+    return symmetric_memory._spans_hosts_reason(group, "torch's fused symmetric-memory ops")
 
 
 def _enable_for_group(group: dist.ProcessGroup) -> None:

@@ -9,7 +9,7 @@ Usage::
         model's plan of a whole model, see tp_kernels.bench.model)
 
 Without a launcher it starts ``--world-size`` local gloo ranks
-(:class:`tp_kernels.launch.LocalWorld`) on this machine; under ``torchrun`` (``RANK`` and
+(:class:`tp_kernels.testing.LocalWorld`) on this machine; under ``torchrun`` (``RANK`` and
 ``WORLD_SIZE`` set) it runs on the launcher's ranks, with NCCL when CUDA is available. It prints
 one table per benchmark (see :mod:`tp_kernels.bench.protocol` for the timing protocol) and writes a
 JSON report, by default to ``bench_results/<benchmarks>-<timestamp>.json``. The exit status is 1
@@ -45,7 +45,7 @@ from tp_kernels.bench.protocol import (
     run_case,
     versions,
 )
-from tp_kernels.launch import LocalWorld
+from tp_kernels.testing import LocalWorld
 
 __all__ = ["main", "parse_args", "run_rank"]
 

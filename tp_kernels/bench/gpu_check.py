@@ -3,15 +3,16 @@ one GPU, checked against float64; then the kernels' tile GEMMs timed against cuB
 
 What runs (``--device cuda``, the default, on a machine with one GPU):
 
-1. For each world size of ``--worlds`` (default 2, then 4), a :class:`~tp_kernels.launch.LocalWorld`
-   of that many local ranks. Their process group is gloo, since NCCL refuses two ranks on one GPU;
-   every rank calls ``torch.cuda.set_device(0)`` and works on ``cuda:0``, and the ranks'
-   environment has ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1`` so that CUDA symmetric memory
-   accepts ranks that share a device, and ``TP_KERNELS_TIMEOUT_S`` so that no symm wait is longer
-   than ``--symm-timeout-s``. The backends come from :func:`tp_kernels.available_backends`: each
-   one listed as ``"ok"`` for the device (and for the world's group) runs; ``symm`` must run, a
-   backend that cannot gets a row saying why (``pipelined``: gloo's send/recv carry host memory
-   only, so on one GPU it cannot run; ``torch_symm_mem`` where torch lacks its ops).
+1. For each world size of ``--worlds`` (default 2, then 4), a
+   :class:`~tp_kernels.testing.LocalWorld` of that many local ranks. Their process group is gloo,
+   since NCCL refuses two ranks on one GPU; every rank calls ``torch.cuda.set_device(0)`` and works
+   on ``cuda:0``, and the ranks' environment has ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1`` so
+   that CUDA symmetric memory accepts ranks that share a device, and ``TP_KERNELS_TIMEOUT_S`` so
+   that no symm wait is longer than ``--symm-timeout-s``. The backends come from
+   :func:`tp_kernels.available_backends`: each one listed as ``"ok"`` for the device (and for the
+   world's group) runs; ``symm`` must run, a backend that cannot gets a row saying why
+   (``pipelined``: gloo's send/recv carry host memory only, so on one GPU it cannot run;
+   ``torch_symm_mem`` where torch lacks its ops).
 2. For each backend, op and dtype (fp32, bf16, fp16) one row: a sequence of calls of the public op
    (:func:`tp_kernels.all_gather_matmul` or :func:`tp_kernels.matmul_reduce_scatter`), forward and
    backward, over shapes that are not multiples of 16 or of a tile (K=1000 and 744, N=72, 136,
@@ -96,7 +97,7 @@ import torch
 import torch.distributed as dist
 
 from tp_kernels.bench.protocol import DTYPES
-from tp_kernels.launch import LocalWorld, RankError
+from tp_kernels.testing import LocalWorld, RankError
 
 __all__ = [
     "FAULT_ENV",
@@ -533,7 +534,7 @@ def _short(text: str, limit: int = 110) -> str:
 
 def summarize_rank_error(text: str) -> str:
     """The last line of each rank's traceback (deduplicated) and the hung or crashed ranks, from
-    the message of a :class:`~tp_kernels.launch.RankError`."""
+    the message of a :class:`~tp_kernels.testing.RankError`."""
     found: list[str] = []
     blocks = text.split("\n--- ")
     for block in blocks[1:]:

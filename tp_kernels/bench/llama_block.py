@@ -78,7 +78,7 @@ from tp_kernels.bench.model import block_prediction
 from tp_kernels.bench.ops import FUSED_BACKENDS, runnable_backends
 from tp_kernels.bench.protocol import ROOF, BenchCase, BenchConfig, register
 from tp_kernels.models.llama import Llama, LlamaConfig, TransformerBlock, rope_tables
-from tp_kernels.plans import check_tp_compatible, llama_tp_plan
+from tp_kernels.models.plans import check_tp_compatible, llama_tp_plan
 
 __all__ = ["BASELINE", "DEFAULT_SIZES", "LLAMA_PROVIDERS", "block_flops", "llama_block"]
 

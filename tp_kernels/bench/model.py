@@ -1,7 +1,7 @@
 """``python -m tp_kernels.bench model``: the cost model's plan for a whole model's TP layout.
 
 For every Linear of the sequence-parallel TP plan of a Llama-3 model (the layout of
-:func:`tp_kernels.plans.llama_tp_plan`: one fused all-gather-matmul for wq/wk/wv and one for
+:func:`tp_kernels.models.plans.llama_tp_plan`: one fused all-gather-matmul for wq/wk/wv and one for
 w1/w3, a fused matmul-reduce-scatter for wo and for w2, the output projection gathered once), on
 ``--tp`` GPUs of ``--gpu``, with ``--batch`` x ``--seq`` tokens: the predicted compute and
 communication, the speed of light, the unfused time (``reference``: collective, then matmul) and

@@ -37,7 +37,7 @@ import tp_kernels
 from tp_kernels.backends import check_backend_name
 from tp_kernels.examples import train_llama
 from tp_kernels.integrations import hf
-from tp_kernels.launch import LocalWorld
+from tp_kernels.testing import LocalWorld
 
 __all__ = ["TrainOptions", "build_model", "main", "parse_args", "train_rank"]
 

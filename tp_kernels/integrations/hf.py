@@ -80,7 +80,7 @@ from transformers.integrations.tensor_parallel import ALL_PARALLEL_STYLES, Tenso
 
 from tp_kernels import styles as tpk_styles
 from tp_kernels.api import parallelize_module
-from tp_kernels.plans import require_divisible
+from tp_kernels.models.plans import require_divisible
 
 __all__ = [
     "FAMILIES",

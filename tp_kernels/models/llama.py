@@ -15,9 +15,9 @@ Attention is causal softmax attention with rotary position embeddings (RoPE, hal
 grouped-query attention: query head ``j`` attends with key/value head ``j // (H / K)``.
 The feed-forward is SwiGLU: ``w2(silu(w1(x)) * w3(x))``.
 
-Tensor parallelism (see :mod:`tp_kernels.plans`) shards ``wq/wk/wv`` and ``w1/w3`` column-wise, so
-an attention layer sees only its local heads; it derives their count from the local tensor shapes.
-Because local query heads ``[r*H/W, (r+1)*H/W)`` map to the local key/value heads
+Tensor parallelism (see :mod:`tp_kernels.models.plans`) shards ``wq/wk/wv`` and ``w1/w3``
+column-wise, so an attention layer sees only its local heads; it derives their count from the local
+tensor shapes. Because local query heads ``[r*H/W, (r+1)*H/W)`` map to the local key/value heads
 ``[r*K/W, (r+1)*K/W)``, the grouping stays right on every rank when ``W`` divides ``K``.
 """
 
