@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import _disable_current_modes
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -150,7 +151,9 @@ _calls: weakref.WeakKeyDictionary[dist.ProcessGroup, int] = weakref.WeakKeyDicti
 def fused_call(group: dist.ProcessGroup, op: str, pass_: str) -> Iterator[None]:
     """The extent of one fused call (or one of its parts) on ``group``: refuses at once on a
     broken group, names ``op`` and ``pass_`` in the deadline errors raised inside, and marks the
-    group broken when one is."""
+    group broken when one is. Dispatch modes (``CommDebugMode``, a user's) do not see the
+    collectives inside: they see the fused custom op as the collective it replaces (see
+    ``ops/library.py``), not the agreement or transport under it."""
     broken = _broken.get(group)
     if broken is not None:
         raise PeerTimeoutError(
@@ -165,7 +168,8 @@ def fused_call(group: dist.ProcessGroup, op: str, pass_: str) -> Iterator[None]:
     _calls[group] = _calls.get(group, 0) + 1
     token = _call.set((op, pass_))
     try:
-        yield
+        with _disable_current_modes():
+            yield
     except PeerTimeoutError as exc:
         _broken.setdefault(group, exc)
         raise

@@ -101,6 +101,18 @@ def _fall_back(where: str, reason: str) -> None:
         logger.info("%s takes PyTorch's path: %s", where, reason)
 
 
+def _simulated_ranks() -> str | None:
+    """Why no call can fuse in this process now (None: calls may fuse): under PyTorch's
+    ``LocalTensorMode`` one process simulates every rank, and the fused ops need real peers."""
+    try:
+        from torch.distributed._local_tensor import local_tensor_mode
+    except ImportError:  # torch before LocalTensorMode
+        return None
+    if local_tensor_mode() is None:
+        return None
+    return "LocalTensorMode simulates the ranks in one process; the fused ops need real peers"
+
+
 def _sharded_dim(placement: Placement, ndim: int) -> int | None:
     """``d`` if ``placement`` is ``Shard(d)`` on a leading (non-contracted) dim, else None."""
     if isinstance(placement, Shard) and placement.dim % ndim != ndim - 1:
@@ -204,6 +216,10 @@ def _rowwise_forward(self: nn.Linear, x: Any) -> Any:
     fused: _FusedLinear = self._tpk_fused
     where = f"RowwiseParallel on {type(self).__qualname__}"
     dim = _sharded_dim(fused.output_layouts[0], x.ndim)
+    why = _simulated_ranks()
+    if why is not None:
+        _fall_back(where, why)
+        return nn.Linear.forward(self, x)
     if dim is None:
         _fall_back(where, f"output {fused.output_layouts[0]} shards the last (feature) dim")
         return nn.Linear.forward(self, x)
@@ -241,17 +257,16 @@ class ColwiseParallel(_FusableStyle, _torch_style.ColwiseParallel):
             if fused.holds(mod, x):
                 return inputs  # the forward returns the grouped gather's output
             layout = x.placements[0] if isinstance(x, DTensor) else input_layouts[0]
-            if _sharded_dim(layout, x.ndim) is not None:
+            dim = _sharded_dim(layout, x.ndim)
+            if dim is not None:
                 world = device_mesh.size()
-                dim = _sharded_dim(layout, x.ndim)
-                if not isinstance(x, DTensor):
+                why = _simulated_ranks()
+                if why is None and not isinstance(x, DTensor):
                     return DTensor.from_local(x, device_mesh, input_layouts, run_check=False)
-                if x.shape[dim] % world == 0:
+                if why is None and x.shape[dim] % world == 0:
                     return x
-                _fall_back(
-                    f"ColwiseParallel on {type(mod).__qualname__}",
-                    f"input dim {dim} of size {x.shape[dim]} is uneven over {world} ranks",
-                )
+                why = why or f"input dim {dim} of size {x.shape[dim]} is uneven over {world} ranks"
+                _fall_back(f"ColwiseParallel on {type(mod).__qualname__}", why)
         return _torch_style.ColwiseParallel._prepare_input_fn(
             input_layouts, desired_input_layouts, mod, inputs, device_mesh
         )
@@ -484,6 +499,9 @@ def _why_not_grouped(children, x, layout, device_mesh) -> str | None:
     """Why a call of a grouping PrepareModuleInput cannot fuse its gather (None: it can)."""
     if not children:
         return "no tp_kernels ColwiseParallel Linear children"
+    why = _simulated_ranks()
+    if why is not None:
+        return why
     if isinstance(x, DTensor):
         if x.placements != (layout,):
             return f"input placements {x.placements} are not the declared ({layout},)"

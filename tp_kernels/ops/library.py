@@ -213,3 +213,35 @@ def _matmul_reduce_scatter_backward(ctx, grad):
 matmul_reduce_scatter_2d.register_autograd(
     _matmul_reduce_scatter_backward, setup_context=_matmul_reduce_scatter_setup
 )
+
+
+def _count_as_replaced_collectives() -> None:
+    """Make PyTorch's ``CommDebugMode`` count each fused op as the one collective it replaces, in
+    forward and backward, under the module that issued it: an all-gather-matmul (and the
+    backward of a matmul-reduce-scatter) as one ``all_gather_into_tensor``, a matmul-reduce-
+    scatter (and the backward of an all-gather-matmul) as one ``reduce_scatter_tensor``, as
+    DTensor's path would issue them. The backward's re-gather of a saved shard (the default,
+    ``save_gathered_a=False``) is not counted: it replaces nothing in DTensor's path, which keeps
+    the gathered input. CommDebugMode keeps its registry in module globals; where a torch lacks
+    them, nothing is registered."""
+    try:
+        from torch.distributed.tensor.debug import _comm_mode
+    except ImportError:
+        return
+    counted = getattr(_comm_mode, "c10d_collective_ops", None)
+    as_collective = getattr(_comm_mode, "NATIVE_TO_PY_MAPPING", None)
+    if not isinstance(counted, set) or not isinstance(as_collective, dict):
+        return
+    funcol = torch.ops.c10d_functional
+    ours = torch.ops.tp_kernels
+    for op, collective in (
+        (ours.all_gather_matmul, funcol.all_gather_into_tensor),
+        (ours.matmul_reduce_scatter_backward, funcol.all_gather_into_tensor),
+        (ours.matmul_reduce_scatter, funcol.reduce_scatter_tensor),
+        (ours.all_gather_matmul_backward, funcol.reduce_scatter_tensor),
+    ):
+        counted.add(op)
+        as_collective[op] = collective
+
+
+_count_as_replaced_collectives()
