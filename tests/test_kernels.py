@@ -81,12 +81,12 @@ def _rs_reference(parts_a: list[torch.Tensor], parts_b: list[torch.Tensor], dst:
     return truth, same, magnitude
 
 
-def _fixed_order_sum(slots: torch.Tensor, divisor: float, dtype: torch.dtype) -> torch.Tensor:
+def _fixed_order_sum(slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The reduction spelled out: fp32, slot 0 first; the kernel must match it bit for bit."""
     acc = slots[0].float()
     for s in range(1, slots.shape[0]):
         acc = acc + slots[s].float()
-    return (acc / divisor).to(dtype)
+    return acc.to(dtype)
 
 
 # ---------------------------------------------------------------- one process, simulated ranks
@@ -169,26 +169,22 @@ def test_matmul_rs_producer_and_reduce(dtype, world_size, m, k, n):
             reference = _ag_reference(parts_a[r][rows], parts_b[r])
             problem = check_close(f"slot {r} of rank {dst}", buffers[dst][r], *reference)
             assert problem is None, problem
-        outs = {}
-        for divisor in (1.0, float(world_size)):
-            out = torch.full((m, n), NAN, dtype=dtype)
-            status = kernels.new_status(world_size, torch.device("cpu"))
-            kernels.reduce_slots(
-                buffers[dst],
-                out,
-                signal_ptrs,
-                status=status,
-                rank=dst,
-                world_size=world_size,
-                channel=CHANNEL,
-                epoch=3,
-                divisor=divisor,
-            )
-            assert status.tolist() == [0] * world_size
-            assert torch.equal(out, _fixed_order_sum(buffers[dst], divisor, dtype))
-            outs[divisor] = out
+        out = torch.full((m, n), NAN, dtype=dtype)
+        status = kernels.new_status(world_size, torch.device("cpu"))
+        kernels.reduce_slots(
+            buffers[dst],
+            out,
+            signal_ptrs,
+            status=status,
+            rank=dst,
+            world_size=world_size,
+            channel=CHANNEL,
+            epoch=3,
+        )
+        assert status.tolist() == [0] * world_size
+        assert torch.equal(out, _fixed_order_sum(buffers[dst], dtype))
         reference = _rs_reference(parts_a, parts_b, dst, m)
-        assert (problem := check_close(f"rank {dst}", outs[1.0], *reference)) is None, problem
+        assert (problem := check_close(f"rank {dst}", out, *reference)) is None, problem
 
 
 def _misaligned(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
@@ -290,7 +286,7 @@ def test_reduce_slots_casts_to_out_dtype():
     kernels.reduce_slots(
         slots, out, signal_ptrs, status=status, rank=2, world_size=3, channel=0, epoch=1
     )
-    assert torch.equal(out, _fixed_order_sum(slots, 1.0, torch.float32))
+    assert torch.equal(out, _fixed_order_sum(slots, torch.float32))
 
 
 def test_stale_or_missing_signal_times_out():
@@ -470,7 +466,6 @@ def _bad_reduce(**change):
             r"\[W=2, m, N\]",
         ),
         (_bad_reduce, dict(out=torch.ones(5, 4)), r"out: got torch.float32 of shape \(5, 4\)"),
-        (_bad_reduce, dict(divisor=0.0), r"divisor: got 0.0"),
     ],
 )
 def test_bad_input_is_named(call, change, message):
@@ -620,7 +615,7 @@ def _rank_rs(m: int, k: int, n: int) -> list[str]:
             problems.append(f"{where}: a wait timed out: {status.tolist()}")
         if order.tolist() != _rotation(rank + 1, world_size):
             problems.append(f"{where}: destination order {order.tolist()}")
-        if not torch.equal(out, _fixed_order_sum(slots, 1.0, dtype)):
+        if not torch.equal(out, _fixed_order_sum(slots, dtype)):
             problems.append(f"{where}: not the fixed-order fp32 sum of the slots")
         reference = _rs_reference(parts_a, parts_b, rank, m)
         if problem := check_close(where, out, *reference):

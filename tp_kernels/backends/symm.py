@@ -63,10 +63,8 @@ workspaces. A rank signals in call ``c`` only after returning from call ``c-1``,
 still reads anything of call ``c-2``: ``r`` may overwrite that half (its own shard, or its slots
 in the peers' buffers) in call ``c``. The alternative, one buffer and a barrier at the end of
 every call, makes every rank wait for the slowest at the end of each call instead of letting the
-next call's own-shard work absorb the skew. Measured at M=4096, K=2048, N=2048 fp32 on two
-ranks (8 interleaved rounds, medians on ranks 0/1, on a 2-core machine loaded by other jobs):
-all-gather-matmul 1.91/2.01 s double-buffered vs 2.00/2.00 s with the barrier, matmul-reduce-
-scatter 1.58/1.64 s vs 1.85/1.87 s. Double buffering costs only a second half of memory.
+next call's own-shard work absorb the skew (measured in benchmarks/README.md). Double buffering
+costs only a second half of memory.
 
 After a deadline error the group's state is unknown (a peer may be dead or a signal outstanding),
 so every later call on that group raises at once.

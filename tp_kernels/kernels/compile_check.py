@@ -287,7 +287,6 @@ def variants(arch: int) -> list[Variant]:
                         "channel": i32,
                         "epoch": i32,
                         "timeout_ns": "i64",
-                        "divisor": "fp32",
                     },  # fmt: skip
                     {"OUT_DTYPE": tl_type, "BF16_BY_HAND": False, **config.kwargs},
                     ("slots_ptr", "out_ptr", "signal_ptrs", "numel"),

@@ -179,12 +179,11 @@ def _reduce_slots_kernel(
     channel,
     epoch,
     timeout_ns,
-    divisor,
     OUT_DTYPE: tl.constexpr,
     BF16_BY_HAND: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """``out[e] = (sum_{s=0..W-1} float32(slots[s, e])) / divisor`` for a block of elements ``e``.
+    """``out[e] = sum_{s=0..W-1} float32(slots[s, e])`` for a block of elements ``e``.
 
     ``slots`` [W, numel] is this rank's buffer. The sum runs in fp32, slot 0 first, so the result
     does not depend on timing. Before adding slot ``s`` the program waits for ``epoch`` in word
@@ -202,7 +201,7 @@ def _reduce_slots_kernel(
         _wait_signal(pad + channel * world_size + s, epoch, timeout_ns, status + s)
         acc += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
         ptrs += numel
-    tl.store(out_ptr + offs, _round_to(acc / divisor, OUT_DTYPE, BF16_BY_HAND), mask=mask)
+    tl.store(out_ptr + offs, _round_to(acc, OUT_DTYPE, BF16_BY_HAND), mask=mask)
 
 
 def new_counters(world_size: int, device: torch.device) -> torch.Tensor:
@@ -315,16 +314,15 @@ def reduce_slots(
     world_size: int,
     channel: int,
     epoch: int,
-    divisor: float = 1.0,
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> None:
-    """``out = (slots[0] + slots[1] + ... + slots[W-1]) / divisor``, summed in fp32 in that order.
+    """``out = slots[0] + slots[1] + ... + slots[W-1]``, summed in fp32 in that order (an average
+    is the ops layer's division, the same for every backend).
 
     Shapes: ``slots`` [W, m, N] (this rank's symmetric buffer; slot s is written by rank s's
     :func:`matmul_rs_producer`), ``out`` [m, N] of any supported dtype (the fp32 sum is cast to
     it); both contiguous on one device. Slot s is read once word ``channel * W + s`` of this
-    rank's pad holds ``epoch``. ``divisor`` is 1 for a sum and W for an average. Nothing here
-    synchronizes with the device.
+    rank's pad holds ``epoch``. Nothing here synchronizes with the device.
 
     Args:
         signal_ptrs: int64 [W], address of each rank's signal pad; this rank waits on its own.
@@ -341,8 +339,6 @@ def reduce_slots(
     check_matrix(out, tuple(slots.shape[1:]), out.dtype, slots.device, argument="out")
     check_ptr_table(signal_ptrs, world_size, slots.device, argument="signal_ptrs")
     check_status(status, world_size)
-    if not divisor > 0:
-        raise ValueError(f"divisor: got {divisor}, expected a positive number")
 
     numel = out.numel()
     with on_device(slots.device):
@@ -357,7 +353,6 @@ def reduce_slots(
             channel,
             epoch,
             timeout_ns(timeout_s),
-            float(divisor),
             OUT_DTYPE=OUT_DTYPE,
             BF16_BY_HAND=INTERPRET and out.dtype == torch.bfloat16,
         )
