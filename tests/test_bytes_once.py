@@ -27,6 +27,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.utils._pytree import tree_flatten  # noqa: E402
 
 import tp_kernels as tpk  # noqa: E402
+from tp_kernels import config  # noqa: E402
 from tp_kernels.backends import symm as symm_backend  # noqa: E402
 
 _traffic: Counter = Counter()  # (peer, "read" | "write") -> bytes, this rank
@@ -116,12 +117,12 @@ def _watched_interpreter(group: dist.ProcessGroup):
 
     InterpreterBuilder.create_masked_load = counted_load
     InterpreterBuilder.create_masked_store = counted_store
-    os.environ["TP_KERNELS_SYMM_TRITON"] = "1"
+    config.SYMM_TRITON.set(True)
     try:
         yield
     finally:
         InterpreterBuilder.create_masked_load, InterpreterBuilder.create_masked_store = load, store
-        del os.environ["TP_KERNELS_SYMM_TRITON"]
+        config.SYMM_TRITON.reset()
 
 
 def _expect(peers: list[int], what: str, nbytes: int) -> dict:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import tp_kernels as tpk
-from tp_kernels import deadline, symmetric_memory
+from tp_kernels import config, deadline, symmetric_memory
 from tp_kernels.backends import schedule
 from tp_kernels.testing import LocalWorld
 
@@ -133,7 +133,7 @@ def _victim_part(fault: str, backend: str, group, victim: bool) -> None:
         # The first call on a group always agrees; the second, with checks off, goes straight
         # to the transfers (or signals), where the survivors then wait.
         _block(group, backend)
-        os.environ["TP_KERNELS_CHECK_CONSISTENCY"] = "0"
+        config.CHECK_CONSISTENCY.set(False)
         if not victim:
             _block(group, backend)
     elif fault in ("stop_forward", "kill_forward"):
@@ -169,7 +169,7 @@ def _victim_part(fault: str, backend: str, group, victim: bool) -> None:
         other = "reference" if backend == "pipelined" else "pipelined"
         _block(group, other if victim else backend)
     elif fault == "consistency_differs":
-        os.environ["TP_KERNELS_CHECK_CONSISTENCY"] = "0" if victim else "1"
+        config.CHECK_CONSISTENCY.set(not victim)
         _block(group, backend)
     elif fault == "chunks_differ":
         tpk.backends.pipelined.set_chunks(3 if victim else 2)
@@ -187,7 +187,6 @@ def _fault(fault: str, backend: str) -> dict:
     group: "ok", or what it raised and ``again_s``), ``fresh`` (a new group's result error)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     victim = rank == world - 1
-    saved_env = os.environ.get("TP_KERNELS_CHECK_CONSISTENCY")
     saved_on_every_rank = symmetric_memory._on_every_rank
     group = dist.new_group(list(range(world)))
     report: dict = {"rank": rank, "victim": victim, "error": None, "timeout": False}
@@ -201,11 +200,8 @@ def _fault(fault: str, backend: str) -> dict:
         report["elapsed"] = time.monotonic() - start
         schedule.torch = torch
         symmetric_memory._on_every_rank = saved_on_every_rank
-        tpk.backends.pipelined.set_chunks(None)
-        if saved_env is None:
-            os.environ.pop("TP_KERNELS_CHECK_CONSISTENCY", None)
-        else:
-            os.environ["TP_KERNELS_CHECK_CONSISTENCY"] = saved_env
+        config.PIPELINE_CHUNKS.reset()
+        config.CHECK_CONSISTENCY.reset()
     if report["timeout"] or fault == "late_failure":
         start = time.monotonic()
         try:

@@ -15,7 +15,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from _processes import run_without_interpreter  # noqa: E402
 
-from tp_kernels import symmetric_memory  # noqa: E402
+from tp_kernels import config, symmetric_memory  # noqa: E402
 from tp_kernels.backends import symm as symm_backend  # noqa: E402
 
 
@@ -112,7 +112,7 @@ def _recorded_timeout_raises_at_next_call() -> dict:
     group = dist.new_group(list(range(world)))
     report: dict = {}
     try:
-        os.environ["TP_KERNELS_SYMM_TRITON"] = "1"
+        config.SYMM_TRITON.set(True)
         a = torch.ones(4, 8)
         bs = [torch.ones(8, 3)]
         symm_backend.BACKEND.all_gather_matmul(a, bs, group, return_a=False)  # sets up
@@ -132,7 +132,7 @@ def _recorded_timeout_raises_at_next_call() -> dict:
             report["after_raise"] = symm_backend.unraised_timeouts()
         dist.barrier()
     finally:
-        del os.environ["TP_KERNELS_SYMM_TRITON"]
+        config.SYMM_TRITON.reset()
         dist.destroy_process_group(group)
     return report
 
@@ -156,7 +156,7 @@ def test_triton_older_than_the_kernels_support_is_named(monkeypatch):
     assert kernels.triton_unsupported_reason("3.9.0+git1234") is None
     assert "Triton 3.5.1 is older than 3.6" in kernels.triton_unsupported_reason("3.5.1")
     monkeypatch.setattr(kernels, "triton_unsupported_reason", lambda: "Triton 3.4.0 is older")
-    monkeypatch.setenv("TP_KERNELS_SYMM_TRITON", "1")
+    monkeypatch.setattr(config.SYMM_TRITON, "get", lambda: True)
     why = symm_backend.BACKEND.unavailable_reason(None, torch.device("cpu"))
     assert why == "Triton 3.4.0 is older", why
 
@@ -182,7 +182,7 @@ def _launch_arguments() -> list[dict]:
         launch(a_ptrs, signal_ptrs, bs, outs, **kwargs)
 
     weights = [torch.randn(6, 8), torch.randn(3, 8)]  # [N, K] each, as Linear weights
-    os.environ["TP_KERNELS_SYMM_TRITON"] = "1"
+    config.SYMM_TRITON.set(True)
     kernels.ag_matmul_consumer = record
     try:
         for _ in range(4):
@@ -191,7 +191,7 @@ def _launch_arguments() -> list[dict]:
             )
     finally:
         kernels.ag_matmul_consumer = launch
-        del os.environ["TP_KERNELS_SYMM_TRITON"]
+        config.SYMM_TRITON.reset()
     return seen
 
 

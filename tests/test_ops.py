@@ -18,7 +18,7 @@ import torch.distributed as dist
 from _numerics import check_close
 
 import tp_kernels as tpk
-from tp_kernels import backends
+from tp_kernels import backends, config
 from tp_kernels.backends import auto, current_backend, pipelined
 from tp_kernels.ops._checks import check_all_gather_matmul, check_matmul_reduce_scatter
 
@@ -79,24 +79,27 @@ def test_matmul_reduce_scatter_checks(a_shape, dim, op, message):
 
 
 def test_backend_selection_precedence(monkeypatch):
-    monkeypatch.setattr(backends, "_process_default", None)
+    # The environment is read once (tp_kernels.config); reset() makes the next use read it again.
     monkeypatch.delenv("TP_KERNELS_BACKEND", raising=False)
-    assert current_backend() == "auto"
-    monkeypatch.setenv("TP_KERNELS_BACKEND", "pipelined")
-    assert current_backend() == "pipelined"
-    tpk.set_backend("reference")
+    config.BACKEND.reset()
     try:
+        assert current_backend() == "auto"
+        monkeypatch.setenv("TP_KERNELS_BACKEND", "pipelined")
+        config.BACKEND.reset()
+        assert current_backend() == "pipelined"
+        tpk.set_backend("reference")
         assert current_backend() == "reference"
         with tpk.use_backend("pipelined"):
             assert current_backend() == "pipelined"
         assert current_backend() == "reference"
+        with pytest.raises(ValueError, match=r"set_backend\(name\): unknown backend 'fast'"):
+            tpk.set_backend("fast")
+        config.BACKEND.reset()
+        monkeypatch.setenv("TP_KERNELS_BACKEND", "nope")
+        with pytest.raises(ValueError, match="TP_KERNELS_BACKEND: unknown backend 'nope'"):
+            current_backend()
     finally:
-        monkeypatch.setattr(backends, "_process_default", None)
-    with pytest.raises(ValueError, match=r"set_backend\(name\): unknown backend 'fast'"):
-        tpk.set_backend("fast")
-    monkeypatch.setenv("TP_KERNELS_BACKEND", "nope")
-    with pytest.raises(ValueError, match="TP_KERNELS_BACKEND: unknown backend 'nope'"):
-        current_backend()
+        config.BACKEND.reset()
 
 
 def test_available_backends_reports_every_backend():
@@ -429,10 +432,12 @@ def _bad_call(kind: str) -> str:
         elif kind in ("chunks_differ", "chunks_not_a_number"):
             value = str(2 + rank) if kind == "chunks_differ" else ("abc" if rank else "2")
             os.environ["TP_KERNELS_PIPELINE_CHUNKS"] = value
+            config.PIPELINE_CHUNKS.reset()  # read the environment again
             try:
                 tpk.all_gather_matmul(a, b, 0, group, backend="pipelined")
             finally:
                 del os.environ["TP_KERNELS_PIPELINE_CHUNKS"]
+                config.PIPELINE_CHUNKS.reset()
         elif kind == "default_group":
             _, (out,) = tpk.all_gather_matmul(a, b, 0, None)
             return f"ok {tuple(out.shape)}"

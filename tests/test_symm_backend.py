@@ -24,7 +24,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from _numerics import check_close  # noqa: E402
 
-from tp_kernels import symmetric_memory  # noqa: E402
+from tp_kernels import config, symmetric_memory  # noqa: E402
 from tp_kernels.backends import pipelined  # noqa: E402
 from tp_kernels.backends import symm as symm_backend  # noqa: E402
 from tp_kernels.testing import LocalWorld, RankError  # noqa: E402
@@ -171,13 +171,13 @@ def _triton_path():
 
         return launch
 
-    os.environ["TP_KERNELS_SYMM_TRITON"] = "1"
+    config.SYMM_TRITON.set(True)
     for name in counts:
         setattr(kernels, name, counting(name))
     try:
         yield counts
     finally:
-        del os.environ["TP_KERNELS_SYMM_TRITON"]
+        config.SYMM_TRITON.reset()
         for name, fn in originals.items():
             setattr(kernels, name, fn)
 
@@ -457,7 +457,7 @@ def test_unavailable_reason(worlds, monkeypatch):
         )
     from tp_kernels import kernels
 
-    monkeypatch.setenv("TP_KERNELS_SYMM_TRITON", "1")
+    monkeypatch.setattr(config.SYMM_TRITON, "get", lambda: True)
     assert BACKEND.unavailable_reason(None, torch.device("cpu")) is None
     monkeypatch.setattr(kernels, "INTERPRET", False)
     assert "set TRITON_INTERPRET=1" in BACKEND.unavailable_reason(None, torch.device("cpu"))

@@ -33,8 +33,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import datetime
-import math
-import os
 import pickle
 import threading
 import time
@@ -45,6 +43,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import _disable_current_modes
+
+from tp_kernels import config
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -95,42 +95,18 @@ class PeerTimeoutError(TimeoutError):
 
 # --- the deadline ---------------------------------------------------------------------------------
 
-_timeout_s: float | None = None  # None until set or first read from TP_KERNELS_TIMEOUT_S
-
-
-def check_timeout(value: object, argument: str) -> float:
-    """``value`` as seconds if it is a positive, finite number; else an error naming
-    ``argument``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{argument}: expected a number of seconds, got {value!r}")
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(
-            f"{argument}: expected a positive, finite number of seconds, got {value!r}"
-        )
-    return float(value)
+DEFAULT_TIMEOUT_S = config.TIMEOUT_S.default
 
 
 def set_timeout(seconds: float) -> None:
     """Set the deadline of every wait of tp_kernels in this process, in seconds."""
-    global _timeout_s
-    _timeout_s = check_timeout(seconds, "seconds")
+    config.TIMEOUT_S.set(seconds, argument="seconds")
 
 
 def get_timeout() -> float:
     """The deadline of waits: :func:`set_timeout`'s value, else ``TP_KERNELS_TIMEOUT_S``, else
-    300 s."""
-    global _timeout_s
-    if _timeout_s is None:
-        raw = os.environ.get("TP_KERNELS_TIMEOUT_S")
-        if raw is None:
-            _timeout_s = DEFAULT_TIMEOUT_S
-        else:
-            try:
-                value: object = float(raw)
-            except ValueError:
-                value = raw  # rejected with the message of check_timeout
-            _timeout_s = check_timeout(value, "TP_KERNELS_TIMEOUT_S")
-    return _timeout_s
+    300 s (:data:`tp_kernels.config.TIMEOUT_S`)."""
+    return config.TIMEOUT_S.get()
 
 
 # --- fused calls and broken groups ----------------------------------------------------------------

@@ -50,10 +50,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tp_kernels.config import check_seconds
 from tp_kernels.deadline import (
     DEFAULT_TIMEOUT_S,
     PeerTimeoutError,
-    check_timeout,
     gather_objects,
     get_timeout,
     set_timeout,
@@ -104,7 +104,7 @@ class SymmTimeoutError(PeerTimeoutError):
 
 
 def _resolve_timeout(timeout_s: float | None) -> float:
-    return get_timeout() if timeout_s is None else check_timeout(timeout_s, "timeout_s")
+    return get_timeout() if timeout_s is None else check_seconds(timeout_s, "timeout_s")
 
 
 # --- availability ---------------------------------------------------------------------------------

@@ -12,12 +12,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import importlib
-import os
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
+from tp_kernels import config
 from tp_kernels.backends import auto
 from tp_kernels.backends.base import Backend
 
@@ -41,7 +41,6 @@ _MODULES = {
 }
 BACKEND_NAMES = ("auto", *_MODULES)
 
-_process_default: str | None = None
 _context: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "tp_kernels_backend", default=None
 )
@@ -56,8 +55,7 @@ def check_backend_name(name: object, *, argument: str = "backend") -> str:
 
 def set_backend(name: str) -> None:
     """Set the process-wide default backend (``"auto"`` restores automatic choice)."""
-    global _process_default
-    _process_default = check_backend_name(name, argument="set_backend(name)")
+    config.BACKEND.set(check_backend_name(name, argument="set_backend(name)"))
 
 
 @contextlib.contextmanager
@@ -72,11 +70,7 @@ def use_backend(name: str) -> Iterator[None]:
 
 def current_backend() -> str:
     """The backend name in force for a call that does not name one (may be ``"auto"``)."""
-    name = _context.get() or _process_default
-    if name is None:
-        env = os.environ.get("TP_KERNELS_BACKEND")
-        name = check_backend_name(env, argument="TP_KERNELS_BACKEND") if env else "auto"
-    return name
+    return _context.get() or check_backend_name(config.BACKEND.get(), argument="TP_KERNELS_BACKEND")
 
 
 def get_backend(name: str) -> Backend:

@@ -30,7 +30,6 @@ device around each call; that happens once per shape class, never on the steady-
 from __future__ import annotations
 
 import logging
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -39,7 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from tp_kernels import cost, deadline
+from tp_kernels import config, cost, deadline
 
 logger = logging.getLogger("tp_kernels")
 
@@ -110,7 +109,7 @@ _logged: set[tuple] = set()
 
 def timing_enabled() -> bool:
     """``TP_KERNELS_AUTO_TIMING`` (default 1): ``0`` keeps ``auto`` to its untimed choice."""
-    return os.environ.get("TP_KERNELS_AUTO_TIMING", "1") not in ("0", "false", "False")
+    return config.AUTO_TIMING.get()
 
 
 def candidates(

@@ -29,13 +29,12 @@ them as one group: a ring of receives each posted before its rank's send would d
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
-from tp_kernels import deadline
+from tp_kernels import config, deadline
 from tp_kernels.backends import schedule
 from tp_kernels.backends.base import Backend
 
@@ -43,18 +42,11 @@ from tp_kernels.backends.base import Backend
 _MIN_BLOCK_BYTES = 1 << 20
 _MAX_CHUNKS = 4
 
-_chunks_override: int | None = None
-
 
 def set_chunks(chunks: int | None) -> None:
-    """Fix the number of row blocks per peer transfer (``None``: choose from the shape).
-
-    The environment variable ``TP_KERNELS_PIPELINE_CHUNKS`` sets the same default.
-    """
-    global _chunks_override
-    if chunks is not None and (not isinstance(chunks, int) or chunks < 1):
-        raise ValueError(f"chunks: expected a positive int or None, got {chunks!r}")
-    _chunks_override = chunks
+    """Fix the number of row blocks per peer transfer (``None``: choose from the shape), over
+    ``TP_KERNELS_PIPELINE_CHUNKS`` (:data:`tp_kernels.config.PIPELINE_CHUNKS`)."""
+    config.PIPELINE_CHUNKS.set(chunks, argument="chunks")
 
 
 def chunks_setting() -> int | None:
@@ -62,14 +54,7 @@ def chunks_setting() -> int | None:
     ``TP_KERNELS_PIPELINE_CHUNKS``; ``None``: chosen from the shape. Part of what the ranks agree
     on before a fused call (a different count on one rank would pair blocks wrongly), so a bad
     value is an error every rank raises together."""
-    if _chunks_override is not None:
-        return _chunks_override
-    env = os.environ.get("TP_KERNELS_PIPELINE_CHUNKS", "")
-    if not env:
-        return None
-    if not env.isdigit() or int(env) < 1:
-        raise ValueError(f"TP_KERNELS_PIPELINE_CHUNKS: got {env!r}, expected a positive integer")
-    return int(env)
+    return config.PIPELINE_CHUNKS.get()
 
 
 def chunks_for(rows: int, row_bytes: int) -> int:

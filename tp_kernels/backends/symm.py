@@ -79,7 +79,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import os
 import sys
 import weakref
 from collections.abc import Callable, Sequence
@@ -87,7 +86,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from tp_kernels import symmetric_memory
+from tp_kernels import config, symmetric_memory
 from tp_kernels.backends import schedule
 from tp_kernels.backends.base import Backend
 
@@ -238,7 +237,7 @@ def _report_unraised_timeouts() -> None:
 def _use_triton(device: torch.device, dtype: torch.dtype) -> bool:
     if dtype not in _KERNEL_DTYPES:
         return False
-    return device.type == "cuda" or os.environ.get("TP_KERNELS_SYMM_TRITON") == "1"
+    return device.type == "cuda" or config.SYMM_TRITON.get()
 
 
 def _begin(
@@ -467,7 +466,7 @@ class SymmBackend(Backend):
         why = symmetric_memory.symm_unavailable_reason(device, group=group)
         if why is not None:
             return why
-        if device.type != "cpu" or os.environ.get("TP_KERNELS_SYMM_TRITON") == "1":
+        if device.type != "cpu" or config.SYMM_TRITON.get():
             return _kernels_unavailable_reason(device)
         return None
 

@@ -56,9 +56,11 @@ import torch
 import triton
 import triton.language as tl
 
+from tp_kernels import config
+
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_EPOCH: int = 2**31 - 1
-DEFAULT_TIMEOUT_S: float = 300.0
+DEFAULT_TIMEOUT_S: float = config.TIMEOUT_S.default
 # The oldest Triton whose kernels compile_check has compiled and read (torch 2.10/2.11 pin it).
 MIN_TRITON: tuple[int, int] = (3, 6)
 # Scalar arguments that change from call to call, or are the same on no two ranks: Triton must

@@ -19,7 +19,6 @@ next agreement within the deadline, where the peers see it as a mismatch.
 from __future__ import annotations
 
 import hashlib
-import os
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -29,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from tp_kernels import deadline
+from tp_kernels import config, deadline
 from tp_kernels._compat import all_gather_single
 
 T = TypeVar("T")
@@ -220,10 +219,9 @@ def resolve_group_or_note(group: object, *, op: str) -> dist.ProcessGroup:
 
 
 def consistency_checks_on(device: torch.device) -> bool:
-    env = os.environ.get("TP_KERNELS_CHECK_CONSISTENCY")
-    if env is not None:
-        return env not in ("0", "", "false", "False")
-    return device.type != "cuda"
+    """:data:`tp_kernels.config.CHECK_CONSISTENCY`, by default on for CPU tensors only."""
+    forced = config.CHECK_CONSISTENCY.get()
+    return device.type != "cuda" if forced is None else forced
 
 
 def checked(

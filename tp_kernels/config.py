@@ -1,0 +1,158 @@
+"""Every setting of tp_kernels in one place: its environment variable, its default, its setter.
+
+- :data:`BACKEND`: ``TP_KERNELS_BACKEND``, default ``"auto"``; ``tp_kernels.set_backend(name)``
+  (and, per call or block, ``backend=`` and ``use_backend``).
+- :data:`TIMEOUT_S`: ``TP_KERNELS_TIMEOUT_S``, default 300 s; ``tp_kernels.set_timeout(s)``.
+- :data:`PIPELINE_CHUNKS`: ``TP_KERNELS_PIPELINE_CHUNKS``, default chosen from the shape;
+  ``tp_kernels.backends.pipelined.set_chunks(n)``.
+- :data:`CHECK_CONSISTENCY`: ``TP_KERNELS_CHECK_CONSISTENCY`` (1/0), default on for CPU tensors
+  and off for CUDA ones; ``CHECK_CONSISTENCY.set(True/False)``.
+- :data:`SYMM_TRITON`: ``TP_KERNELS_SYMM_TRITON`` (1/0), default off (the symm backend's Triton
+  kernels on CPU, under ``TRITON_INTERPRET=1``; always on for CUDA); ``SYMM_TRITON.set(...)``.
+- :data:`AUTO_TIMING`: ``TP_KERNELS_AUTO_TIMING`` (1/0), default on; ``AUTO_TIMING.set(...)``.
+- ``TRITON_INTERPRET``: Triton's own variable, read by Triton when it is first imported.
+
+Each setting is read from the environment once, on first use, and a setter overrides it for the
+process; a value the environment gives that cannot be parsed raises, naming the variable, at every
+use until it is fixed or overridden. Settings that change the protocol (backend, chunks,
+consistency mode) are part of what ranks agree on before a fused call, so ranks that differ fail
+together. ``Setting.reset()`` forgets the override and the value read (for tests).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+__all__ = [
+    "AUTO_TIMING",
+    "BACKEND",
+    "CHECK_CONSISTENCY",
+    "PIPELINE_CHUNKS",
+    "SYMM_TRITON",
+    "Setting",
+    "TIMEOUT_S",
+]
+
+T = TypeVar("T")
+_UNSET = object()
+
+
+class Setting(Generic[T]):
+    """One setting: ``env`` parsed by ``parse`` (which raises ValueError/TypeError naming what it
+    needs), else ``default``; :meth:`set` (checked by the same ``check``) overrides both."""
+
+    def __init__(
+        self, env: str, default: T, parse: Callable[[str], T], check: Callable[[object, str], T]
+    ) -> None:
+        self.env, self.default, self._parse, self._check = env, default, parse, check
+        self._override: object = _UNSET
+        self._read: object = _UNSET
+
+    def get(self) -> T:
+        if self._override is not _UNSET:
+            return self._override  # type: ignore[return-value]
+        if self._read is _UNSET:
+            raw = os.environ.get(self.env)
+            self._read = self.default if raw is None or raw == "" else self._parse(raw)
+        return self._read  # type: ignore[return-value]
+
+    def set(self, value: T, *, argument: str = "value") -> None:
+        self._override = self._check(value, argument)
+
+    def reset(self) -> None:
+        self._override = self._read = _UNSET
+
+    def __repr__(self) -> str:
+        return f"Setting({self.env}={self.get()!r})"
+
+
+def _flag(env: str) -> Callable[[str], bool]:
+    def parse(raw: str) -> bool:
+        if raw in ("1", "true", "True"):
+            return True
+        if raw in ("0", "false", "False"):
+            return False
+        raise ValueError(f"{env}: got {raw!r}, expected 1 or 0")
+
+    return parse
+
+
+def _check_flag(value: object, argument: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{argument}: expected True or False, got {value!r}")
+    return value
+
+
+def check_seconds(value: object, argument: str) -> float:
+    """``value`` as seconds if it is a positive, finite number; else an error naming
+    ``argument``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{argument}: expected a number of seconds, got {value!r}")
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(
+            f"{argument}: expected a positive, finite number of seconds, got {value!r}"
+        )
+    return float(value)
+
+
+def _parse_seconds(raw: str) -> float:
+    try:
+        value: object = float(raw)
+    except ValueError:
+        value = raw
+    return check_seconds(value, "TP_KERNELS_TIMEOUT_S")
+
+
+def _check_chunks(value: object, argument: str) -> int | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{argument}: expected a positive int or None, got {value!r}")
+    return value
+
+
+def _parse_chunks(raw: str) -> int:
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"TP_KERNELS_PIPELINE_CHUNKS: got {raw!r}, expected a positive integer")
+    return int(raw)
+
+
+def _check_backend(value: object, argument: str) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{argument}: expected a backend name, got {value!r}")
+    return value  # the name itself is checked by tp_kernels.backends where it is used
+
+
+def _check_consistency(value: object, argument: str) -> bool | None:
+    return None if value is None else _check_flag(value, argument)
+
+
+BACKEND: Setting[str] = Setting("TP_KERNELS_BACKEND", "auto", str, _check_backend)
+"""The backend of a call that names none (``backends.current_backend``)."""
+
+TIMEOUT_S: Setting[float] = Setting("TP_KERNELS_TIMEOUT_S", 300.0, _parse_seconds, check_seconds)
+"""The deadline of every wait (``tp_kernels.deadline``)."""
+
+PIPELINE_CHUNKS: Setting[int | None] = Setting(
+    "TP_KERNELS_PIPELINE_CHUNKS", None, _parse_chunks, _check_chunks
+)
+"""Row blocks per peer transfer of the pipelined backend; None: chosen from the shape."""
+
+CHECK_CONSISTENCY: Setting[bool | None] = Setting(
+    "TP_KERNELS_CHECK_CONSISTENCY",
+    None,
+    _flag("TP_KERNELS_CHECK_CONSISTENCY"),
+    _check_consistency,
+)
+"""Whether ranks agree on every call's arguments; None: for CPU tensors, not for CUDA ones."""
+
+SYMM_TRITON: Setting[bool] = Setting(
+    "TP_KERNELS_SYMM_TRITON", False, _flag("TP_KERNELS_SYMM_TRITON"), _check_flag
+)
+"""The symm backend's Triton kernels on CPU too (under ``TRITON_INTERPRET=1``; always on CUDA)."""
+
+AUTO_TIMING: Setting[bool] = Setting(
+    "TP_KERNELS_AUTO_TIMING", True, _flag("TP_KERNELS_AUTO_TIMING"), _check_flag
+)
+"""Whether ``auto`` times its candidates once per shape class (else: its first candidate)."""
