@@ -151,3 +151,13 @@ def test_local_tensor_mode_takes_pytorch_path():
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["ours"] == result["theirs"]
     assert "fallback" in result["stats"] and "all_gather_matmul" not in result["stats"]
+
+
+def test_importing_tp_kernels_leaves_triton_alone():
+    """CommDebugMode's module imports Triton, which must wait until ``TRITON_INTERPRET`` is set
+    (the CPU tests set it before their first Triton import): tp_kernels registers with it only
+    once it is loaded, at the first fused call."""
+    script = "import sys, tp_kernels; print('triton' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"

@@ -2,13 +2,13 @@
 
 Local checks (types, ranks, dims, dtypes, devices, group membership) run on every call. What ranks
 could disagree on (shapes, dtypes, options, the backend they resolved, a local check that failed on
-one rank only) is compared across the group by :func:`checked` — one tiny all-gather of a digest —
-when consistency checks are on: by default for CPU tensors, not for CUDA tensors where the extra
-latency per op matters; ``TP_KERNELS_CHECK_CONSISTENCY=1``/``0`` forces either. The first call on
-a group always agrees, and on the mode too, so ranks whose modes differ fail together there instead
-of one waiting in an agreement the other skips. With the check off, ranks that call with different
-shapes are a user error that the collective itself may or may not detect (NCCL then hangs until its
-watchdog timeout). Every exchange here is bounded by :mod:`tp_kernels.deadline`.
+one rank only) is compared across the group by :func:`agree_across_ranks` (one tiny all-gather of a
+digest) when consistency checks are on: by default for CPU tensors, not for CUDA tensors where the
+extra latency per op matters; ``TP_KERNELS_CHECK_CONSISTENCY=1``/``0`` forces either. The first call
+on a group always agrees, and on the mode too, so ranks whose modes differ fail together there
+instead of one waiting in an agreement the other skips. With the check off, ranks that call with
+different shapes are a user error that the collective itself may or may not detect (NCCL then hangs
+until its watchdog timeout). Every exchange here is bounded by :mod:`tp_kernels.deadline`.
 
 A rank whose call fails before it knows its group (a ``group`` argument naming none it belongs to)
 cannot take part in the agreement: its peers end at the deadline. So that its *next* call does not
@@ -21,8 +21,7 @@ from __future__ import annotations
 import hashlib
 import time
 import weakref
-from collections.abc import Callable, Sequence
-from typing import TypeVar
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,8 +29,6 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from tp_kernels import config, deadline
 from tp_kernels._compat import all_gather_single
-
-T = TypeVar("T")
 
 GroupLike = dist.ProcessGroup | DeviceMesh | str | None
 
@@ -222,28 +219,6 @@ def consistency_checks_on(device: torch.device) -> bool:
     """:data:`tp_kernels.config.CHECK_CONSISTENCY`, by default on for CPU tensors only."""
     forced = config.CHECK_CONSISTENCY.get()
     return device.type != "cuda" if forced is None else forced
-
-
-def checked(
-    op: str, group: dist.ProcessGroup, device: torch.device, check: Callable[[], tuple[T, str]]
-) -> T:
-    """Run the local ``check`` (returning ``(value, signature)``) and agree on it across ranks.
-
-    A rank whose check fails still takes part in the agreement (with its error as its signature),
-    so no rank is left waiting in a collective that another rank will never enter: either every
-    rank raises the same mismatch error, or every rank raises its own (identical) local error.
-    The agreement is skipped while torch.compile traces, where the checks stay local.
-    """
-    try:
-        value, signature = check()
-        error = None
-    except (TypeError, ValueError, RuntimeError) as exc:
-        value, signature, error = None, f"error: {exc}", exc
-    if not torch.compiler.is_compiling():
-        agree_across_ranks(group, op, signature, device)
-    if error is not None:
-        raise error
-    return value  # type: ignore[return-value]
 
 
 def agree_across_ranks(

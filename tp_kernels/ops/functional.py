@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -12,56 +13,110 @@ from tp_kernels.backends import check_backend_name, choose, get_backend, pipelin
 from tp_kernels.backends.auto import Candidates, Shape, time_and_choose
 from tp_kernels.ops._checks import (
     GroupLike,
+    agree_across_ranks,
     check_all_gather_matmul,
     check_matmul_reduce_scatter,
-    checked,
     resolve_group_or_note,
 )
-from tp_kernels.ops.library import all_gather_matmul_2d, matmul_reduce_scatter_2d
+from tp_kernels.ops.library import (
+    all_gather_matmul_2d,
+    count_as_replaced_collectives,
+    matmul_reduce_scatter_2d,
+)
 
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter"]
 
 
-def _signature(op: str, a_shape: tuple[int, ...], a: torch.Tensor, dim: int, **opts) -> str:
-    """What every rank of the group must agree on for one call (sizes that may differ per rank,
-    such as a colwise weight's uneven N or a rowwise weight's uneven K, are left out), including
-    the per-rank settings that change the protocol: the pipelined backend's block count, which
-    ``auto`` may time even where it then picks another backend."""
-    chunks = pipelined.chunks_setting()
-    return f"{op} a={a_shape} {a.dtype} {a.device.type} dim={dim} {opts} chunks={chunks}"
+@dataclass(frozen=True)
+class Signature:
+    """What every rank of the group must agree on for one fused call; its text is compared.
+
+    Sizes that may differ per rank (a colwise weight's uneven N, a rowwise weight's uneven K) are
+    left out; the per-rank settings that change the protocol are in: the backend and the
+    pipelined block count (which ``auto`` may time even where it then picks another backend).
+    """
+
+    op: str
+    a_shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: str
+    dim: int
+    num_rhs: int
+    backend: str
+    options: tuple[tuple[str, object], ...]
+    chunks: int | None
+
+    def __str__(self) -> str:
+        return (
+            f"{self.op} a={self.a_shape} {self.dtype} {self.device} dim={self.dim} "
+            f"rhs={self.num_rhs} backend={self.backend} {dict(self.options)} chunks={self.chunks}"
+        )
 
 
-def _validated(
+@dataclass(frozen=True)
+class _Prepared:
+    """A call after :func:`_prepare`: checked arguments, the backend, and what ``auto`` wants
+    timed (``None``: nothing)."""
+
+    a: torch.Tensor
+    rhs: list[torch.Tensor]
+    dim: int
+    backend: str
+    shape: Shape | None
+    pending: Candidates | None
+
+
+def _prepare(
+    op: str,
     group: dist.ProcessGroup,
     a: object,
     backend: str | None,
-    local_check: Callable[[], tuple],
-    shape_of: Callable[[tuple], Shape],
-    signature: Callable[[tuple, str], str],
-    op: str,
-) -> tuple[tuple, str, Shape | None, Candidates | None]:
-    """``(local_check(), backend name, shape, candidates to time)``, with the ranks agreeing on
-    ``signature`` first.
+    local_check: Callable[[], tuple[torch.Tensor, list[torch.Tensor], int]],
+    options: dict[str, object],
+) -> _Prepared:
+    """Check locally, choose the backend, agree across ranks, raise: in that order, on every rank.
 
-    Eager: the backend is chosen here (:func:`choose`) and :func:`checked` makes every rank raise
-    together; when ``auto`` wants the shape class timed, the candidates come back and the caller
-    times them after the agreement (every rank then knows the others make the same call). While
-    torch.compile traces, the checks stay local and the choice of backend is left to the op at
-    run time (``""`` or the name asked for, see ``library.py``): the registry's state (context,
-    environment, availability probes) is not traceable.
+    A rank whose check fails still takes part in the agreement (with its error as its signature),
+    so every rank raises together and none is left waiting. When ``auto`` wants the shape class
+    timed, the candidates come back and the caller times them after the agreement (every rank
+    then knows the others make the same call). While torch.compile traces, the checks stay local
+    and the choice of backend is left to the op at run time (``""`` or the name asked for, see
+    ``library.py``): the registry's state (context, environment, availability probes) is not
+    traceable.
     """
     if torch.compiler.is_compiling():
         name = check_backend_name(backend, argument="backend") if backend is not None else ""
-        return local_check(), name, None, None
-
-    def check() -> tuple[tuple, str]:
-        args = local_check()
-        shape = shape_of(args)
-        name, pending = choose(backend, shape, group)
-        return (args, name, shape, pending), signature(args, name)
-
+        return _Prepared(*local_check(), name, None, None)
+    count_as_replaced_collectives()
     with deadline.fused_call(group, op, "forward"):
-        return checked(op, group, _device_of(a), check)
+        try:
+            t, rhs, dim = local_check()
+            if op == "all_gather_matmul":
+                shape, agreed = Shape.of_all_gather_matmul(t, rhs), tuple(t.shape)
+            else:
+                shape = Shape.of_matmul_reduce_scatter(t, rhs[0], group.size())
+                agreed = tuple(t.shape[:-1])  # K may differ by rank (an uneven rowwise split)
+                options = {"n": rhs[0].shape[1], **options}
+            name, pending = choose(backend, shape, group)
+            chunks = pipelined.chunks_setting()
+            signature = Signature(
+                op,
+                agreed,
+                t.dtype,
+                t.device.type,
+                dim,
+                len(rhs),
+                name,
+                tuple(options.items()),
+                chunks,
+            )
+            error = None
+        except (TypeError, ValueError, RuntimeError) as exc:
+            signature, error = f"error: {exc}", exc
+        agree_across_ranks(group, op, str(signature), _device_of(a))
+        if error is not None:
+            raise error
+    return _Prepared(t, rhs, dim, name, shape, pending)
 
 
 def _row_major(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -71,6 +126,11 @@ def _row_major(t: torch.Tensor, dim: int) -> torch.Tensor:
     another dim this is one copy of the output, O(M*N) against the matmul's O(M*N*K), that rank-
     major rows cannot avoid."""
     return t if dim == 0 else t.movedim(0, dim).contiguous()
+
+
+def _as_rhs_list(args: tuple[torch.Tensor, torch.Tensor, int]) -> tuple:
+    a, b, dim = args
+    return a, [b], dim
 
 
 def _device_of(t: object) -> torch.device:
@@ -108,39 +168,25 @@ def all_gather_matmul(
     """
     op = "all_gather_matmul"
     pg = resolve_group_or_note(group, op=op)
-
-    def signature(args: tuple, name: str) -> str:
-        a, checked_bs, dim = args
-        return _signature(
-            op,
-            tuple(a.shape),
-            a,
-            dim,
-            backend=name,
-            bs=len(checked_bs),
-            return_a=return_a,
-            save=save_gathered_a,
-        )
-
-    (a, bs, dim), name, shape, pending = _validated(
+    call = _prepare(
+        op,
         pg,
         a_shard,
         backend,
         lambda: check_all_gather_matmul(a_shard, bs, gather_dim),
-        lambda args: Shape.of_all_gather_matmul(args[0], args[1]),
-        signature,
-        op,
+        {"return_a": return_a, "save": save_gathered_a},
     )
+    a, bs, dim, name = call.a, call.rhs, call.dim, call.backend
     world = pg.size()
     lead = a.movedim(dim, 0)
     rows_shape = lead.shape[:-1]
     a_2d = lead.reshape(-1, a.shape[-1])
-    if pending is not None:
+    if call.pending is not None:
         keep_a = return_a or save_gathered_a
         name = time_and_choose(
-            shape,
+            call.shape,
             pg,
-            pending,
+            call.pending,
             lambda n: get_backend(n).all_gather_matmul(a_2d.contiguous(), bs, pg, return_a=keep_a),
         )
     results = all_gather_matmul_2d(a_2d, list(bs), pg.group_name, name, return_a, save_gathered_a)
@@ -178,37 +224,23 @@ def matmul_reduce_scatter(
     """
     op = "matmul_reduce_scatter"
     pg = resolve_group_or_note(group, op=op)
-
-    def signature(args: tuple, name: str) -> str:
-        a_, b_, dim = args
-        return _signature(
-            op,
-            tuple(a_.shape[:-1]),
-            a_,
-            dim,
-            n=b_.shape[1],
-            backend=name,
-            reduce_op=reduce_op,
-            bias=bias is not None,
-        )
-
-    (a, b, dim), name, shape, pending = _validated(
+    call = _prepare(
+        op,
         pg,
         a,
         backend,
-        lambda: check_matmul_reduce_scatter(a, b, scatter_dim, reduce_op, pg, bias),
-        lambda args: Shape.of_matmul_reduce_scatter(args[0], args[1], pg.size()),
-        signature,
-        op,
+        lambda: _as_rhs_list(check_matmul_reduce_scatter(a, b, scatter_dim, reduce_op, pg, bias)),
+        {"reduce_op": reduce_op, "bias": bias is not None},
     )
+    a, (b,), dim, name = call.a, call.rhs, call.dim, call.backend
     lead = a.movedim(dim, 0)
     rows_shape = lead.shape[:-1]
     a_2d = lead.reshape(-1, a.shape[-1])
-    if pending is not None:
+    if call.pending is not None:
         name = time_and_choose(
-            shape,
+            call.shape,
             pg,
-            pending,
+            call.pending,
             lambda n: get_backend(n).matmul_reduce_scatter(a_2d.contiguous(), b, pg),
         )
     out = matmul_reduce_scatter_2d(a_2d, b, bias, pg.group_name, name, reduce_op == "avg")

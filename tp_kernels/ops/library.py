@@ -23,6 +23,8 @@ force when the graph runs, or ``"auto"``) and the op resolves it when it runs.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
@@ -215,7 +217,10 @@ matmul_reduce_scatter_2d.register_autograd(
 )
 
 
-def _count_as_replaced_collectives() -> None:
+_counted_by_comm_debug_mode = False
+
+
+def count_as_replaced_collectives() -> None:
     """Make PyTorch's ``CommDebugMode`` count each fused op as the one collective it replaces, in
     forward and backward, under the module that issued it: an all-gather-matmul (and the
     backward of a matmul-reduce-scatter) as one ``all_gather_into_tensor``, a matmul-reduce-
@@ -223,11 +228,13 @@ def _count_as_replaced_collectives() -> None:
     DTensor's path would issue them. The backward's re-gather of a saved shard (the default,
     ``save_gathered_a=False``) is not counted: it replaces nothing in DTensor's path, which keeps
     the gathered input. CommDebugMode keeps its registry in module globals; where a torch lacks
-    them, nothing is registered."""
-    try:
-        from torch.distributed.tensor.debug import _comm_mode
-    except ImportError:
+    them, nothing is registered. Called before every eager fused call, it acts once, and only once
+    that module is loaded: importing it imports Triton, which must wait for ``TRITON_INTERPRET``."""
+    global _counted_by_comm_debug_mode
+    _comm_mode = sys.modules.get("torch.distributed.tensor.debug._comm_mode")
+    if _counted_by_comm_debug_mode or _comm_mode is None:
         return
+    _counted_by_comm_debug_mode = True
     counted = getattr(_comm_mode, "c10d_collective_ops", None)
     as_collective = getattr(_comm_mode, "NATIVE_TO_PY_MAPPING", None)
     if not isinstance(counted, set) or not isinstance(as_collective, dict):
@@ -242,6 +249,3 @@ def _count_as_replaced_collectives() -> None:
     ):
         counted.add(op)
         as_collective[op] = collective
-
-
-_count_as_replaced_collectives()
