@@ -34,7 +34,6 @@ import transformers
 from torch.distributed.device_mesh import init_device_mesh
 
 import tp_kernels
-from tp_kernels.backends import check_backend_name
 from tp_kernels.examples import train_llama
 from tp_kernels.integrations import hf
 from tp_kernels.testing import LocalWorld
@@ -89,56 +88,17 @@ class TrainOptions:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> TrainOptions:
-    defaults = TrainOptions()
-    p = argparse.ArgumentParser(
-        prog="python -m tp_kernels.examples.train_hf", description=__doc__.split("\n")[0]
+    def add_model(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--model", choices=sorted(MODELS), default=TrainOptions.model)
+
+    return train_llama.parse_options(
+        argv,
+        TrainOptions,
+        "python -m tp_kernels.examples.train_hf",
+        __doc__,
+        sizes=("hidden",),
+        add_arguments=add_model,
     )
-    p.add_argument("--model", choices=sorted(MODELS), default=defaults.model)
-    p.add_argument(
-        "--world-size",
-        type=int,
-        default=None,
-        help="ranks to start locally (default 2); under torchrun, must equal WORLD_SIZE",
-    )
-    p.add_argument("--steps", type=int, default=defaults.steps)
-    p.add_argument("--hidden", type=int, default=defaults.hidden)
-    p.add_argument("--layers", type=int, default=defaults.layers)
-    p.add_argument("--heads", type=int, default=defaults.heads)
-    p.add_argument("--kv-heads", type=int, default=defaults.kv_heads)
-    p.add_argument(
-        "--seq-len",
-        type=int,
-        default=defaults.seq_len,
-        help="tokens per sequence; must be divisible by the world size",
-    )
-    p.add_argument("--batch", type=int, default=defaults.batch)
-    p.add_argument("--lr", type=float, default=defaults.lr)
-    p.add_argument("--seed", type=int, default=defaults.seed)
-    p.add_argument(
-        "--backend",
-        default=None,
-        help="tp_kernels backend of the Colwise/Rowwise styles (default: process-wide)",
-    )
-    p.add_argument("--dtype", choices=sorted(train_llama.DTYPES), default=defaults.dtype)
-    p.add_argument(
-        "--loss-parallel",
-        action="store_true",
-        help="keep the logits vocab-sharded and compute the loss under loss_parallel()",
-    )
-    ns = p.parse_args(argv)
-    for name in ("steps", "hidden", "layers", "heads", "kv_heads", "seq_len", "batch"):
-        if getattr(ns, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(ns, name)}")
-    if ns.world_size is not None and ns.world_size < 1:
-        p.error(f"--world-size must be >= 1, got {ns.world_size}")
-    try:
-        if ns.backend is not None:
-            check_backend_name(ns.backend, argument="--backend")
-        opts = TrainOptions(**vars(ns))
-        opts.model_config()
-    except ValueError as e:
-        p.error(str(e))
-    return opts
 
 
 class _Logits(nn.Module):

@@ -49,6 +49,7 @@ __all__ = [
     "curve_tolerance",
     "main",
     "parse_args",
+    "parse_options",
     "synthetic_tokens",
     "train",
     "train_rank",
@@ -90,10 +91,26 @@ class TrainOptions:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> TrainOptions:
-    defaults = TrainOptions()
-    p = argparse.ArgumentParser(
-        prog="python -m tp_kernels.examples.train_llama", description=__doc__.split("\n")[0]
+    return parse_options(
+        argv, TrainOptions, "python -m tp_kernels.examples.train_llama", __doc__, sizes=("dim",)
     )
+
+
+def parse_options(
+    argv: Sequence[str] | None,
+    options: Callable[..., Any],
+    prog: str,
+    doc: str | None,
+    *,
+    sizes: tuple[str, ...],
+    add_arguments: Callable[[argparse.ArgumentParser], None] = lambda p: None,
+) -> Any:
+    """The command line of a training example into ``options(**flags)``: the flags every example
+    shares, the model's own ``sizes`` (its width: ``dim``, ``hidden``) and whatever
+    ``add_arguments`` adds; ``options(...).model_config()`` must accept the result."""
+    defaults = options()
+    p = argparse.ArgumentParser(prog=prog, description=(doc or "").split("\n")[0])
+    add_arguments(p)
     p.add_argument(
         "--world-size",
         type=int,
@@ -101,10 +118,9 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainOptions:
         help="ranks to start locally (default 2); under torchrun, must equal WORLD_SIZE",
     )
     p.add_argument("--steps", type=int, default=defaults.steps)
-    p.add_argument("--dim", type=int, default=defaults.dim)
-    p.add_argument("--layers", type=int, default=defaults.layers)
-    p.add_argument("--heads", type=int, default=defaults.heads)
-    p.add_argument("--kv-heads", type=int, default=defaults.kv_heads)
+    counts = (*sizes, "layers", "heads", "kv_heads")
+    for name in counts:
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     p.add_argument(
         "--seq-len",
         type=int,
@@ -126,7 +142,7 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainOptions:
         help="keep the logits vocab-sharded and compute the loss under loss_parallel()",
     )
     ns = p.parse_args(argv)
-    for name in ("steps", "dim", "layers", "heads", "kv_heads", "seq_len", "batch"):
+    for name in ("steps", *counts, "seq_len", "batch"):
         if getattr(ns, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(ns, name)}")
     if ns.world_size is not None and ns.world_size < 1:
@@ -134,7 +150,7 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainOptions:
     try:
         if ns.backend is not None:
             check_backend_name(ns.backend, argument="--backend")
-        opts = TrainOptions(**vars(ns))
+        opts = options(**vars(ns))
         opts.model_config()
     except ValueError as e:
         p.error(str(e))
