@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tp_kernels.kernels import (
+from tp_kernels.kernels._shared import (
     DEFAULT_TIMEOUT_S,
     GROUP_M,
     INTERPRET,
@@ -119,7 +119,7 @@ def _ag_matmul_kernel(
     column tiles acquire that flag and read ``a_local``; the program that draws the last ticket
     zeroes ``sched`` for the next launch. On a timeout ``status[s] = epoch``. Without PULL every
     tile reads ``a_local``, complete since the first launch (stream order). Persistent: the grid
-    has at most :func:`~tp_kernels.kernels.persistent_programs` programs, each looping over tiles
+    has at most :func:`~._shared.persistent_programs` programs, each looping over tiles
     (by ticket with PULL, else strided by the grid size).
     """
     n_tiles = tl.cdiv(N, BLOCK_N)

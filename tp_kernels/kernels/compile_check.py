@@ -155,7 +155,7 @@ def variants(arch: int) -> list[Variant]:
     ]
 
     def layout_of(layout: str, precision: str | None) -> str:
-        # As tp_kernels.kernels.tma_supported decides: fp32 without TF32 reads through pointers.
+        # As _shared.tma_supported decides: fp32 without TF32 reads through pointers.
         return layout if tma and precision != "ieee" else "pointer"
 
     def ag_variant(tag, elem, tl_type, precision, mma, config, b_name, pull):

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tp_kernels.kernels import (
+from tp_kernels.kernels._shared import (
     DEFAULT_TIMEOUT_S,
     GROUP_M,
     INTERPRET,

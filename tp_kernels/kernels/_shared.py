@@ -1,0 +1,490 @@
+"""What the kernels of this package share: the launchers' host helpers (dtypes, configs, TMA
+operands, argument checks of the kernels' own protocol arguments, the timeout record) and the
+``@triton.jit`` helpers every kernel calls (signal waits, rounding, tile order, block loads).
+The protocol they implement is described in the package docstring."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from tp_kernels import config
+
+INTERPRET: bool = os.environ.get("TRITON_INTERPRET") == "1"
+MAX_EPOCH: int = 2**31 - 1
+DEFAULT_TIMEOUT_S: float = config.TIMEOUT_S.default
+# The oldest Triton whose kernels compile_check has compiled and read (torch 2.10/2.11 pin it).
+MIN_TRITON: tuple[int, int] = (3, 6)
+# Scalar arguments that change from call to call, or are the same on no two ranks: Triton must
+# not compile a variant for the values 1 and multiples of 16 (that would compile mid-run, on
+# calls 1, 16, 32, ...), so every kernel lists them in ``do_not_specialize``.
+VARYING_ARGS: tuple[str, ...] = ("rank", "channel", "epoch", "status_addr", "timeout_ns")
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def triton_unsupported_reason(version: str = triton.__version__) -> str | None:
+    """Why the installed Triton cannot build these kernels, or ``None`` if it can."""
+    try:
+        major, minor = (int(part) for part in version.split(".")[:2])
+    except ValueError:
+        return f"cannot read the Triton version {version!r}"
+    if (major, minor) < MIN_TRITON:
+        need = ".".join(map(str, MIN_TRITON))
+        return (
+            f"Triton {version} is older than {need}, the oldest these kernels are compiled and "
+            f"checked with (torch >= 2.10 pins Triton >= {need})"
+        )
+    return None
+
+
+class PeerWaitTimeout(TimeoutError):
+    """A kernel waited for a peer's signal past its deadline.
+
+    Attributes: ``peers`` (the ranks that never signalled), ``channel``, ``epoch``, ``timeout_s``.
+    """
+
+    def __init__(
+        self, message: str, *, peers: list[int], channel: int, epoch: int, timeout_s: float
+    ) -> None:
+        super().__init__(message)
+        self.peers = peers
+        self.channel = channel
+        self.epoch = epoch
+        self.timeout_s = timeout_s
+
+
+def tl_dtype(dtype: torch.dtype, *, argument: str) -> tl.dtype:
+    """The Triton element type of a supported torch floating dtype (fp32, fp16, bf16)."""
+    if dtype not in _TL_DTYPES:
+        raise TypeError(
+            f"{argument}: dtype {dtype} is not supported; expected one of "
+            f"{sorted(str(d) for d in _TL_DTYPES)}"
+        )
+    return _TL_DTYPES[dtype]
+
+
+def _fp32_matmul_uses_tf32() -> bool:
+    """Whether ``torch.matmul`` of fp32 CUDA tensors uses TF32 right now.
+
+    torch >= 2.9 has ``fp32_precision`` ("tf32", "ieee", or "none": ask the legacy flag); reading
+    the legacy ``allow_tf32`` raises once a user has set the new one, so the new one comes first.
+    """
+    matmul = torch.backends.cuda.matmul
+    precision = getattr(matmul, "fp32_precision", "none")
+    if precision != "none":
+        return precision == "tf32"
+    return bool(matmul.allow_tf32)
+
+
+def dot_precision(dtype: torch.dtype) -> str | None:
+    """``input_precision`` for ``tl.dot``: fp32 follows torch's TF32 setting for CUDA matmuls
+    (see :func:`_fp32_matmul_uses_tf32`); 16-bit operands keep Triton's default."""
+    if dtype != torch.float32:
+        return None
+    return "tf32" if not INTERPRET and _fp32_matmul_uses_tf32() else "ieee"
+
+
+# The (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) the autotuned GEMM picks from on a GPU.
+# Per rank at TP=8, Llama-3 8B/70B/405B give N and K of 512 to 16384 (hidden 4096/8192/16384,
+# MLP 1792/3584/6656, q/kv/o of hidden / 8) and M of thousands of tokens: large tiles
+# (128x256 and 256x128 with two warpgroups, 3 stages of 144 KiB in 16 bits) for the wide
+# outputs, 128x128 and 64x256 (4 stages) where N / BLOCK_N leaves too few tiles for 132 SMs, and
+# small tiles for the decode-sized and test shapes. Configs whose stage buffers exceed a GPU's
+# shared memory (fp32 with the large tiles) fail to load there and the autotuner drops them.
+GEMM_SHAPES: tuple[tuple[int, int, int, int, int], ...] = (
+    (128, 256, 64, 8, 3),
+    (256, 128, 64, 8, 3),
+    (128, 128, 64, 8, 3),
+    (128, 128, 64, 4, 4),
+    (64, 256, 64, 4, 4),
+    (128, 64, 64, 4, 4),
+    (64, 128, 64, 4, 4),
+    (64, 64, 32, 4, 4),
+)
+# M tiles per group in the tile order of the GEMMs (see :func:`_tile_coords`); a constexpr, as
+# kernels may read only constexpr globals.
+GROUP_M = tl.constexpr(8)
+
+
+def gemm_configs(pre_hook=None) -> list[triton.Config]:
+    """Tile shapes the GEMM kernels pick from: one small fixed tile under the interpreter.
+
+    ``pre_hook(nargs)`` runs before each launch with a config (it sets the block shapes of tensor
+    descriptors, which depend on the config)."""
+    if INTERPRET:
+        blocks = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}
+        return [triton.Config(blocks, num_warps=1, pre_hook=pre_hook)]
+    return [
+        triton.Config(
+            {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk},
+            num_warps=w,
+            num_stages=st,
+            pre_hook=pre_hook,
+        )
+        for bm, bn, bk, w, st in GEMM_SHAPES
+    ]
+
+
+# Programs of a persistent launch in the interpreter: more than one, so that the tile loops and
+# the ticket's hand-over between programs run in the CPU tests too.
+_INTERPRETER_PROGRAMS = 2
+
+
+def persistent_programs(device: torch.device) -> int:
+    """How many programs a persistent GEMM launches at most: one per SM (each loops over tiles),
+    so every program is resident and none waits for a place behind one that spins."""
+    if INTERPRET:
+        return _INTERPRETER_PROGRAMS
+    return torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
+
+
+def tma_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the GEMMs read local ``dtype`` operands with tensor descriptors on ``device``: on
+    GPUs with TMA (sm_90 and newer), and in the interpreter (so CPU tests run the same code).
+    Below sm_90 Triton lowers descriptors to plain loads that lose the pointers' alignment and
+    with it ``cp.async``, so the pointer loads stay there. An fp32 GEMM without TF32 runs on the
+    FMA units, bound by the math, and reading TMA's swizzled tiles there makes ptxas spill
+    (kilobytes per thread in compile_check): it keeps the pointer loads too."""
+    if INTERPRET:
+        return True
+    device = torch.device(device)
+    if device.type != "cuda" or dot_precision(dtype) == "ieee":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def tma_layout(t: torch.Tensor) -> str:
+    """How a GEMM reads the 2-D operand ``t`` [R, C] on a TMA-capable device.
+
+    ``"rc"``: through a descriptor over ``t`` (row-major); ``"cr"``: through a descriptor over
+    ``t.t()`` (``t`` is the transpose of a row-major [C, R], e.g. a Linear's ``weight.t()``), the
+    loaded block transposed; ``"pointer"``: through its strides. TMA needs a 16-byte aligned base,
+    a contiguous last dimension and a row stride that is a multiple of 16 bytes.
+    """
+    size = t.element_size()
+    if t.data_ptr() % 16:
+        return "pointer"
+    if t.stride(1) == 1 and t.stride(0) * size % 16 == 0:
+        return "rc"
+    if t.stride(0) == 1 and t.stride(1) * size % 16 == 0:
+        return "cr"
+    return "pointer"
+
+
+def tma_operand(t: torch.Tensor, layout: str) -> object:
+    """What a GEMM kernel takes for operand ``t`` read with ``layout`` (see :func:`tma_layout`):
+    a tensor descriptor (its block shape set by :func:`set_block_shape` before the launch), or
+    ``t`` itself for pointer loads."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if layout == "pointer":
+        return t
+    view = t if layout == "rc" else t.t()
+    return TensorDescriptor.from_tensor(view, [16, 16])
+
+
+def set_block_shape(operand: object, layout: str, block_r: int, block_c: int) -> None:
+    """Give a descriptor from :func:`tma_operand` the block [block_r, block_c] of its operand."""
+    if layout == "rc":
+        operand.block_shape = [block_r, block_c]
+    elif layout == "cr":
+        operand.block_shape = [block_c, block_r]
+
+
+def check_world(rank: int, world_size: int, channel: int, epoch: int) -> None:
+    """Validate the rank/channel/epoch arguments every launcher takes."""
+    if world_size < 1:
+        raise ValueError(f"world_size: got {world_size}, expected >= 1")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank: got {rank}, expected 0 <= rank < world_size={world_size}")
+    if channel < 0:
+        raise ValueError(f"channel: got {channel}, expected >= 0")
+    if not 1 <= epoch <= MAX_EPOCH:
+        raise ValueError(
+            f"epoch: got {epoch}, expected 1 <= epoch <= {MAX_EPOCH} "
+            "(0 is the value of a fresh pad, so it would never be waited for)"
+        )
+
+
+def check_ptr_table(
+    table: torch.Tensor, world_size: int, device: torch.device, *, argument: str
+) -> None:
+    """An address table must be an int64 tensor of shape [world_size] on the kernel's device."""
+    if table.dtype != torch.int64 or table.dim() != 1 or table.shape[0] != world_size:
+        raise ValueError(
+            f"{argument}: got a {table.dtype} tensor of shape {tuple(table.shape)}, "
+            f"expected int64 of shape ({world_size},) (one address per rank)"
+        )
+    if table.device != device or not table.is_contiguous():
+        raise ValueError(
+            f"{argument}: got a tensor on {table.device} (contiguous="
+            f"{table.is_contiguous()}), expected a contiguous tensor on {device}"
+        )
+
+
+def check_matrix(
+    t: torch.Tensor,
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    argument: str,
+    contiguous: bool = True,
+) -> None:
+    """A kernel operand must have exactly this shape, dtype and device; ``contiguous``: and be
+    row-major contiguous (operands the kernels index through their strides need not be)."""
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != device:
+        raise ValueError(
+            f"{argument}: got {t.dtype} of shape {tuple(t.shape)} on {t.device}, "
+            f"expected {dtype} of shape {tuple(shape)} on {device}"
+        )
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{argument}: must be contiguous (row-major), got strides {t.stride()}")
+
+
+def timeout_ns(timeout_s: float) -> int:
+    """A wait's deadline in nanoseconds."""
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s: got {timeout_s}, expected a positive number of seconds")
+    return int(timeout_s * 1e9)
+
+
+def new_status(world_size: int, device: torch.device) -> torch.Tensor:
+    """A zeroed timeout record for kernels on ``device``: int32 [W] that the host can read at any
+    time without synchronizing. For CUDA it is pinned host memory, which kernels write directly
+    (unified addressing); pass its address as ``status_addr``."""
+    pinned = torch.device(device).type == "cuda"
+    return torch.zeros(world_size, dtype=torch.int32, pin_memory=pinned)
+
+
+def check_status(status: torch.Tensor, world_size: int) -> None:
+    """``status`` must be a host tensor as :func:`new_status` makes it."""
+    if status.dtype != torch.int32 or tuple(status.shape) != (world_size,):
+        raise ValueError(
+            f"status: got {status.dtype} of shape {tuple(status.shape)}, "
+            f"expected torch.int32 of shape ({world_size},) (see new_status)"
+        )
+    if status.device.type != "cpu" or not status.is_contiguous():
+        raise ValueError(
+            f"status: got a tensor on {status.device}, expected contiguous host memory "
+            "(pinned for CUDA kernels; see new_status)"
+        )
+
+
+def raise_on_timeout(
+    status: torch.Tensor,
+    *,
+    what: str,
+    rank: int,
+    channel: int,
+    timeout_s: float,
+    group_name: str | None,
+) -> None:
+    """Raise :class:`PeerWaitTimeout` if ``status`` records a wait that ran past its deadline.
+
+    Reads host memory only: it never synchronizes with a device (a kernel still running may
+    record a timeout after this returns; the next check sees it)."""
+    failed = {s: epoch for s, epoch in enumerate(status.tolist()) if epoch}
+    if not failed:
+        return
+    world_size = status.shape[0]
+    peers = sorted(failed)
+    group = f" of group {group_name!r}" if group_name else ""
+    epochs = sorted(set(failed.values()))
+    words = [channel * world_size + s for s in peers]
+    raise PeerWaitTimeout(
+        f"{what} on rank {rank}{group}: waited {timeout_s:g} s for the signal of rank(s) {peers} "
+        f"(epoch {', '.join(map(str, epochs))}, channel {channel}, signal words {words} of rank "
+        f"{rank}'s pad) and it never came; the peer did not reach this call, or signalled "
+        "another epoch",
+        peers=peers,
+        channel=channel,
+        epoch=epochs[0],
+        timeout_s=timeout_s,
+    )
+
+
+@contextlib.contextmanager
+def on_device(device: torch.device) -> Iterator[None]:
+    """Launch on ``device`` (Triton launches on the current CUDA device and its stream)."""
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            yield
+    else:
+        yield
+
+
+if INTERPRET:
+
+    def _host_clock_ns():
+        return tl.full((), time.monotonic_ns(), tl.int64)
+
+    def _host_pause():
+        time.sleep(20e-6)  # the interpreter polls from Python: leave the core to the peer
+
+    @triton.jit
+    def _poll_acquire(word_ptr, epoch, timeout_ns, status_ptr):
+        """The interpreter's body of the poll below: the same words, the host's clock."""
+        seen = tl.atomic_add(word_ptr, 0, sem="acquire", scope="sys")
+        ok = seen == epoch
+        if not ok:
+            if tl.load(status_ptr, volatile=True) == 0:
+                deadline = _host_clock_ns() + timeout_ns
+                while (seen != epoch) & (_host_clock_ns() < deadline):
+                    _host_pause()
+                    seen = tl.atomic_add(word_ptr, 0, sem="acquire", scope="sys")
+                ok = seen == epoch
+        return ok.to(tl.int32)
+
+else:
+    # Every thread polls on its own (no barrier inside, so no thread can wait for a thread that
+    # left): a word already at the epoch costs one load; otherwise read the peer's timeout
+    # record once (a peer already given up on is not waited for again), then spin on an acquire
+    # load until the word equals the epoch or %globaltimer says the deadline passed. ${:uid}
+    # makes the labels unique where the poll is inlined several times.
+    _POLL_PTX = tl.constexpr(
+        """
+        {
+        .reg .pred %p<3>;
+        .reg .b32 %v;
+        .reg .u64 %t0, %t;
+        mov.u32 $0, 1;
+        ld.acquire.sys.global.b32 %v, [$1];
+        setp.eq.b32 %p0, %v, $2;
+        @%p0 bra DONE${:uid};
+        ld.volatile.global.b32 %v, [$3];
+        setp.ne.b32 %p1, %v, 0;
+        @%p1 bra FAILED${:uid};
+        mov.u64 %t0, %globaltimer;
+        SPIN${:uid}:
+        ld.acquire.sys.global.b32 %v, [$1];
+        setp.eq.b32 %p0, %v, $2;
+        @%p0 bra DONE${:uid};
+        mov.u64 %t, %globaltimer;
+        sub.u64 %t, %t, %t0;
+        setp.lt.u64 %p2, %t, $4;
+        @%p2 bra SPIN${:uid};
+        FAILED${:uid}:
+        mov.u32 $0, 0;
+        DONE${:uid}:
+        }
+        """
+    )
+
+    @triton.jit
+    def _poll_acquire(word_ptr, epoch, timeout_ns, status_ptr):
+        """1 once ``*word_ptr == epoch`` (acquire, system scope); 0 at the deadline, or at once
+        if ``*status_ptr`` already records a timeout."""
+        return tl.inline_asm_elementwise(
+            _POLL_PTX,
+            "=r,l,r,l,l",
+            [word_ptr, epoch, status_ptr, timeout_ns],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+
+
+@triton.jit
+def _wait_signal(word_ptr, epoch, timeout_ns, status_ptr):
+    """Block until ``*word_ptr == epoch`` (acquire, system scope), at most ``timeout_ns``.
+
+    On timeout store ``epoch`` into ``*status_ptr`` (the caller's record for this source)."""
+    ok = _poll_acquire(word_ptr, epoch, timeout_ns.to(tl.int64), status_ptr)
+    tl.store(status_ptr, epoch, mask=ok == 0)
+
+
+@triton.jit
+def _round_to(x, DTYPE: tl.constexpr, BF16_BY_HAND: tl.constexpr):
+    """``x`` (fp32) rounded to ``DTYPE``, to nearest with ties to even.
+
+    ``BF16_BY_HAND`` is set for bf16 under the interpreter, which has two bf16 defects: its
+    ``tl.dot`` of bf16 operands is wrong (the GEMMs upcast them to fp32 first) and its fp32 -> bf16
+    cast truncates. The rounding is then done on the bits: add ``0x7FFF`` plus the lowest kept
+    bit, keep the top half (a NaN whose payload lies only in the low 16 bits would come out as
+    inf; torch's NaN does not).
+    """
+    if BF16_BY_HAND:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits += 0x7FFF + ((bits >> 16) & 1)
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(DTYPE)
+
+
+@triton.jit
+def _tile_coords(tile, tiles_per_shard, n_tiles, GROUP_M: tl.constexpr):
+    """``(m_tile, col_tile)`` of output tile number ``tile``: shard by shard (``tiles_per_shard``
+    M tiles of ``n_tiles`` column tiles each), and inside a shard in groups of ``GROUP_M`` M tiles
+    that walk the column tiles together, column tile 0 of every M tile of the group first. A
+    group reads ``GROUP_M`` row blocks and each column block once while they are in L2, where
+    M-tile-major order would stream all of B through L2 for every M tile."""
+    tiles_in_shard = tiles_per_shard * n_tiles
+    shard = tile // tiles_in_shard
+    t = tile % tiles_in_shard
+    first_m = (t // (GROUP_M * n_tiles)) * GROUP_M
+    group_rows = tl.minimum(tiles_per_shard - first_m, GROUP_M)
+    in_group = t % (GROUP_M * n_tiles)
+    m_tile = shard * tiles_per_shard + first_m + in_group % group_rows
+    return m_tile, in_group // group_rows
+
+
+@triton.jit
+def _tile_span(m_tile, col_tile, tiles_per_block, m, N, BLOCK_M, BLOCK_N):
+    """Where output tile ``(m_tile, col_tile)`` lies in its ``m``-row block of an ``N``-wide
+    output: ``(row0, rows64, cols64, row_ok, col_ok)``, its first row within the block, its rows
+    and columns as int64 (``W*m*K`` or ``W*m*N`` elements may pass 2**31) and their masks."""
+    row0 = (m_tile % tiles_per_block) * BLOCK_M
+    rows = row0 + tl.arange(0, BLOCK_M)
+    cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    return row0, rows.to(tl.int64), cols.to(tl.int64), rows < m, cols < N
+
+
+@triton.jit
+def _load_block(x, r0, c0, R, C, stride_r, stride_c, LAYOUT: tl.constexpr, BLOCK_R, BLOCK_C):
+    """The block ``X[r0 : r0 + BLOCK_R, c0 : c0 + BLOCK_C]`` of an operand ``X`` [R, C], zero
+    outside ``X``. ``LAYOUT`` (see :func:`tma_layout`): ``"rc"``, ``x`` is a descriptor over
+    ``X``; ``"cr"``, a descriptor over ``X``'s transpose (TMA copies the [C, R] block, the
+    transpose is a view of shared memory); ``"pointer"``, ``x`` points at ``X`` and its element
+    ``(i, j)`` is at ``i * stride_r + j * stride_c``."""
+    if LAYOUT == "rc":
+        return x.load([r0, c0])
+    elif LAYOUT == "cr":
+        return x.load([c0, r0]).T
+    else:
+        rows = r0 + tl.arange(0, BLOCK_R)
+        cols = c0 + tl.arange(0, BLOCK_C)
+        offsets = rows.to(tl.int64)[:, None] * stride_r + cols.to(tl.int64)[None, :] * stride_c
+        return tl.load(x + offsets, mask=(rows < R)[:, None] & (cols < C)[None, :], other=0.0)
+
+
+@triton.jit
+def _note_first_touch(trace_ptr, src, world_size):
+    """Trace a tile start: ``ticket = trace[W]++``; ``trace[src] = min(trace[src], ticket)``.
+
+    With ``trace = [INT32_MAX] * W + [0]`` beforehand, ``argsort(trace[:W])`` is the order in which
+    the kernel first touched each source rank.
+    """
+    ticket = tl.atomic_add(trace_ptr + world_size, 1)
+    tl.atomic_min(trace_ptr + src, ticket)
+
+
+def new_trace(world_size: int, device: torch.device) -> torch.Tensor:
+    """The initial trace buffer of :func:`_note_first_touch`: int32 [W + 1]."""
+    trace = torch.full(
+        (world_size + 1,), torch.iinfo(torch.int32).max, dtype=torch.int32, device=device
+    )
+    trace[world_size] = 0
+    return trace
+
+
+def store_order(trace: torch.Tensor, order_out: torch.Tensor, world_size: int) -> None:
+    """Write the first-touch order recorded in ``trace`` into ``order_out`` (int [W])."""
+    order_out.copy_(torch.argsort(trace[:world_size], stable=True))
