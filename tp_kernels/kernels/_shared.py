@@ -466,6 +466,22 @@ def _load_block(x, r0, c0, R, C, stride_r, stride_c, LAYOUT: tl.constexpr, BLOCK
 
 
 @triton.jit
+def _accumulate(
+    acc, a_blk, b, k0, col0, K, N, stride_bk, stride_bn,
+    B_LAYOUT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    BF16_BY_HAND: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One step of a GEMM's K-loop, shared by both GEMMs: ``acc += a_blk @ b[k0:k0+BLOCK_K,
+    col0:col0+BLOCK_N]`` (``b`` read by :func:`_load_block`; under the interpreter bf16 blocks are
+    upcast first, see the package docstring)."""
+    b_blk = _load_block(b, k0, col0, K, N, stride_bk, stride_bn, B_LAYOUT, BLOCK_K, BLOCK_N)
+    if BF16_BY_HAND:
+        a_blk = a_blk.to(tl.float32)
+        b_blk = b_blk.to(tl.float32)
+    return tl.dot(a_blk, b_blk, acc, input_precision=INPUT_PRECISION)
+
+
+@triton.jit
 def _note_first_touch(trace_ptr, src, world_size):
     """Trace a tile start: ``ticket = trace[W]++``; ``trace[src] = min(trace[src], ticket)``.
 

@@ -28,7 +28,7 @@ from tp_kernels.kernels._shared import (
     DEFAULT_TIMEOUT_S,
     GROUP_M,
     INTERPRET,
-    _load_block,
+    _accumulate,
     _note_first_touch,
     _round_to,
     _tile_coords,
@@ -172,13 +172,10 @@ def _ag_matmul_kernel(
                 a = tl.load(a_base + a_offsets, mask=a_mask, other=0.0)
                 if PULL:
                     tl.store(local_rows + a_offsets, a, mask=a_mask & puller)
-            b_blk = _load_block(
-                b, k0, col_tile * BLOCK_N, K, N, stride_bk, stride_bn, B_LAYOUT, BLOCK_K, BLOCK_N
-            )
-            if BF16_BY_HAND:
-                a = a.to(tl.float32)
-                b_blk = b_blk.to(tl.float32)
-            acc = tl.dot(a, b_blk, acc, input_precision=INPUT_PRECISION)
+            acc = _accumulate(
+                acc, a, b, k0, col_tile * BLOCK_N, K, N, stride_bk, stride_bn, B_LAYOUT, BLOCK_K,
+                BLOCK_N, BF16_BY_HAND, INPUT_PRECISION,
+            )  # fmt: skip
         c_tile = c_ptr + (src * m + rows64)[:, None] * N + cols64[None, :]
         tl.store(
             c_tile, _round_to(acc, DTYPE, BF16_BY_HAND), mask=row_ok[:, None] & col_ok[None, :]

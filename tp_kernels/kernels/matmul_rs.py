@@ -29,6 +29,7 @@ from tp_kernels.kernels._shared import (
     DEFAULT_TIMEOUT_S,
     GROUP_M,
     INTERPRET,
+    _accumulate,
     _load_block,
     _note_first_touch,
     _round_to,
@@ -142,13 +143,10 @@ def _matmul_rs_kernel(
                 a, dst * m + row0, k0, world_size * m, K, stride_am, stride_ak, A_LAYOUT, BLOCK_M,
                 BLOCK_K,
             )  # fmt: skip
-            b_blk = _load_block(
-                b, k0, col_tile * BLOCK_N, K, N, stride_bk, stride_bn, B_LAYOUT, BLOCK_K, BLOCK_N
-            )
-            if BF16_BY_HAND:
-                a_blk = a_blk.to(tl.float32)
-                b_blk = b_blk.to(tl.float32)
-            acc = tl.dot(a_blk, b_blk, acc, input_precision=INPUT_PRECISION)
+            acc = _accumulate(
+                acc, a_blk, b, k0, col_tile * BLOCK_N, K, N, stride_bk, stride_bn, B_LAYOUT,
+                BLOCK_K, BLOCK_N, BF16_BY_HAND, INPUT_PRECISION,
+            )  # fmt: skip
         slots = tl.multiple_of(tl.load(slot_ptrs + dst).to(tl.pointer_type(DTYPE)), 16)
         tl.store(
             slots + (rank * m + rows64)[:, None] * N + cols64[None, :],
