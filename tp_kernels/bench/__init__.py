@@ -42,6 +42,8 @@ from tp_kernels.bench.protocol import (
     BenchConfig,
     format_table,
     machine_info,
+    non_negative_int,
+    positive_int,
     run_case,
     versions,
 )
@@ -55,25 +57,11 @@ DEFAULT_M, DEFAULT_K, DEFAULT_N = 2048, 1024, 1024
 DEFAULT_WORLD_SIZE = 2
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
 def _size(text: str) -> tuple[str, int]:
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    return key, _positive(value)
-
-
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+    return key, positive_int(value)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -90,16 +78,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--world-size",
-        type=_positive,
+        type=positive_int,
         default=None,
         help=f"local ranks to start (default {DEFAULT_WORLD_SIZE}; under torchrun: its WORLD_SIZE)",
     )
-    p.add_argument("--M", type=_positive, default=DEFAULT_M, help="rows, sharded over ranks")
-    p.add_argument("--K", type=_positive, default=DEFAULT_K, help="reduction dim")
-    p.add_argument("--N", type=_positive, default=DEFAULT_N, help="columns")
+    p.add_argument("--M", type=positive_int, default=DEFAULT_M, help="rows, sharded over ranks")
+    p.add_argument("--K", type=positive_int, default=DEFAULT_K, help="reduction dim")
+    p.add_argument("--N", type=positive_int, default=DEFAULT_N, help="columns")
     p.add_argument("--dtype", choices=list(DTYPES), default="fp32")
-    p.add_argument("--rounds", type=_positive, default=10, help="timed rounds (default 10)")
-    p.add_argument("--warmup", type=_non_negative, default=3, help="untimed iterations (default 3)")
+    p.add_argument("--rounds", type=positive_int, default=10, help="timed rounds (default 10)")
+    p.add_argument(
+        "--warmup", type=non_negative_int, default=3, help="untimed iterations (default 3)"
+    )
     p.add_argument(
         "--providers",
         nargs="+",
@@ -116,7 +106,7 @@ def _parser() -> argparse.ArgumentParser:
         help="a size a benchmark names itself, repeatable (llama_block: batch, seq, dim, heads, "
         "kv_heads, ffn)",
     )
-    p.add_argument("--threads", type=_positive, default=1, help="torch threads per rank")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument("--out", type=Path, default=None, help="path of the JSON report")
     p.add_argument(

@@ -9,14 +9,14 @@ blocks and what is measured is compute, not communication. With ``A [M, K]``, ``
 * ``ag_matmul_consumer``: ``C [M, N] = A @ B``, ``A`` read once through its address table into
   the gathered copy ``A_local`` by the pulling tiles, which every other tile reads;
 * ``matmul_rs_producer``: slot 0 of the buffer ``slots [1, M, N]`` = ``A @ B``, then its signal;
-* ``reduce_slots``: ``out [M, N] = float32(slots[0]) / 1`` cast back: memory-bound, so its rate
+* ``reduce_slots``: ``out [M, N] = float32(slots[0])`` cast back: memory-bound, so its rate
   is in bytes moved (one read and one write of ``out``), not flops;
 * ``torch.mm`` (cuBLAS): ``A @ B``, the baseline that the GEMMs are checked and timed against.
 
 Each launcher first runs once and is checked: the GEMMs against ``torch.mm`` within
 :func:`tp_kernels.bench.ops.matmul_tolerance` (one rounding to the dtype; ``B`` is scaled by
 ``1/sqrt(K)`` so outputs are O(1), as that tolerance assumes), the reduction bit for bit (one
-slot divided by 1 is the slot), the signals by reading the pad. A launcher whose check fails is
+slot summed alone is the slot), the signals by reading the pad. A launcher whose check fails is
 not timed. Then ``--warmup`` calls (the first call of an autotuned kernel also autotunes it) and
 ``--reps`` calls, each between two CUDA events; the table shows the median and the 20th/80th
 percentiles. Timed calls go through the public launchers as the symm backend makes them (address
@@ -42,9 +42,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tp_kernels.bench import _non_negative, _positive
 from tp_kernels.bench.ops import matmul_tolerance
-from tp_kernels.bench.protocol import DTYPES, summarize, versions
+from tp_kernels.bench.protocol import (
+    DTYPES,
+    non_negative_int,
+    positive_int,
+    summarize,
+    versions,
+)
 
 __all__ = [
     "NO_CUDA_MESSAGE",
@@ -155,12 +160,12 @@ def _parser() -> argparse.ArgumentParser:
         description="Check and time the symm backend's Triton kernels on one GPU (world_size=1) "
         "against cuBLAS.",
     )
-    p.add_argument("--M", type=_positive, default=8192, help="rows of A and C")
-    p.add_argument("--N", type=_positive, default=3584, help="columns of B and C")
-    p.add_argument("--K", type=_positive, default=8192, help="reduction dim")
+    p.add_argument("--M", type=positive_int, default=8192, help="rows of A and C")
+    p.add_argument("--N", type=positive_int, default=3584, help="columns of B and C")
+    p.add_argument("--K", type=positive_int, default=8192, help="reduction dim")
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
-    p.add_argument("--warmup", type=_non_negative, default=5, help="untimed calls per kernel")
-    p.add_argument("--reps", type=_positive, default=50, help="timed calls per kernel")
+    p.add_argument("--warmup", type=non_negative_int, default=5, help="untimed calls per kernel")
+    p.add_argument("--reps", type=positive_int, default=50, help="timed calls per kernel")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument(
         "--device",

@@ -24,6 +24,7 @@ every rank.
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import platform
@@ -164,6 +165,22 @@ def register(name: str, providers: Sequence[str]) -> Callable[[Builder], Builder
         return build
 
     return add
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an int >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An argparse type: an int >= 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
 
 
 def rotated(names: Sequence[str], shift: int) -> list[str]:
