@@ -80,7 +80,7 @@ from transformers.integrations.tensor_parallel import ALL_PARALLEL_STYLES, Tenso
 
 from tp_kernels import styles as tpk_styles
 from tp_kernels.api import parallelize_module
-from tp_kernels.models.plans import require_divisible
+from tp_kernels.models.plans import CheckCompatible, require_divisible
 
 __all__ = [
     "FAMILIES",
@@ -276,21 +276,10 @@ def sequence_parallel_plan(
             ``backend`` must be ``None``); both use :class:`HeadNormParallel` for Qwen3's norms.
     """
     by_name = _styles(*_style_classes(styles, backend))
-    plan: dict[str, torch_tp.ParallelStyle] = {"": _CheckCompatible()}
+    plan: dict[str, torch_tp.ParallelStyle] = {"": CheckCompatible(check_tp_compatible)}
     for key, name in sequence_parallel_tp_plan(config, loss_parallel=loss_parallel).items():
         plan[key] = copy.copy(by_name[name])  # parallelize_module sets attributes on a style
     return plan
-
-
-class _CheckCompatible(torch_tp.ParallelStyle):
-    """The plan's entry for the root module: validates the sizes before any weight is sharded."""
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        check_tp_compatible(module.config, device_mesh.size())
-        return module
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
 
 
 class _LoaderStyle(TensorParallelLayer):

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 import torch.distributed.tensor.parallel as torch_tp
 import torch.nn as nn
@@ -72,11 +72,15 @@ def require_divisible(
         )
 
 
-class _CheckCompatible(torch_tp.ParallelStyle):
-    """A plan entry for the root module that only validates: runs before any weight is sharded."""
+class CheckCompatible(torch_tp.ParallelStyle):
+    """A plan entry for the root module that only validates ``check(module.config, tp_size)``
+    (which raises on sizes the mesh cannot split): it runs before any weight is sharded."""
+
+    def __init__(self, check: Callable[[Any, int], None]) -> None:
+        self.check = check
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        check_tp_compatible(module.config, device_mesh.size())
+        self.check(module.config, device_mesh.size())
         return module
 
     def __repr__(self) -> str:
@@ -143,7 +147,7 @@ def llama_tp_plan(
     colwise, rowwise, sequence, prepare_input = _style_classes(styles, backend)
     act = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, torch_tp.ParallelStyle] = {
-        "": _CheckCompatible(),
+        "": CheckCompatible(check_tp_compatible),
         "tok_embeddings": rowwise(input_layouts=Replicate(), output_layouts=act),
     }
     if sequence_parallel:
