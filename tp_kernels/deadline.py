@@ -37,7 +37,7 @@ import pickle
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -49,6 +49,7 @@ from tp_kernels import config
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "PeerTimeoutError",
+    "complete",
     "fused_call",
     "gather_objects",
     "get_timeout",
@@ -57,7 +58,6 @@ __all__ = [
     "wait",
 ]
 
-DEFAULT_TIMEOUT_S = 300.0
 # How long a rank that gave up waits for the other ranks stuck in the same call to say so.
 _ROLL_CALL_GRACE_S = 2.0
 
@@ -186,6 +186,19 @@ def posting(group: dist.ProcessGroup, what: str) -> Iterator[None]:
         raise _failed(group, what, time.monotonic() - start, get_timeout(), exc) from exc
 
 
+def complete(
+    post: Callable[[], dist.Work],
+    group: dist.ProcessGroup,
+    what: str,
+    device: torch.device | None = None,
+) -> None:
+    """Post a collective (``post()`` returns its Work) and wait for it: :func:`posting`, then
+    :func:`wait`, for a collective whose result is needed at once."""
+    with posting(group, what):
+        work = post()
+    wait(work, group, what, device)
+
+
 def _failed(
     group: dist.ProcessGroup, what: str, waited: float, timeout: float, exc: BaseException
 ) -> PeerTimeoutError:
@@ -284,15 +297,11 @@ def gather_objects(group: dist.ProcessGroup, obj: Any, what: str) -> list[Any]:
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
     size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
     sizes = size.new_empty(world)
-    with posting(group, what):
-        work = all_gather_single(sizes, size, group, async_op=True)
-    wait(work, group, what)
+    complete(lambda: all_gather_single(sizes, size, group, async_op=True), group, what)
     longest = int(sizes.max())
     padded = data.new_zeros(longest)
     padded[: data.numel()] = data
     everyone = data.new_empty(world * longest)
-    with posting(group, what):
-        work = all_gather_single(everyone, padded, group, async_op=True)
-    wait(work, group, what)
+    complete(lambda: all_gather_single(everyone, padded, group, async_op=True), group, what)
     rows = everyone.view(world, longest).cpu()
     return [pickle.loads(rows[r, : int(sizes[r])].numpy().tobytes()) for r in range(world)]

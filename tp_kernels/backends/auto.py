@@ -146,9 +146,11 @@ def _agreed_max(values: list[float], group: dist.ProcessGroup, device: torch.dev
     local = torch.tensor(values, dtype=torch.float64)
     if "nccl" in str(dist.get_backend(group)):
         local = local.to(device)
-    with deadline.posting(group, "auto backend choice"):
-        work = dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group, async_op=True)
-    deadline.wait(work, group, "auto backend choice")
+    deadline.complete(
+        lambda: dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group, async_op=True),
+        group,
+        "auto backend choice",
+    )
     return local.cpu().tolist()
 
 

@@ -49,13 +49,18 @@ class ReferenceBackend(Backend):
             # holds back every later reduce-scatter of the process on any group (a new group
             # included) until the group's timeout; its all-to-all does not. The same bytes move.
             parts = partial.new_empty((world, *out.shape))
-            with deadline.posting(group, "reduce-scatter"):
-                work = dist.all_to_all_single(parts, partial, group=group, async_op=True)
-            deadline.wait(work, group, "reduce-scatter")
+            deadline.complete(
+                lambda: dist.all_to_all_single(parts, partial, group=group, async_op=True),
+                group,
+                "reduce-scatter",
+            )
             return schedule.sum_in_rank_order(parts)
-        with deadline.posting(group, "reduce-scatter"):
-            work = reduce_scatter_single(out, partial, group, async_op=True)
-        deadline.wait(work, group, "reduce-scatter", out.device)
+        deadline.complete(
+            lambda: reduce_scatter_single(out, partial, group, async_op=True),
+            group,
+            "reduce-scatter",
+            out.device,
+        )
         return out
 
 

@@ -246,9 +246,9 @@ def agree_across_ranks(
         [digest], dtype=torch.int64, device=device if device.type == "cuda" else "cpu"
     )
     everyone = mine.new_empty(group.size())
-    with deadline.posting(group, "agreement"):
-        work = all_gather_single(everyone, mine, group, async_op=True)
-    deadline.wait(work, group, "agreement")
+    deadline.complete(
+        lambda: all_gather_single(everyone, mine, group, async_op=True), group, "agreement"
+    )
     if bool((everyone != mine).any()):
         texts = deadline.gather_objects(group, signature, "agreement")
         lines = "\n".join(f"  rank {r}: {t}" for r, t in enumerate(texts))
