@@ -69,7 +69,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import torch.distributed.tensor.parallel as torch_tp
@@ -78,9 +78,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 from transformers.integrations.tensor_parallel import ALL_PARALLEL_STYLES, TensorParallelLayer
 
-from tp_kernels import styles as tpk_styles
 from tp_kernels.api import parallelize_module
-from tp_kernels.models.plans import CheckCompatible, require_divisible
+from tp_kernels.models.plans import CheckCompatible, require_divisible, style_classes
 
 __all__ = [
     "FAMILIES",
@@ -188,8 +187,6 @@ _QWEN3_HEAD_NORMS = {
 }
 _LM_HEAD = {False: "tpk_lm_head", True: "tpk_lm_head_loss_parallel"}
 
-_Classes = tuple[Callable[..., torch_tp.ParallelStyle], ...]
-
 
 def _styles(colwise, rowwise, sequence, prepare_input) -> dict[str, torch_tp.ParallelStyle]:
     seq, rep = Shard(1), Replicate()
@@ -214,31 +211,6 @@ def _styles(colwise, rowwise, sequence, prepare_input) -> dict[str, torch_tp.Par
             input_layouts=seq, output_layouts=Shard(-1), use_local_output=False
         ),
     }
-
-
-def _style_classes(styles: str, backend: str | None) -> _Classes:
-    if styles == "tp_kernels":
-        return (
-            lambda **kw: tpk_styles.ColwiseParallel(**kw, backend=backend),
-            lambda **kw: tpk_styles.RowwiseParallel(**kw, backend=backend),
-            tpk_styles.SequenceParallel,
-            tpk_styles.PrepareModuleInput,
-        )
-    if styles == "torch":
-        if backend is not None:
-            raise ValueError(
-                f"sequence_parallel_plan: backend={backend!r} needs styles='tp_kernels'; "
-                f"PyTorch's styles have no backend"
-            )
-        return (
-            torch_tp.ColwiseParallel,
-            torch_tp.RowwiseParallel,
-            torch_tp.SequenceParallel,
-            torch_tp.PrepareModuleInput,
-        )
-    raise ValueError(
-        f"sequence_parallel_plan: styles must be 'tp_kernels' or 'torch', got {styles!r}"
-    )
 
 
 def sequence_parallel_tp_plan(config: Any, *, loss_parallel: bool = False) -> dict[str, str]:
@@ -275,7 +247,7 @@ def sequence_parallel_plan(
         styles: ``"tp_kernels"``, or ``"torch"`` for the same plan from PyTorch's classes (then
             ``backend`` must be ``None``); both use :class:`HeadNormParallel` for Qwen3's norms.
     """
-    by_name = _styles(*_style_classes(styles, backend))
+    by_name = _styles(*style_classes(styles, backend, caller="sequence_parallel_plan"))
     plan: dict[str, torch_tp.ParallelStyle] = {"": CheckCompatible(check_tp_compatible)}
     for key, name in sequence_parallel_tp_plan(config, loss_parallel=loss_parallel).items():
         plan[key] = copy.copy(by_name[name])  # parallelize_module sets attributes on a style
@@ -307,5 +279,5 @@ def register() -> None:
     """Make the ``tpk_*`` styles of :func:`sequence_parallel_tp_plan` known to transformers'
     tensor-parallel loader (``ALL_PARALLEL_STYLES``). Idempotent; call it on every rank before
     ``from_pretrained``. Their Colwise/Rowwise styles use the process-wide backend."""
-    for name, style in _styles(*_style_classes("tp_kernels", None)).items():
+    for name, style in _styles(*style_classes("tp_kernels", None, caller="register")).items():
         ALL_PARALLEL_STYLES.register(name, _LoaderStyle(style))

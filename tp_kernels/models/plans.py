@@ -87,11 +87,14 @@ class CheckCompatible(torch_tp.ParallelStyle):
         return f"{type(self).__name__}()"
 
 
-def _style_classes(
-    styles: str, backend: str | None
+def style_classes(
+    styles: str, backend: str | None, *, caller: str
 ) -> tuple[
     Callable[..., torch_tp.ParallelStyle], Callable[..., torch_tp.ParallelStyle], type, type
 ]:
+    """``(colwise, rowwise, SequenceParallel, PrepareModuleInput)`` of ``styles`` (``"tp_kernels"``,
+    its Colwise/Rowwise bound to ``backend``, or ``"torch"``); errors name ``caller``, the plan
+    function that was asked."""
     if styles == "tp_kernels":
         return (
             functools.partial(tpk_styles.ColwiseParallel, backend=backend),
@@ -102,7 +105,7 @@ def _style_classes(
     if styles == "torch":
         if backend is not None:
             raise ValueError(
-                f"llama_tp_plan: backend={backend!r} needs styles='tp_kernels'; PyTorch's styles "
+                f"{caller}: backend={backend!r} needs styles='tp_kernels'; PyTorch's styles "
                 f"have no backend"
             )
         return (
@@ -111,7 +114,7 @@ def _style_classes(
             torch_tp.SequenceParallel,
             torch_tp.PrepareModuleInput,
         )
-    raise ValueError(f"llama_tp_plan: styles must be 'tp_kernels' or 'torch', got {styles!r}")
+    raise ValueError(f"{caller}: styles must be 'tp_kernels' or 'torch', got {styles!r}")
 
 
 def llama_tp_plan(
@@ -144,7 +147,9 @@ def llama_tp_plan(
         raise TypeError(
             f"llama_tp_plan: model must be a tp_kernels Llama, got {type(model).__name__}"
         )
-    colwise, rowwise, sequence, prepare_input = _style_classes(styles, backend)
+    colwise, rowwise, sequence, prepare_input = style_classes(
+        styles, backend, caller="llama_tp_plan"
+    )
     act = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, torch_tp.ParallelStyle] = {
         "": CheckCompatible(check_tp_compatible),
