@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tp_kernels.bench import gpu_kernels as gk
+from tp_kernels.bench.protocol import render_table
 
 CPU = torch.device("cpu")
 
@@ -49,10 +50,13 @@ def test_per_second():
 
 
 def test_render_table_aligns_columns():
-    table = gk.render_table(("kernel", "ms"), [("a", "1.5"), ("longer", "10.25")])
+    # The table is the bench protocol's since issue 12 (this script's own copy went).
+    table = render_table(("kernel", "ms"), [("a", "1.5"), ("longer", "10.25")])
     assert table.splitlines() == ["kernel     ms", "a         1.5", "longer  10.25"]
+    left = render_table(("kernel", "ms", "n"), [("a", "1.5", "7"), ("longer", "10", "12")], left=2)
+    assert left.splitlines() == ["kernel  ms    n", "a       1.5   7", "longer  10   12"]
     with pytest.raises(ValueError, match=r"rows\[1\]: got 1 cells, expected 2"):
-        gk.render_table(("kernel", "ms"), [("a", "1"), ("b",)])
+        render_table(("kernel", "ms"), [("a", "1"), ("b",)])
 
 
 def test_result_rows_rates_and_ratios():

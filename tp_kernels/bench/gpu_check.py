@@ -96,7 +96,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from tp_kernels.bench.protocol import DTYPES
+from tp_kernels.bench.protocol import DTYPES, render_table
 from tp_kernels.testing import LocalWorld, RankError
 
 __all__ = [
@@ -519,12 +519,11 @@ HEADER = ("backend", "op", "dtype", "calls", "max err/tol", "result", "s", "deta
 
 def render(rows: Sequence[Row]) -> str:
     """The rows as a left-aligned text table under :data:`HEADER`."""
-    cells = [HEADER] + [
+    cells = [
         (r.label, r.op, r.dtype, r.calls, r.ratio, r.result, r.seconds, _short(r.detail))
         for r in rows
     ]
-    widths = [max(len(line[c]) for line in cells) for c in range(len(HEADER))]
-    return "\n".join("  ".join(v.ljust(w) for v, w in zip(line, widths)).rstrip() for line in cells)
+    return render_table(HEADER, cells, left=len(HEADER))
 
 
 def _short(text: str, limit: int = 110) -> str:

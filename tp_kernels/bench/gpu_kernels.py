@@ -17,11 +17,15 @@ Each launcher first runs once and is checked: the GEMMs against ``torch.mm`` wit
 :func:`tp_kernels.bench.ops.matmul_tolerance` (one rounding to the dtype; ``B`` is scaled by
 ``1/sqrt(K)`` so outputs are O(1), as that tolerance assumes), the reduction bit for bit (one
 slot summed alone is the slot), the signals by reading the pad. A launcher whose check fails is
-not timed. Then ``--warmup`` calls (the first call of an autotuned kernel also autotunes it) and
-``--reps`` calls, each between two CUDA events; the table shows the median and the 20th/80th
-percentiles. Timed calls go through the public launchers as the symm backend makes them (address
-tables, timeout status and tile counters made once; the status, in host memory, is read once at
-the end), so host work inside a launcher is part of the time.
+not timed. The others are timed by the protocol of ``python -m tp_kernels.bench``
+(:func:`tp_kernels.bench.protocol.time_providers`, here without a process group): ``--warmup``
+untimed rounds (the first call of an autotuned kernel also autotunes it), then ``--reps`` rounds
+in which every launcher and ``torch.mm`` runs once, in an order rotated by the round, each call
+timed on the host clock from a synchronized device to its own synchronization; the table shows
+the median and the 20th/80th percentiles. Timed calls go through the public launchers as the symm
+backend makes them (address tables, timeout status and tile counters made once; the status, in
+host memory, is read once at the end), so a launcher's host work and launch latency are part of
+its time, as they are of every call in training (without CUDA graphs).
 
 Exit status: 0 when every check passes, 1 when one fails, 2 for bad arguments. Without a CUDA
 device it prints ``no CUDA device: nothing to measure`` and exits 0. ``--device cpu`` runs the
@@ -47,7 +51,9 @@ from tp_kernels.bench.protocol import (
     DTYPES,
     non_negative_int,
     positive_int,
+    render_table,
     summarize,
+    time_providers,
     versions,
 )
 
@@ -61,7 +67,6 @@ __all__ = [
     "main",
     "parse_args",
     "per_second",
-    "render_table",
     "result_rows",
 ]
 
@@ -141,19 +146,6 @@ def result_rows(results: Sequence[Result]) -> list[tuple[str, ...]]:
     return rows
 
 
-def render_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """Rows of equal length as aligned text: the first column left-aligned, the rest right."""
-    lines = [tuple(header), *(tuple(row) for row in rows)]
-    for i, row in enumerate(lines):
-        if len(row) != len(header):
-            raise ValueError(f"rows[{i - 1}]: got {len(row)} cells, expected {len(header)}")
-    widths = [max(len(row[c]) for row in lines) for c in range(len(header))]
-    return "\n".join(
-        "  ".join([row[0].ljust(widths[0]), *(v.rjust(w) for v, w in zip(row[1:], widths[1:]))])
-        for row in lines
-    )
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m tp_kernels.bench.gpu_kernels",
@@ -165,7 +157,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--K", type=positive_int, default=8192, help="reduction dim")
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     p.add_argument("--warmup", type=non_negative_int, default=5, help="untimed calls per kernel")
-    p.add_argument("--reps", type=positive_int, default=50, help="timed calls per kernel")
+    p.add_argument(
+        "--reps", type=positive_int, default=50, help="timed rounds (one call per kernel each)"
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument(
         "--device",
@@ -286,29 +280,6 @@ def check_all(p: Problem, run: dict[str, Callable[[], None]], tol: float) -> lis
     return results
 
 
-def _time_ms(fn: Callable[[], None], warmup: int, reps: int, device: torch.device) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    if device.type != "cuda":
-        times = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e3)
-        return times
-    torch.cuda.synchronize(device)
-    events = [
-        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        for _ in range(reps)
-    ]
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize(device)
-    return [start.elapsed_time(end) for start, end in events]
-
-
 def _device_or_exit(args: argparse.Namespace) -> torch.device | None:
     """The device to run on; ``None`` when there is no CUDA device; exits 2 on a bad setup."""
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
@@ -342,7 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"tp_kernels.bench.gpu_kernels on {where}: torch {v['torch']}, triton {v['triton']}; "
         f"M={args.M} N={args.N} K={args.K} {args.dtype}, world_size=1; "
-        f"{args.warmup} warmup + {args.reps} timed calls per kernel",
+        f"{args.warmup} warmup + {args.reps} timed rounds",
         flush=True,
     )
     problem = Problem(args.M, args.N, args.K, dtype, args.seed, device)
@@ -350,9 +321,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     results = check_all(problem, run, matmul_tolerance(dtype, args.K, roundings=1))
     print(f"checked (compiling and autotuning included) in {time.perf_counter() - started:.1f} s")
-    for r in results:
-        if r.ok and r.name in run:
-            r.times_ms = _time_ms(run[r.name], args.warmup, args.reps, device)
+    timed = [r for r in results if r.ok and r.name in run]
+    times = time_providers(
+        {r.name: run[r.name] for r in timed},
+        rounds=args.reps,
+        warmup=args.warmup,
+        group=None,
+        device=device,
+    )
+    for r in timed:
+        r.times_ms = times[r.name]
     if problem.timed_out():
         failed = Result("timed calls", "FAILED, a wait timed out", False)
         results.append(failed)

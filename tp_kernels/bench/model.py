@@ -16,6 +16,7 @@ import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tp_kernels.bench.protocol import render_table
 from tp_kernels.cost import DEVICES, DeviceSpec, op_cost
 
 __all__ = ["MODELS", "Row", "block_prediction", "linear_rows", "main", "plan_rows"]
@@ -139,24 +140,20 @@ def render(rows: Sequence[Row], model: str, device: DeviceSpec, tp: int, tokens:
     """The per-op table, then the block's and the model's totals for one training step."""
     header = ("linear", "pass", "op", "m x K x N /rank", "compute", "comm", "SoL", "unfused",
               "fused", "backend", "speedup", "of SoL")  # fmt: skip
-    lines = [header]
+    cells = []
     for r in rows:
-        lines.append(
+        cells.append(
             (r.linear, r.phase, "AG+mm" if r.op == AG else "mm+RS", f"{r.m}x{r.k}x{r.n}",
              _ms(r.compute_s), _ms(r.comm_s), _ms(r.sol_s), _ms(r.reference_s), _ms(r.fused_s),
              r.fused_backend, f"{r.reference_s / r.fused_s:.2f}x", f"{r.sol_s / r.fused_s:.0%}")
         )  # fmt: skip
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    text = [
-        "  ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
-        for line in lines
-    ]
+    text = render_table(header, cells, left=4)
     block = [r for r in rows if r.per_model > 1]
     cfg = MODELS[model]
     out = [
         f"cost model: {model} TP={tp} on {device.name}, {tokens} tokens per step ("
         f"{tokens // tp} per rank), bf16; times in ms per call; nothing measured",
-        *text,
+        text,
     ]
     # The weight gradients are local GEMMs: the same flops as the forward, nothing to overlap.
     for what, chosen, weight in (

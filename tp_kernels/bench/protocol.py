@@ -50,6 +50,7 @@ __all__ = [
     "machine_info",
     "percentile",
     "register",
+    "render_table",
     "rotated",
     "run_case",
     "select_providers",
@@ -287,12 +288,13 @@ def time_providers(
     *,
     rounds: int,
     warmup: int,
-    group: dist.ProcessGroup,
+    group: dist.ProcessGroup | None,
     device: torch.device,
     clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, list[float]]:
     """Time every provider ``rounds`` times, interleaved and rotated; per-round times in ms, each
-    the maximum over the ranks of ``group``.
+    the maximum over the ranks of ``group``. ``group=None``: this process alone (no barrier, no
+    maximum), for benchmarks of one device without a process group.
 
     ``clock`` returns seconds; tests pass a fake one.
     """
@@ -310,8 +312,9 @@ def time_providers(
 
     def fence() -> None:
         sync()
-        dist.barrier(group=group)
-        sync()
+        if group is not None:
+            dist.barrier(group=group)
+            sync()
 
     for i in range(rounds):
         for name in rotated(names, i):
@@ -321,9 +324,11 @@ def time_providers(
             sync()
             local[i, column[name]] = (clock() - start) * 1e3
     fence()
-    slowest = local.to(device)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-    slowest = slowest.cpu()
+    slowest = local
+    if group is not None:
+        slowest = local.to(device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+        slowest = slowest.cpu()
     return {name: slowest[:, column[name]].tolist() for name in names}
 
 
@@ -404,6 +409,23 @@ def run_case(
     }
 
 
+def render_table(header: Sequence[str], rows: Sequence[Sequence[str]], *, left: int = 1) -> str:
+    """``header`` and ``rows`` (cells of equal count) as aligned text: the first ``left`` columns
+    left-aligned, the rest right-aligned, two spaces apart, no trailing spaces."""
+    lines = [tuple(header), *(tuple(row) for row in rows)]
+    for i, row in enumerate(lines):
+        if len(row) != len(header):
+            raise ValueError(f"rows[{i - 1}]: got {len(row)} cells, expected {len(header)}")
+    widths = [max(len(row[c]) for row in lines) for c in range(len(header))]
+    return "\n".join(
+        "  ".join(
+            cell.ljust(width) if c < left else cell.rjust(width)
+            for c, (cell, width) in enumerate(zip(row, widths))
+        ).rstrip()
+        for row in lines
+    )
+
+
 def _fmt_shapes(shapes: dict[str, list[int]]) -> str:
     return "  ".join(f"{k}[{','.join(map(str, v))}]" for k, v in shapes.items())
 
@@ -436,7 +458,7 @@ def format_table(result: dict[str, Any], meta: dict[str, Any]) -> str:
         "provider", "median ms", "p20 ms", "p80 ms", "model ms", "GFLOP/s", *rate_header,
         f"vs {baseline}", "% of roof", *columns.values(),
     )  # fmt: skip
-    rows = [header]
+    rows = []
     for name, rec in provs.items():
         med = rec["median_ms"]
         rate_cell = (
@@ -457,11 +479,7 @@ def format_table(result: dict[str, Any], meta: dict[str, Any]) -> str:
                 *probed,
             )
         )
-    widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
-    for row in rows:
-        cells = [row[0].ljust(widths[0])]
-        cells += [v.rjust(w) for v, w in zip(row[1:], widths[1:], strict=True)]
-        lines.append("  ".join(cells))
+    lines.append(render_table(header, rows))
     if result.get("model_note"):
         lines.append(f"  (model ms: {result['model_note']})")
     for name, why in result["skipped"].items():

@@ -49,23 +49,12 @@ MODELS = {
 
 
 @dataclass
-class TrainOptions:
-    """Command-line options (see ``--help``); ``world_size=None``: 2 locally, else torchrun's."""
+class TrainOptions(train_llama.TrainRun):
+    """The options of this example: :class:`~.train_llama.TrainRun`'s, the model family
+    (:data:`MODELS`) and its width ``hidden``."""
 
     model: str = "llama"
-    world_size: int | None = None
-    steps: int = 20
     hidden: int = 64
-    layers: int = 2
-    heads: int = 8
-    kv_heads: int = 4
-    seq_len: int = 32
-    batch: int = 8
-    lr: float = 3e-3
-    seed: int = 0
-    backend: str | None = None
-    dtype: str = "float32"
-    loss_parallel: bool = False
 
     def model_config(self) -> transformers.PretrainedConfig:
         if self.hidden % self.heads:
@@ -130,44 +119,14 @@ def train_rank(opts: TrainOptions) -> dict[str, list[float]]:
     base = build_model(opts, device)
     log = rank == 0
     if log:
-        n_params = sum(p.numel() for p in base.parameters())
-        print(
-            f"{type(base).__name__} {n_params / 1e3:.0f}k params, hidden {opts.hidden}, "
-            f"{opts.layers} layers, {opts.heads}/{opts.kv_heads} heads; TP+SP on {world} ranks "
-            f"({dist.get_backend()}, {device.type}), {opts.dtype}, "
-            f"batch {opts.batch} x seq {opts.seq_len}",
-            flush=True,
-        )
+        train_llama.announce(base, f"hidden {opts.hidden}", opts, device)
     mesh = init_device_mesh(device.type, (world,))
     tp_model = copy.deepcopy(base)
     plan = hf.sequence_parallel_plan(
         tp_model.config, loss_parallel=opts.loss_parallel, backend=opts.backend
     )
     tp_kernels.parallelize_module(tp_model, mesh, plan)
-    tp_kernels.reset_comm_stats()
-    curves = {
-        "tp": train_llama.train(
-            _Logits(tp_model), opts, device, loss_parallel=opts.loss_parallel, log=log
-        )
-    }
-    if log:
-        stats = tp_kernels.comm_stats()
-        fused = sorted({backend for (_, kind, backend) in stats if kind != "fallback"})
-        per_step = {kind: stats.total(kind=kind) // opts.steps for (_, kind, _) in stats}
-        print(
-            f"fused path: {stats.total(kind='all_gather_matmul')} all-gather-matmuls, "
-            f"{stats.total(kind='matmul_reduce_scatter')} matmul-reduce-scatters "
-            f"(backends {', '.join(fused) or 'none'}), {stats.total(kind='fallback')} fallbacks; "
-            f"per step (forward + backward) {per_step}",
-            flush=True,
-        )
-    curves["unsharded"] = train_llama.train(
-        _Logits(copy.deepcopy(base)), opts, device, loss_parallel=False, log=False
-    )
-    curves["float64"] = train_llama.train(
-        _Logits(copy.deepcopy(base).to(torch.float64)), opts, device, loss_parallel=False, log=False
-    )
-    return curves
+    return train_llama.train_curves(base, tp_model, opts, device, log=log, logits=_Logits)
 
 
 def main(argv: Sequence[str] | None = None, *, world: LocalWorld | None = None) -> int:

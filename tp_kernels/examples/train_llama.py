@@ -45,6 +45,8 @@ from tp_kernels.testing import LocalWorld
 
 __all__ = [
     "TrainOptions",
+    "TrainRun",
+    "announce",
     "check_curves",
     "curve_tolerance",
     "main",
@@ -52,6 +54,7 @@ __all__ = [
     "parse_options",
     "synthetic_tokens",
     "train",
+    "train_curves",
     "train_rank",
 ]
 
@@ -61,12 +64,13 @@ MAX_STRIDE = 3
 
 
 @dataclass
-class TrainOptions:
-    """Command-line options (see ``--help``); ``world_size=None``: 2 locally, else torchrun's."""
+class TrainRun:
+    """The command-line options every training example shares (see ``--help``): the run, the
+    optimizer and the model's depth and heads; ``world_size=None``: 2 locally, else torchrun's.
+    Each example adds its model's width and its ``model_config()``."""
 
     world_size: int | None = None
     steps: int = 20
-    dim: int = 64
     layers: int = 2
     heads: int = 8
     kv_heads: int = 4
@@ -77,6 +81,13 @@ class TrainOptions:
     backend: str | None = None
     dtype: str = "float32"
     loss_parallel: bool = False
+
+
+@dataclass
+class TrainOptions(TrainRun):
+    """The options of this example: :class:`TrainRun`'s and the model width ``dim``."""
+
+    dim: int = 64
 
     def model_config(self) -> LlamaConfig:
         return LlamaConfig(
@@ -170,7 +181,7 @@ def synthetic_tokens(step: int, batch: int, seq_len: int, seed: int) -> torch.Te
 
 
 def train(
-    model: nn.Module, opts: TrainOptions, device: torch.device, *, loss_parallel: bool, log: bool
+    model: nn.Module, opts: TrainRun, device: torch.device, *, loss_parallel: bool, log: bool
 ) -> list[float]:
     """Train ``model`` for ``opts.steps`` AdamW steps on :func:`synthetic_tokens`; return losses.
 
@@ -227,35 +238,59 @@ def train_rank(opts: TrainOptions) -> dict[str, list[float]]:
     base = Llama(cfg, seed=opts.seed, device=device, dtype=dtype)
     log = rank == 0
     if log:
-        n_params = sum(p.numel() for p in base.parameters())
-        print(
-            f"Llama {n_params / 1e3:.0f}k params, dim {cfg.dim}, {cfg.n_layers} layers, "
-            f"{cfg.n_heads}/{cfg.n_kv_heads} heads; TP+SP on {world} ranks "
-            f"({dist.get_backend()}, {device.type}), {opts.dtype}, "
-            f"batch {opts.batch} x seq {opts.seq_len}",
-            flush=True,
-        )
+        announce(base, f"dim {cfg.dim}", opts, device)
     mesh = init_device_mesh(device.type, (world,))
     tp_model = tp_kernels.parallelize_module(
         copy.deepcopy(base),
         mesh,
         llama_tp_plan(base, loss_parallel=opts.loss_parallel, backend=opts.backend),
     )
+    return train_curves(base, tp_model, opts, device, log=log)
+
+
+def announce(base: nn.Module, width: str, opts: TrainRun, device: torch.device) -> None:
+    """Print one line on the model (``width``: how it names its width) and the run."""
+    n_params = sum(p.numel() for p in base.parameters())
+    print(
+        f"{type(base).__name__} {n_params / 1e3:.0f}k params, {width}, {opts.layers} layers, "
+        f"{opts.heads}/{opts.kv_heads} heads; TP+SP on {dist.get_world_size()} ranks "
+        f"({dist.get_backend()}, {device.type}), {opts.dtype}, "
+        f"batch {opts.batch} x seq {opts.seq_len}",
+        flush=True,
+    )
+
+
+def train_curves(
+    base: nn.Module,
+    tp_model: nn.Module,
+    opts: TrainRun,
+    device: torch.device,
+    *,
+    log: bool,
+    logits: Callable[[nn.Module], nn.Module] = lambda model: model,
+) -> dict[str, list[float]]:
+    """Train ``tp_model`` (``base`` parallelized), then copies of ``base`` unsharded and in
+    float64, each from the same weights; return the loss curves ``"tp"``, ``"unsharded"`` and
+    ``"float64"``. ``logits`` wraps a model into the ``tokens -> logits`` module :func:`train`
+    takes; ``log``: print the steps of the parallel run and how often its fused ops ran."""
     tp_kernels.reset_comm_stats()
-    curves = {"tp": train(tp_model, opts, device, loss_parallel=opts.loss_parallel, log=log)}
+    curves = {
+        "tp": train(logits(tp_model), opts, device, loss_parallel=opts.loss_parallel, log=log)
+    }
     if log:
         stats = tp_kernels.comm_stats()
         fused = sorted({backend for (_, kind, backend) in stats if kind != "fallback"})
+        per_step = {kind: stats.total(kind=kind) // opts.steps for (_, kind, _) in stats}
         print(
             f"fused path: {stats.total(kind='all_gather_matmul')} all-gather-matmuls, "
             f"{stats.total(kind='matmul_reduce_scatter')} matmul-reduce-scatters "
-            f"(backends {', '.join(fused) or 'none'}), {stats.total(kind='fallback')} fallbacks",
+            f"(backends {', '.join(fused) or 'none'}), {stats.total(kind='fallback')} fallbacks; "
+            f"per step (forward + backward) {per_step}",
             flush=True,
         )
-    curves["unsharded"] = train(copy.deepcopy(base), opts, device, loss_parallel=False, log=False)
-    curves["float64"] = train(
-        copy.deepcopy(base).to(torch.float64), opts, device, loss_parallel=False, log=False
-    )
+    unsharded, in_float64 = copy.deepcopy(base), copy.deepcopy(base).to(torch.float64)
+    for name, model in (("unsharded", unsharded), ("float64", in_float64)):
+        curves[name] = train(logits(model), opts, device, loss_parallel=False, log=False)
     return curves
 
 

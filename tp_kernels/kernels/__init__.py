@@ -43,6 +43,12 @@ in the interpreter):
   :func:`new_status`), so the host reads it without synchronizing, at the caller's next call;
   :func:`raise_on_timeout` turns it into :class:`PeerWaitTimeout`.
 * Launches go to the operands' device (not the current one), and on its current stream.
+* The launchers trust their operands (A, B, the outputs, the gathered A, the slots): shapes,
+  dtypes and devices as each docstring states. The ops layer has checked the user's tensors
+  (:mod:`tp_kernels.ops._checks`) and the ``symm`` backend allocates the rest from them, so a
+  launcher does not check them again. It checks what only the backend makes, cheaply and before
+  launching: rank, channel and epoch, the address tables, the scratch (flags, ticket, counters)
+  and the timeout record, whose mistakes would send a kernel to a wrong address or a wrong word.
 """
 
 from tp_kernels.kernels._shared import (

@@ -229,7 +229,7 @@ def check_ptr_table(
         )
 
 
-def check_matrix(
+def check_tensor(
     t: torch.Tensor,
     shape: Sequence[int],
     dtype: torch.dtype,
@@ -238,8 +238,8 @@ def check_matrix(
     argument: str,
     contiguous: bool = True,
 ) -> None:
-    """A kernel operand must have exactly this shape, dtype and device; ``contiguous``: and be
-    row-major contiguous (operands the kernels index through their strides need not be)."""
+    """A scratch tensor a launcher is given (flags, ticket, counters) must have exactly this shape,
+    dtype and device; ``contiguous``: and be row-major contiguous."""
     if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != device:
         raise ValueError(
             f"{argument}: got {t.dtype} of shape {tuple(t.shape)} on {t.device}, "
@@ -492,8 +492,15 @@ def _note_first_touch(trace_ptr, src, world_size):
     tl.atomic_min(trace_ptr + src, ticket)
 
 
-def new_trace(world_size: int, device: torch.device) -> torch.Tensor:
-    """The initial trace buffer of :func:`_note_first_touch`: int32 [W + 1]."""
+def new_trace(
+    order_out: torch.Tensor | None, world_size: int, device: torch.device
+) -> torch.Tensor | None:
+    """The initial trace buffer of :func:`_note_first_touch` (int32 [W + 1]) when the caller asked
+    for the order (``order_out``, int [W]), else ``None``."""
+    if order_out is None:
+        return None
+    if tuple(order_out.shape) != (world_size,):
+        raise ValueError(f"order_out: got shape {tuple(order_out.shape)}, expected ({world_size},)")
     trace = torch.full(
         (world_size + 1,), torch.iinfo(torch.int32).max, dtype=torch.int32, device=device
     )
@@ -501,6 +508,9 @@ def new_trace(world_size: int, device: torch.device) -> torch.Tensor:
     return trace
 
 
-def store_order(trace: torch.Tensor, order_out: torch.Tensor, world_size: int) -> None:
-    """Write the first-touch order recorded in ``trace`` into ``order_out`` (int [W])."""
-    order_out.copy_(torch.argsort(trace[:world_size], stable=True))
+def store_order(
+    trace: torch.Tensor | None, order_out: torch.Tensor | None, world_size: int
+) -> None:
+    """Write the first-touch order recorded in ``trace`` into ``order_out`` (int [W]), if asked."""
+    if trace is not None and order_out is not None:
+        order_out.copy_(torch.argsort(trace[:world_size], stable=True))

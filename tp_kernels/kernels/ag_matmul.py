@@ -34,9 +34,9 @@ from tp_kernels.kernels._shared import (
     _tile_coords,
     _tile_span,
     _wait_signal,
-    check_matrix,
     check_ptr_table,
     check_status,
+    check_tensor,
     check_world,
     dot_precision,
     gemm_configs,
@@ -283,47 +283,21 @@ def ag_matmul_consumer(
             touched them (a trace for tests and debugging; adds one atomic per tile).
     """
     check_world(rank, world_size, channel, epoch)
-    if len(bs) == 0 or len(bs) != len(outs):
-        raise ValueError(
-            f"bs, outs: got {len(bs)} and {len(outs)} matrices, expected the same "
-            "number, at least one"
-        )
-    b0 = bs[0]
-    if b0.dim() != 2:
-        raise ValueError(f"bs[0]: got shape {tuple(b0.shape)}, expected [K, N_0]")
-    dtype, device = b0.dtype, b0.device
-    DTYPE = tl_dtype(dtype, argument="bs[0]")
-    K = b0.shape[0]
-    if outs[0].dim() != 2 or outs[0].shape[0] % world_size or outs[0].shape[0] == 0:
-        raise ValueError(
-            f"outs[0]: got shape {tuple(outs[0].shape)}, expected [W*m, N_0] with "
-            f"W={world_size} and m >= 1"
-        )
-    m = outs[0].shape[0] // world_size
-    if K == 0:
-        raise ValueError(f"bs[0]: got shape {tuple(b0.shape)}, expected K >= 1")
-    for j, (b, c) in enumerate(zip(bs, outs, strict=True)):
-        n_j = b.shape[1] if b.dim() == 2 else -1
-        if n_j < 1:
-            raise ValueError(f"bs[{j}]: got shape {tuple(b.shape)}, expected [{K}, N] with N >= 1")
-        check_matrix(b, (K, n_j), dtype, device, argument=f"bs[{j}]", contiguous=False)
-        check_matrix(c, (world_size * m, n_j), dtype, device, argument=f"outs[{j}]")
-    check_matrix(a_local, (world_size * m, K), dtype, device, argument="a_local")
+    dtype, device = bs[0].dtype, bs[0].device
+    m, K = outs[0].shape[0] // world_size, bs[0].shape[0]
     need = flag_words(world_size, m)
     if flags.dtype != torch.int32 or flags.dim() != 1 or flags.numel() < need:
         raise ValueError(
             f"flags: got {flags.dtype} of shape {tuple(flags.shape)}, expected int32 with at "
             f"least {need} words (flag_words({world_size}, {m}))"
         )
-    check_matrix(flags, tuple(flags.shape), torch.int32, device, argument="flags")
-    check_matrix(sched, (1,), torch.int32, device, argument="sched")
+    check_tensor(flags, tuple(flags.shape), torch.int32, device, argument="flags")
+    check_tensor(sched, (1,), torch.int32, device, argument="sched")
     check_ptr_table(a_ptrs, world_size, device, argument="a_ptrs")
     check_ptr_table(signal_ptrs, world_size, device, argument="signal_ptrs")
     check_status(status, world_size)
-    if order_out is not None and tuple(order_out.shape) != (world_size,):
-        raise ValueError(f"order_out: got shape {tuple(order_out.shape)}, expected ({world_size},)")
-
-    trace = new_trace(world_size, device) if order_out is not None else None
+    trace = new_trace(order_out, world_size, device)
+    DTYPE = tl_dtype(dtype, argument="bs[0]")
     wait_ns = timeout_ns(timeout_s)
     tma = tma_supported(device, dtype)
     programs = persistent_programs(device)
@@ -368,5 +342,4 @@ def ag_matmul_consumer(
                 BF16_BY_HAND=INTERPRET and dtype == torch.bfloat16,
                 INPUT_PRECISION=dot_precision(dtype),
             )
-    if order_out is not None:
-        store_order(trace, order_out, world_size)
+    store_order(trace, order_out, world_size)

@@ -158,6 +158,19 @@ def variants(arch: int) -> list[Variant]:
         # As _shared.tma_supported decides: fp32 without TF32 reads through pointers.
         return layout if tma and precision != "ieee" else "pointer"
 
+    def gemm_constants(tl_type, precision, a_layout, b_layout, **more):
+        # The constexprs of both GEMM kernels as a GPU launch sets them: no trace, bf16 by the MMA.
+        return {
+            "DTYPE": tl_type, "A_LAYOUT": a_layout, "B_LAYOUT": b_layout, "TRACE": False,
+            "BF16_BY_HAND": False, "INPUT_PRECISION": precision, **more,
+        }  # fmt: skip
+
+    def gemm_patterns(own, mma, a_layout, b_layout):
+        # What a GEMM's PTX must hold: its own protocol's, pipelined loads, the MMA, and TMA
+        # where an operand is a descriptor.
+        tma_loads = TMA_PATTERNS if {a_layout, b_layout} != {"pointer"} else ()
+        return own + ASYNC_COPY_PATTERNS + mma + tma_loads
+
     def ag_variant(tag, elem, tl_type, precision, mma, config, b_name, pull):
         b_layout, unit, other, other_aligned = _B_LAYOUTS[b_name]
         b_layout = layout_of(b_layout, precision)
@@ -179,26 +192,14 @@ def variants(arch: int) -> list[Variant]:
             arg for arg, lay in (("b", b_layout), ("a_local_desc", a_layout)) if lay == "pointer"
         ]
         # The first launch of a call pulls and waits; later ones read local memory.
-        required = (WAIT_PATTERNS if pull else ()) + ASYNC_COPY_PATTERNS + mma
-        if {a_layout, b_layout} != {"pointer"}:
-            required += TMA_PATTERNS
+        required = gemm_patterns(WAIT_PATTERNS if pull else (), mma, a_layout, b_layout)
         a_tag = "" if pull else (",A=tma" if a_layout == "rc" else ",A=ptr")
         return _variant(
             f"ag_matmul[{tag},{b_name},{_blocks(kw)},w{config.num_warps}s{config.num_stages}"
             f"{a_tag}{',pull' if pull else ''}]",
             ag_matmul._ag_matmul_kernel.fn,
             types,
-            {
-                unit: 1,
-                "DTYPE": tl_type,
-                "PULL": pull,
-                "A_LAYOUT": a_layout,
-                "B_LAYOUT": b_layout,
-                "TRACE": False,
-                "BF16_BY_HAND": False,
-                "INPUT_PRECISION": precision,
-                **kw,
-            },  # fmt: skip
+            gemm_constants(tl_type, precision, a_layout, b_layout, **{unit: 1}, PULL=pull, **kw),
             tuple(aligned),
             required,
             num_warps=config.num_warps,
@@ -219,25 +220,15 @@ def variants(arch: int) -> list[Variant]:
         aligned = ["slot_ptrs", "signal_ptrs", "counter_ptr", "m", "N", "K", "stride_am"]
         aligned += [other] * other_aligned
         aligned += [arg for arg, lay in (("a", a_layout), ("b", b_layout)) if lay == "pointer"]
-        required = SIGNAL_PATTERNS + ASYNC_COPY_PATTERNS + mma
-        if {a_layout, b_layout} != {"pointer"}:
-            required += TMA_PATTERNS
+        required = gemm_patterns(SIGNAL_PATTERNS, mma, a_layout, b_layout)
         return _variant(
             f"matmul_rs_producer[{tag},{b_name},{_blocks(blocks)},w{config['num_warps']}"
             f"s{config['num_stages']},A={'ptr' if a_layout == 'pointer' else 'tma'}]",
             matmul_rs._matmul_rs_kernel,
             types,
-            {
-                "stride_ak": 1,
-                unit: 1,
-                "DTYPE": tl_type,
-                "A_LAYOUT": a_layout,
-                "B_LAYOUT": b_layout,
-                "TRACE": False,
-                "BF16_BY_HAND": False,
-                "INPUT_PRECISION": precision,
-                **blocks,
-            },  # fmt: skip
+            gemm_constants(
+                tl_type, precision, a_layout, b_layout, stride_ak=1, **{unit: 1}, **blocks
+            ),
             tuple(aligned),
             required,
             num_warps=config["num_warps"],

@@ -36,9 +36,9 @@ from tp_kernels.kernels._shared import (
     _tile_coords,
     _tile_span,
     _wait_signal,
-    check_matrix,
     check_ptr_table,
     check_status,
+    check_tensor,
     check_world,
     dot_precision,
     new_trace,
@@ -240,24 +240,12 @@ def matmul_rs_producer(
             touched them (a trace for tests and debugging).
     """
     check_world(rank, world_size, channel, epoch)
-    if a.dim() != 2 or a.shape[0] % world_size or a.shape[0] == 0 or a.shape[1] == 0:
-        raise ValueError(
-            f"a: got shape {tuple(a.shape)}, expected [W*m, K] with W={world_size}, "
-            "m >= 1 and K >= 1"
-        )
-    m, K = a.shape[0] // world_size, a.shape[1]
+    m, K, N = a.shape[0] // world_size, a.shape[1], b.shape[1]
     DTYPE = tl_dtype(a.dtype, argument="a")
-    if b.dim() != 2 or b.shape[1] == 0:
-        raise ValueError(f"b: got shape {tuple(b.shape)}, expected [{K}, N] with N >= 1")
-    N = b.shape[1]
-    check_matrix(b, (K, N), a.dtype, a.device, argument="b", contiguous=False)
     check_ptr_table(slot_ptrs, world_size, a.device, argument="slot_ptrs")
     check_ptr_table(signal_ptrs, world_size, a.device, argument="signal_ptrs")
-    check_matrix(counters, (world_size,), torch.int32, a.device, argument="counters")
-    if order_out is not None and tuple(order_out.shape) != (world_size,):
-        raise ValueError(f"order_out: got shape {tuple(order_out.shape)}, expected ({world_size},)")
-
-    trace = new_trace(world_size, a.device) if order_out is not None else counters
+    check_tensor(counters, (world_size,), torch.int32, a.device, argument="counters")
+    trace = new_trace(order_out, world_size, a.device)
     config = _producer_config(m, N, a.dtype)
     tiles = world_size * triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"])
     grid = (min(tiles, persistent_programs(a.device)),)
@@ -278,7 +266,7 @@ def matmul_rs_producer(
             slot_ptrs,
             signal_ptrs,
             counters,
-            trace,
+            counters if trace is None else trace,
             rank,
             world_size,
             m,
@@ -293,13 +281,12 @@ def matmul_rs_producer(
             DTYPE=DTYPE,
             A_LAYOUT=a_layout,
             B_LAYOUT=b_layout,
-            TRACE=order_out is not None,
+            TRACE=trace is not None,
             BF16_BY_HAND=INTERPRET and a.dtype == torch.bfloat16,
             INPUT_PRECISION=dot_precision(a.dtype),
             **config,
         )
-    if order_out is not None:
-        store_order(trace, order_out, world_size)
+    store_order(trace, order_out, world_size)
 
 
 def reduce_slots(
@@ -327,14 +314,7 @@ def reduce_slots(
         status, timeout_s: as in :func:`tp_kernels.kernels.ag_matmul_consumer`.
     """
     check_world(rank, world_size, channel, epoch)
-    if slots.dim() != 3 or slots.shape[0] != world_size or slots.numel() == 0:
-        raise ValueError(
-            f"slots: got shape {tuple(slots.shape)}, expected [W={world_size}, m, N] with m, N >= 1"
-        )
-    tl_dtype(slots.dtype, argument="slots")
-    check_matrix(slots, tuple(slots.shape), slots.dtype, slots.device, argument="slots")
     OUT_DTYPE = tl_dtype(out.dtype, argument="out")
-    check_matrix(out, tuple(slots.shape[1:]), out.dtype, slots.device, argument="out")
     check_ptr_table(signal_ptrs, world_size, slots.device, argument="signal_ptrs")
     check_status(status, world_size)
 
