@@ -236,17 +236,16 @@ def check_tensor(
     device: torch.device,
     *,
     argument: str,
-    contiguous: bool = True,
 ) -> None:
     """A scratch tensor a launcher is given (flags, ticket, counters) must have exactly this shape,
-    dtype and device; ``contiguous``: and be row-major contiguous."""
+    dtype and device, and be contiguous."""
     if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != device:
         raise ValueError(
             f"{argument}: got {t.dtype} of shape {tuple(t.shape)} on {t.device}, "
             f"expected {dtype} of shape {tuple(shape)} on {device}"
         )
-    if contiguous and not t.is_contiguous():
-        raise ValueError(f"{argument}: must be contiguous (row-major), got strides {t.stride()}")
+    if not t.is_contiguous():
+        raise ValueError(f"{argument}: must be contiguous, got strides {t.stride()}")
 
 
 def timeout_ns(timeout_s: float) -> int:
