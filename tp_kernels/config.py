@@ -41,11 +41,16 @@ _UNSET = object()
 
 
 class Setting(Generic[T]):
-    """One setting: ``env`` parsed by ``parse`` (which raises ValueError/TypeError naming what it
-    needs), else ``default``; :meth:`set` (checked by the same ``check``) overrides both."""
+    """One setting: ``env`` parsed by ``parse(raw, env)`` (which raises ValueError/TypeError
+    naming ``env`` and what it needs), else ``default``; :meth:`set` (checked by
+    ``check(value, argument)``) overrides both."""
 
     def __init__(
-        self, env: str, default: T, parse: Callable[[str], T], check: Callable[[object, str], T]
+        self,
+        env: str,
+        default: T,
+        parse: Callable[[str, str], T],
+        check: Callable[[object, str], T],
     ) -> None:
         self.env, self.default, self._parse, self._check = env, default, parse, check
         self._override: object = _UNSET
@@ -56,7 +61,7 @@ class Setting(Generic[T]):
             return self._override  # type: ignore[return-value]
         if self._read is _UNSET:
             raw = os.environ.get(self.env)
-            self._read = self.default if raw is None or raw == "" else self._parse(raw)
+            self._read = self.default if raw is None or raw == "" else self._parse(raw, self.env)
         return self._read  # type: ignore[return-value]
 
     def set(self, value: T, *, argument: str = "value") -> None:
@@ -69,15 +74,12 @@ class Setting(Generic[T]):
         return f"Setting({self.env}={self.get()!r})"
 
 
-def _flag(env: str) -> Callable[[str], bool]:
-    def parse(raw: str) -> bool:
-        if raw in ("1", "true", "True"):
-            return True
-        if raw in ("0", "false", "False"):
-            return False
-        raise ValueError(f"{env}: got {raw!r}, expected 1 or 0")
-
-    return parse
+def _parse_flag(raw: str, env: str) -> bool:
+    if raw in ("1", "true", "True"):
+        return True
+    if raw in ("0", "false", "False"):
+        return False
+    raise ValueError(f"{env}: got {raw!r}, expected 1 or 0")
 
 
 def _check_flag(value: object, argument: str) -> bool:
@@ -98,12 +100,12 @@ def check_seconds(value: object, argument: str) -> float:
     return float(value)
 
 
-def _parse_seconds(raw: str) -> float:
+def _parse_seconds(raw: str, env: str) -> float:
     try:
         value: object = float(raw)
     except ValueError:
         value = raw
-    return check_seconds(value, "TP_KERNELS_TIMEOUT_S")
+    return check_seconds(value, env)
 
 
 def _check_chunks(value: object, argument: str) -> int | None:
@@ -112,10 +114,14 @@ def _check_chunks(value: object, argument: str) -> int | None:
     return value
 
 
-def _parse_chunks(raw: str) -> int:
+def _parse_chunks(raw: str, env: str) -> int:
     if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"TP_KERNELS_PIPELINE_CHUNKS: got {raw!r}, expected a positive integer")
+        raise ValueError(f"{env}: got {raw!r}, expected a positive integer")
     return int(raw)
+
+
+def _parse_backend(raw: str, env: str) -> str:
+    return raw  # the name itself is checked by tp_kernels.backends where it is used
 
 
 def _check_backend(value: object, argument: str) -> str:
@@ -128,7 +134,7 @@ def _check_consistency(value: object, argument: str) -> bool | None:
     return None if value is None else _check_flag(value, argument)
 
 
-BACKEND: Setting[str] = Setting("TP_KERNELS_BACKEND", "auto", str, _check_backend)
+BACKEND: Setting[str] = Setting("TP_KERNELS_BACKEND", "auto", _parse_backend, _check_backend)
 """The backend of a call that names none (``backends.current_backend``)."""
 
 TIMEOUT_S: Setting[float] = Setting("TP_KERNELS_TIMEOUT_S", 300.0, _parse_seconds, check_seconds)
@@ -142,17 +148,13 @@ PIPELINE_CHUNKS: Setting[int | None] = Setting(
 CHECK_CONSISTENCY: Setting[bool | None] = Setting(
     "TP_KERNELS_CHECK_CONSISTENCY",
     None,
-    _flag("TP_KERNELS_CHECK_CONSISTENCY"),
+    _parse_flag,
     _check_consistency,
 )
 """Whether ranks agree on every call's arguments; None: for CPU tensors, not for CUDA ones."""
 
-SYMM_TRITON: Setting[bool] = Setting(
-    "TP_KERNELS_SYMM_TRITON", False, _flag("TP_KERNELS_SYMM_TRITON"), _check_flag
-)
+SYMM_TRITON: Setting[bool] = Setting("TP_KERNELS_SYMM_TRITON", False, _parse_flag, _check_flag)
 """The symm backend's Triton kernels on CPU too (under ``TRITON_INTERPRET=1``; always on CUDA)."""
 
-AUTO_TIMING: Setting[bool] = Setting(
-    "TP_KERNELS_AUTO_TIMING", True, _flag("TP_KERNELS_AUTO_TIMING"), _check_flag
-)
+AUTO_TIMING: Setting[bool] = Setting("TP_KERNELS_AUTO_TIMING", True, _parse_flag, _check_flag)
 """Whether ``auto`` times its candidates once per shape class (else: its first candidate)."""
