@@ -261,11 +261,12 @@ class ColwiseParallel(_FusableStyle, _torch_style.ColwiseParallel):
             if dim is not None:
                 world = device_mesh.size()
                 why = _simulated_ranks()
-                if why is None and not isinstance(x, DTensor):
-                    return DTensor.from_local(x, device_mesh, input_layouts, run_check=False)
-                if why is None and x.shape[dim] % world == 0:
-                    return x
-                why = why or f"input dim {dim} of size {x.shape[dim]} is uneven over {world} ranks"
+                if why is None:
+                    if not isinstance(x, DTensor):
+                        return DTensor.from_local(x, device_mesh, input_layouts, run_check=False)
+                    if x.shape[dim] % world == 0:
+                        return x
+                    why = f"input dim {dim} of size {x.shape[dim]} is uneven over {world} ranks"
                 _fall_back(f"ColwiseParallel on {type(mod).__qualname__}", why)
         return _torch_style.ColwiseParallel._prepare_input_fn(
             input_layouts, desired_input_layouts, mod, inputs, device_mesh
