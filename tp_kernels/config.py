@@ -38,6 +38,14 @@ __all__ = [
 
 T = TypeVar("T")
 _UNSET = object()
+# Bumped by every set() and reset(): what is computed from settings and cached (the ops layer's
+# call plans) is keyed by it, so a changed setting is seen at the next call.
+_generation = 0
+
+
+def generation() -> int:
+    """A number that changes whenever any setting is set or reset."""
+    return _generation
 
 
 class Setting(Generic[T]):
@@ -65,10 +73,14 @@ class Setting(Generic[T]):
         return self._read  # type: ignore[return-value]
 
     def set(self, value: T, *, argument: str = "value") -> None:
+        global _generation
         self._override = self._check(value, argument)
+        _generation += 1
 
     def reset(self) -> None:
+        global _generation
         self._override = self._read = _UNSET
+        _generation += 1
 
     def __repr__(self) -> str:
         return f"Setting({self.env}={self.get()!r})"

@@ -123,6 +123,9 @@ _broken = weakref.WeakKeyDictionary()
 _calls: weakref.WeakKeyDictionary[dist.ProcessGroup, int] = weakref.WeakKeyDictionary()
 
 
+_NO_MODES = contextlib.nullcontext()
+
+
 @contextlib.contextmanager
 def fused_call(group: dist.ProcessGroup, op: str, pass_: str) -> Iterator[None]:
     """The extent of one fused call (or one of its parts) on ``group``: refuses at once on a
@@ -143,8 +146,10 @@ def fused_call(group: dist.ProcessGroup, op: str, pass_: str) -> Iterator[None]:
         )
     _calls[group] = _calls.get(group, 0) + 1
     token = _call.set((op, pass_))
+    # Entering _disable_current_modes costs microseconds even with no mode to disable.
+    modes = _disable_current_modes() if torch._C._len_torch_dispatch_stack() else _NO_MODES
     try:
-        with _disable_current_modes():
+        with modes:
             yield
     except PeerTimeoutError as exc:
         _broken.setdefault(group, exc)

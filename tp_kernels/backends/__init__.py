@@ -26,6 +26,7 @@ __all__ = [
     "available_backends",
     "check_backend_name",
     "choose",
+    "context_backend",
     "current_backend",
     "get_backend",
     "resolve",
@@ -40,6 +41,7 @@ _MODULES = {
     "torch_symm_mem": "tp_kernels.backends.torch_symm_mem",
 }
 BACKEND_NAMES = ("auto", *_MODULES)
+_loaded: dict[str, Backend] = {}
 
 _context: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "tp_kernels_backend", default=None
@@ -68,6 +70,11 @@ def use_backend(name: str) -> Iterator[None]:
         _context.reset(token)
 
 
+def context_backend() -> str | None:
+    """The innermost :func:`use_backend` context's backend, or None outside every one."""
+    return _context.get()
+
+
 def current_backend() -> str:
     """The backend name in force for a call that does not name one (may be ``"auto"``)."""
     return _context.get() or check_backend_name(config.BACKEND.get(), argument="TP_KERNELS_BACKEND")
@@ -79,7 +86,10 @@ def get_backend(name: str) -> Backend:
         raise ValueError(
             f"backend: {name!r} is not a concrete backend; expected one of {tuple(_MODULES)}"
         )
-    return importlib.import_module(_MODULES[name]).BACKEND
+    backend = _loaded.get(name)
+    if backend is None:
+        backend = _loaded[name] = importlib.import_module(_MODULES[name]).BACKEND
+    return backend
 
 
 def _unavailable(name: str, group: dist.ProcessGroup | None, device: torch.device) -> str | None:

@@ -18,6 +18,7 @@ next agreement within the deadline, where the peers see it as a mismatch.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
 import weakref
@@ -221,6 +222,12 @@ def consistency_checks_on(device: torch.device) -> bool:
     return device.type != "cuda" if forced is None else forced
 
 
+@functools.lru_cache(maxsize=1024)
+def _digest(signature: str) -> int:
+    """7 bytes of a hash of ``signature``; cached, as a shape class's calls repeat one text."""
+    return int.from_bytes(hashlib.blake2b(signature.encode(), digest_size=7).digest(), "little")
+
+
 def agree_across_ranks(
     group: dist.ProcessGroup, op: str, signature: str, device: torch.device
 ) -> None:
@@ -241,9 +248,8 @@ def agree_across_ranks(
             signature += (
                 f" (after a {failed_op} call on this rank that failed before it knew its group)"
             )
-    digest = int.from_bytes(hashlib.blake2b(signature.encode(), digest_size=7).digest(), "little")
     mine = torch.tensor(
-        [digest], dtype=torch.int64, device=device if device.type == "cuda" else "cpu"
+        [_digest(signature)], dtype=torch.int64, device=device if device.type == "cuda" else "cpu"
     )
     everyone = mine.new_empty(group.size())
     deadline.complete(

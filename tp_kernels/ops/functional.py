@@ -1,16 +1,30 @@
-"""The public fused ops: argument checks, dim handling and backend choice around the custom ops."""
+"""The public fused ops: argument checks, dim handling and backend choice around the fused calls.
+
+A call of a shape class already seen (same argument types, shapes, dtypes, devices, dims,
+options, backend asked for, settings and ``use_backend`` context, on the same group) reuses its
+:class:`_Plan`: the checks it passed, the backend chosen and the signature agreed are what they
+were, so the host does only the agreement (one tiny collective, when consistency checks are on)
+and the call. Anything else goes through :func:`_new_plan` (check, choose, agree, raise, in that
+order, on every rank). The call then runs through the eager ``autograd.Function`` of
+``ops/eager.py`` when no dispatch mode is active and every tensor is a plain one, else through
+the custom op of ``ops/library.py`` (what ``torch.compile`` traces and modes see).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from tp_kernels import deadline
-from tp_kernels.backends import check_backend_name, choose, get_backend, pipelined
+from tp_kernels import config, deadline
+from tp_kernels.backends import check_backend_name, choose, context_backend, get_backend, pipelined
 from tp_kernels.backends.auto import Candidates, Shape, time_and_choose
+from tp_kernels.backends.base import Backend
+from tp_kernels.ops import eager
 from tp_kernels.ops._checks import (
     GroupLike,
     agree_across_ranks,
@@ -54,40 +68,66 @@ class Signature:
 
 
 @dataclass(frozen=True)
-class _Prepared:
-    """A call after :func:`_prepare`: checked arguments, the backend, and what ``auto`` wants
-    timed (``None``: nothing)."""
+class _Plan:
+    """One shape class of calls, resolved: the normalized ``dim``, the backend (``impl`` None
+    while torch.compile traces: the op resolves it when the graph runs), ``auto``'s shape and the
+    agreed signature's ``text``."""
 
-    a: torch.Tensor
-    rhs: list[torch.Tensor]
     dim: int
     backend: str
+    impl: Backend | None
     shape: Shape | None
-    pending: Candidates | None
+    text: str
 
 
-def _prepare(
+# group -> {call key -> plan}; weak, so a destroyed group's plans go with it. Bounded: a model
+# whose shapes never repeat would otherwise grow it without end.
+_plans: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple, _Plan]]
+_plans = weakref.WeakKeyDictionary()
+_MAX_PLANS_PER_GROUP = 1024
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _tensor_key(t: object) -> tuple:
+    return (type(t), t.shape, t.dtype, t.device) if isinstance(t, torch.Tensor) else (type(t),)
+
+
+def _call_key(a: object, rhs: object, *rest: object) -> tuple | None:
+    """What decides a call's checks, backend and signature; None when it cannot be keyed (the
+    call then takes the full path, whose checks say what is wrong; and while torch.compile
+    traces, which keeps no state)."""
+    if torch.compiler.is_compiling() or not isinstance(rhs, (list, tuple)):
+        return None
+    return (
+        _tensor_key(a),
+        tuple(_tensor_key(b) for b in rhs),
+        *rest,
+        config.generation(),
+        context_backend(),
+    )
+
+
+def _new_plan(
     op: str,
     group: dist.ProcessGroup,
     a: object,
     backend: str | None,
     local_check: Callable[[], tuple[torch.Tensor, list[torch.Tensor], int]],
     options: dict[str, object],
-) -> _Prepared:
+) -> tuple[_Plan, Candidates | None]:
     """Check locally, choose the backend, agree across ranks, raise: in that order, on every rank.
 
     A rank whose check fails still takes part in the agreement (with its error as its signature),
     so every rank raises together and none is left waiting. When ``auto`` wants the shape class
-    timed, the candidates come back and the caller times them after the agreement (every rank
-    then knows the others make the same call). While torch.compile traces, the checks stay local
-    and the choice of backend is left to the op at run time (``""`` or the name asked for, see
-    ``library.py``): the registry's state (context, environment, availability probes) is not
-    traceable.
+    timed, the candidates come back beside the plan and the caller times them after the
+    agreement (every rank then knows the others make the same call). While torch.compile traces,
+    the checks stay local and the choice of backend is left to the op at run time (``""`` or the
+    name asked for, see ``library.py``): the registry's state (context, environment,
+    availability probes) is not traceable.
     """
     if torch.compiler.is_compiling():
         name = check_backend_name(backend, argument="backend") if backend is not None else ""
-        return _Prepared(*local_check(), name, None, None)
-    count_as_replaced_collectives()
+        return _Plan(local_check()[2], name, None, None, ""), None
     with deadline.fused_call(group, op, "forward"):
         try:
             t, rhs, dim = local_check()
@@ -99,24 +139,56 @@ def _prepare(
                 options = {"n": rhs[0].shape[1], **options}
             name, pending = choose(backend, shape, group)
             chunks = pipelined.chunks_setting()
+            options_items = tuple(options.items())
             signature = Signature(
-                op,
-                agreed,
-                t.dtype,
-                t.device.type,
-                dim,
-                len(rhs),
-                name,
-                tuple(options.items()),
-                chunks,
+                op, agreed, t.dtype, t.device.type, dim, len(rhs), name, options_items, chunks
             )
-            error = None
+            text, error = str(signature), None
         except (TypeError, ValueError, RuntimeError) as exc:
-            signature, error = f"error: {exc}", exc
-        agree_across_ranks(group, op, str(signature), _device_of(a))
+            text, error = f"error: {exc}", exc
+        agree_across_ranks(group, op, text, _device_of(a))
         if error is not None:
             raise error
-    return _Prepared(t, rhs, dim, name, shape, pending)
+    return _Plan(dim, name, get_backend(name), shape, text), pending
+
+
+def _plan(
+    op: str,
+    group: dist.ProcessGroup,
+    key: tuple | None,
+    a: object,
+    backend: str | None,
+    local_check: Callable[[], tuple[torch.Tensor, list[torch.Tensor], int]],
+    options: dict[str, object],
+    timed_run: Callable[[_Plan, str], object],
+) -> tuple[_Plan, bool]:
+    """The plan of this call and whether it still needs the agreement (a cached plan does; a new
+    one was agreed while it was made). ``timed_run(plan, name)`` runs the call on backend
+    ``name`` for ``auto``'s timing."""
+    if not torch.compiler.is_compiling():
+        count_as_replaced_collectives()
+    cached = _plans.get(group)
+    plan = None if cached is None or key is None else cached.get(key)
+    if plan is not None:
+        return plan, True
+    plan, pending = _new_plan(op, group, a, backend, local_check, options)
+    if pending is not None:
+        name = time_and_choose(plan.shape, group, pending, lambda n: timed_run(plan, n))
+        return dataclasses.replace(plan, backend=name, impl=get_backend(name)), False
+    if key is not None and plan.impl is not None:
+        cached = _plans.setdefault(group, {})
+        if len(cached) >= _MAX_PLANS_PER_GROUP:
+            cached.clear()
+        cached[key] = plan
+    return plan, False
+
+
+def _eager_path(tensors: Sequence[torch.Tensor | None]) -> bool:
+    """Whether the call may take ``ops/eager.py``: no dispatch mode is active (CommDebugMode,
+    fake tensors, a user's mode see the custom op) and every tensor is a plain one."""
+    return not torch._C._len_torch_dispatch_stack() and all(
+        t is None or type(t) in _PLAIN for t in tensors
+    )
 
 
 def _row_major(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -126,6 +198,13 @@ def _row_major(t: torch.Tensor, dim: int) -> torch.Tensor:
     another dim this is one copy of the output, O(M*N) against the matmul's O(M*N*K), that rank-
     major rows cannot avoid."""
     return t if dim == 0 else t.movedim(0, dim).contiguous()
+
+
+def _rows(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """``t`` with ``dim`` moved first and flattened to 2-D rows ``[rows, K]``, and the leading
+    shape those rows came from."""
+    lead = t if dim == 0 else t.movedim(dim, 0)
+    return (lead if lead.ndim == 2 else lead.reshape(-1, t.shape[-1])), lead.shape[:-1]
 
 
 def _as_rhs_list(args: tuple[torch.Tensor, torch.Tensor, int]) -> tuple:
@@ -168,31 +247,39 @@ def all_gather_matmul(
     """
     op = "all_gather_matmul"
     pg = resolve_group_or_note(group, op=op)
-    call = _prepare(
+    keep_a = return_a or save_gathered_a
+    plan, agree = _plan(
         op,
         pg,
+        _call_key(a_shard, bs, gather_dim, backend, return_a, save_gathered_a),
         a_shard,
         backend,
         lambda: check_all_gather_matmul(a_shard, bs, gather_dim),
         {"return_a": return_a, "save": save_gathered_a},
+        lambda plan, n: get_backend(n).all_gather_matmul(
+            _rows(a_shard, plan.dim)[0].contiguous(), bs, pg, return_a=keep_a
+        ),
     )
-    a, bs, dim, name = call.a, call.rhs, call.dim, call.backend
-    world = pg.size()
-    lead = a.movedim(dim, 0)
-    rows_shape = lead.shape[:-1]
-    a_2d = lead.reshape(-1, a.shape[-1])
-    if call.pending is not None:
-        keep_a = return_a or save_gathered_a
-        name = time_and_choose(
-            call.shape,
-            pg,
-            call.pending,
-            lambda n: get_backend(n).all_gather_matmul(a_2d.contiguous(), bs, pg, return_a=keep_a),
+    dim = plan.dim
+    a_2d, rows_shape = _rows(a_shard, dim)
+    if plan.impl is not None and _eager_path((a_shard, *bs)):
+        with deadline.fused_call(pg, op, "forward"):
+            if agree:
+                agree_across_ranks(pg, op, plan.text, a_shard.device)
+            results = eager.AllGatherMatmul.apply(
+                plan.impl, pg, return_a, save_gathered_a, a_2d, *bs
+            )
+    else:
+        if agree:
+            with deadline.fused_call(pg, op, "forward"):
+                agree_across_ranks(pg, op, plan.text, a_shard.device)
+        results = all_gather_matmul_2d(
+            a_2d, list(bs), pg.group_name, plan.backend, return_a, save_gathered_a
         )
-    results = all_gather_matmul_2d(a_2d, list(bs), pg.group_name, name, return_a, save_gathered_a)
+    rows = pg.size() * rows_shape[0]
 
     def unflatten(t: torch.Tensor) -> torch.Tensor:
-        return _row_major(t.view(world * rows_shape[0], *rows_shape[1:], t.shape[-1]), dim)
+        return _row_major(t.view(rows, *rows_shape[1:], t.shape[-1]), dim)
 
     outs = [unflatten(t) for t in results[-len(bs) :]]
     return (unflatten(results[0]) if return_a else None), outs
@@ -224,24 +311,30 @@ def matmul_reduce_scatter(
     """
     op = "matmul_reduce_scatter"
     pg = resolve_group_or_note(group, op=op)
-    call = _prepare(
+    avg = reduce_op == "avg"
+    bias_key = None if bias is None else _tensor_key(bias)
+    plan, agree = _plan(
         op,
         pg,
+        _call_key(a, (b,), scatter_dim, reduce_op, bias_key, backend),
         a,
         backend,
         lambda: _as_rhs_list(check_matmul_reduce_scatter(a, b, scatter_dim, reduce_op, pg, bias)),
         {"reduce_op": reduce_op, "bias": bias is not None},
+        lambda plan, n: get_backend(n).matmul_reduce_scatter(
+            _rows(a, plan.dim)[0].contiguous(), b, pg
+        ),
     )
-    a, (b,), dim, name = call.a, call.rhs, call.dim, call.backend
-    lead = a.movedim(dim, 0)
-    rows_shape = lead.shape[:-1]
-    a_2d = lead.reshape(-1, a.shape[-1])
-    if call.pending is not None:
-        name = time_and_choose(
-            call.shape,
-            pg,
-            call.pending,
-            lambda n: get_backend(n).matmul_reduce_scatter(a_2d.contiguous(), b, pg),
-        )
-    out = matmul_reduce_scatter_2d(a_2d, b, bias, pg.group_name, name, reduce_op == "avg")
+    dim = plan.dim
+    a_2d, rows_shape = _rows(a, dim)
+    if plan.impl is not None and _eager_path((a, b, bias)):
+        with deadline.fused_call(pg, op, "forward"):
+            if agree:
+                agree_across_ranks(pg, op, plan.text, a.device)
+            out = eager.MatmulReduceScatter.apply(plan.impl, pg, avg, a_2d, b, bias)
+    else:
+        if agree:
+            with deadline.fused_call(pg, op, "forward"):
+                agree_across_ranks(pg, op, plan.text, a.device)
+        out = matmul_reduce_scatter_2d(a_2d, b, bias, pg.group_name, plan.backend, avg)
     return _row_major(out.view(rows_shape[0] // pg.size(), *rows_shape[1:], b.shape[1]), dim)

@@ -1,19 +1,21 @@
 """The fused ops as ``torch.library`` custom ops on 2-D tensors, with autograd and fake kernels.
 
-Shapes on rank ``r`` of a group of ``W`` ranks (rank-major rows, see ``backends/base.py``)::
+This is the path ``torch.compile`` traces and dispatch modes (``CommDebugMode``, fake tensors)
+see; eager calls with none of those take the cheaper ``ops/eager.py`` (same math: both run
+``ops/_compute.py``, whose docstring has the formulas). Shapes on rank ``r`` of ``W`` ranks
+(rank-major rows, see ``backends/base.py``)::
 
     tp_kernels::all_gather_matmul(a_shard [m, K], bs [K, N_j]..., return_a, save_a)
-        A = all_gather(a_shard) [W*m, K];  returns [A] if (return_a or save_a), then A @ b_j
-      backward, tp_kernels::all_gather_matmul_backward:
-        G = cat_j dC_j [W*m, sum N_j],  Bcat = cat_j b_j [K, sum N_j]
-        d a_shard = reduce_scatter(G @ Bcat^T + dA)        one fused matmul-reduce-scatter
-        d b_j     = A^T @ dC_j                               A saved (save_a), or gathered again
-                                                             while the reduce-scatter runs
-    tp_kernels::matmul_reduce_scatter(a [W*m, K], b [K, N], bias [N] or None, avg)
-        C = reduce_scatter(a @ b) [m, N]  (divided by W when avg), then + bias (added once)
-      backward, tp_kernels::matmul_reduce_scatter_backward:
-        G = all_gather(dC) [W*m, N] fused with d a = G @ b^T;  d b = a^T @ G   (both / W when avg)
-        d bias = sum of G's rows: the gathered grad already holds every rank's rows
+        returns [A] if (return_a or save_a), then A @ b_j                     A = [W*m, K]
+    tp_kernels::all_gather_matmul_backward(a, bs, grad_outs, grad_a, a_is_gathered, ...,
+                                           need_a, need_b)
+        returns [d a_shard] if need_a, then d b_j for each j with need_b[j]
+    tp_kernels::matmul_reduce_scatter(a [W*m, K], b [K, N], bias [N] or None, avg)  -> [m, N]
+    tp_kernels::matmul_reduce_scatter_backward(a, b, grad, ..., need_a, need_b, need_bias)
+        returns d a, d b, d bias: those asked for, in that order
+
+Forward saves for backward only what the gradients asked for will read (the shard or ``A`` for
+weight grads, the weights for the input grad).
 
 The group travels as its registered name and the backend as a name (strings), so the ops trace
 under ``torch.compile`` as opaque nodes with these fake (meta) kernels. Eager calls pass the
@@ -32,7 +34,7 @@ from tp_kernels import deadline
 from tp_kernels.backends import BACKEND_NAMES, get_backend, resolve
 from tp_kernels.backends.auto import Shape
 from tp_kernels.backends.base import Backend
-from tp_kernels.ops.stats import record
+from tp_kernels.ops import _compute
 
 
 def _group_size(group_name: str) -> int:
@@ -43,6 +45,10 @@ def _backend(name: str, group, shape: Shape) -> Backend:
     if name in BACKEND_NAMES and name != "auto":
         return get_backend(name)
     return get_backend(resolve(name or None, shape, group))
+
+
+def _present(*tensors: torch.Tensor | None) -> list[torch.Tensor]:
+    return [t for t in tensors if t is not None]
 
 
 @torch.library.custom_op("tp_kernels::all_gather_matmul", mutates_args=())
@@ -57,9 +63,8 @@ def all_gather_matmul_2d(
     group = _resolve_process_group(group_name)
     with deadline.fused_call(group, "all_gather_matmul", "forward"):
         impl = _backend(backend, group, Shape.of_all_gather_matmul(a_shard, bs))
-        record("forward", "all_gather_matmul", impl.name)
         keep_a = return_a or save_a
-        a, outs = impl.all_gather_matmul(a_shard.contiguous(), bs, group, return_a=keep_a)
+        a, outs = _compute.all_gather_matmul(impl, a_shard, bs, group, keep_a)
         return [a, *outs] if keep_a else outs
 
 
@@ -72,45 +77,47 @@ def _(a_shard, bs, group_name, backend, return_a, save_a):
 
 @torch.library.custom_op("tp_kernels::all_gather_matmul_backward", mutates_args=())
 def all_gather_matmul_backward_2d(
-    a: torch.Tensor,
+    a: torch.Tensor | None,
     bs: list[torch.Tensor],
     grad_outs: list[torch.Tensor],
     grad_a: torch.Tensor | None,
     a_is_gathered: bool,
     group_name: str,
     backend: str,
+    need_a: bool,
+    need_b: list[bool],
 ) -> list[torch.Tensor]:
     group = _resolve_process_group(group_name)
     with deadline.fused_call(group, "all_gather_matmul", "backward"):
-        impl = _backend(backend, group, Shape.of_all_gather_matmul(a, bs))
-        rows = a.shape[0] if a_is_gathered else a.shape[0] * group.size()
-        # The gather of A for the weight grads runs while the fused matmul-reduce-scatter computes
-        # the input grad.
-        pending = None
-        if not a_is_gathered and grad_outs:
-            record("backward", "all_gather", impl.name)
-            pending = impl.all_gather_async(a.contiguous(), group)
-        grad_cat = torch.cat(grad_outs, dim=1) if grad_outs else a.new_zeros((rows, 0))
-        b_cat = torch.cat(bs, dim=1) if bs else a.new_zeros((a.shape[1], 0))
-        record("backward", "matmul_reduce_scatter", impl.name)
-        grad_a_shard = impl.matmul_reduce_scatter(
-            grad_cat.contiguous(), b_cat.t(), group, addend=grad_a
+        first = grad_outs[0] if grad_outs else grad_a
+        k = bs[0].shape[0] if bs else (a.shape[1] if a is not None else grad_a.shape[1])
+        n = sum(g.shape[1] for g in grad_outs)
+        m = first.shape[0] // group.size()
+        shape = Shape("all_gather_matmul", m, k, n, len(grad_outs), first.dtype, first.device)
+        impl = _backend(backend, group, shape)
+        grad_a_shard, grad_bs = _compute.all_gather_matmul_backward(
+            impl, group, a, a_is_gathered, bs, grad_outs, grad_a, need_a, need_b
         )
-        gathered = a if pending is None else pending.wait()
-        return [grad_a_shard, *(gathered.t() @ g for g in grad_outs)]
+        return _present(grad_a_shard, *grad_bs)
 
 
 @all_gather_matmul_backward_2d.register_fake
-def _(a, bs, grad_outs, grad_a, a_is_gathered, group_name, backend):
-    m = a.shape[0] // _group_size(group_name) if a_is_gathered else a.shape[0]
-    return [a.new_empty((m, a.shape[1])), *(b.new_empty(b.shape) for b in bs)]
+def _(a, bs, grad_outs, grad_a, a_is_gathered, group_name, backend, need_a, need_b):
+    grads = []
+    if need_a:
+        first = grad_outs[0] if grad_outs else grad_a
+        k = bs[0].shape[0] if bs else grad_a.shape[1]
+        grads.append(first.new_empty((first.shape[0] // _group_size(group_name), k)))
+    return grads + [g.new_empty((a.shape[1], g.shape[1])) for g, n in zip(grad_outs, need_b) if n]
 
 
 def _all_gather_matmul_setup(ctx, inputs, output):
     a_shard, bs, group_name, backend, return_a, save_a = inputs
     ctx.group_name, ctx.backend, ctx.num_bs = group_name, backend, len(bs)
     ctx.a_out, ctx.save_a = return_a or save_a, save_a
-    ctx.save_for_backward(output[0] if save_a else a_shard, *bs)
+    ctx.need_a, ctx.need_b = a_shard.requires_grad, [b.requires_grad for b in bs]
+    keep = (output[0] if save_a else a_shard) if any(ctx.need_b) else None
+    ctx.save_for_backward(keep, *(bs if ctx.need_a else ()))
     # An output nobody used (the gathered A, often) gets grad None rather than a tensor of zeros
     # that backward would add into the reduce-scatter.
     ctx.set_materialize_grads(False)
@@ -121,21 +128,29 @@ def _all_gather_matmul_backward(ctx, grads):
     grad_a = grads[0] if ctx.a_out else None
     grad_outs = grads[1:] if ctx.a_out else grads
     used = [j for j, g in enumerate(grad_outs) if g is not None]
+    need_b = [ctx.need_b[j] for j in used]
+    need_a = ctx.need_a and (bool(used) or grad_a is not None)
     grad_bs: list[torch.Tensor | None] = [None] * ctx.num_bs
-    if not used and grad_a is None:
+    if not need_a and not any(need_b):
         return None, grad_bs, None, None, None, None
-    result = all_gather_matmul_backward_2d(
-        a,
-        [bs[j] for j in used],
-        [grad_outs[j].contiguous() for j in used],
-        grad_a,
-        ctx.save_a,
-        ctx.group_name,
-        ctx.backend,
+    result = iter(
+        all_gather_matmul_backward_2d(
+            a,
+            [bs[j] for j in used] if need_a else [],
+            [grad_outs[j].contiguous() for j in used],
+            grad_a,
+            ctx.save_a,
+            ctx.group_name,
+            ctx.backend,
+            need_a,
+            need_b,
+        )
     )
-    for j, grad_b in zip(used, result[1:]):
-        grad_bs[j] = grad_b
-    return result[0], grad_bs, None, None, None, None
+    grad_a_shard = next(result) if need_a else None
+    for j, need in zip(used, need_b):
+        if need:
+            grad_bs[j] = next(result)
+    return grad_a_shard, grad_bs, None, None, None, None
 
 
 all_gather_matmul_2d.register_autograd(
@@ -155,11 +170,7 @@ def matmul_reduce_scatter_2d(
     group = _resolve_process_group(group_name)
     with deadline.fused_call(group, "matmul_reduce_scatter", "forward"):
         impl = _backend(backend, group, Shape.of_matmul_reduce_scatter(a, b, group.size()))
-        record("forward", "matmul_reduce_scatter", impl.name)
-        out = impl.matmul_reduce_scatter(a.contiguous(), b, group)
-        if avg:
-            out.div_(group.size())
-        return out if bias is None else out.add_(bias)
+        return _compute.matmul_reduce_scatter(impl, a, b, bias, group, avg)
 
 
 @matmul_reduce_scatter_2d.register_fake
@@ -169,47 +180,55 @@ def _(a, b, bias, group_name, backend, avg):
 
 @torch.library.custom_op("tp_kernels::matmul_reduce_scatter_backward", mutates_args=())
 def matmul_reduce_scatter_backward_2d(
-    a: torch.Tensor,
-    b: torch.Tensor,
+    a: torch.Tensor | None,
+    b: torch.Tensor | None,
     grad: torch.Tensor,
-    with_bias: bool,
     group_name: str,
     backend: str,
     avg: bool,
+    need_a: bool,
+    need_b: bool,
+    need_bias: bool,
 ) -> list[torch.Tensor]:
     group = _resolve_process_group(group_name)
     with deadline.fused_call(group, "matmul_reduce_scatter", "backward"):
-        impl = _backend(backend, group, Shape.of_matmul_reduce_scatter(a, b, group.size()))
-        record("backward", "all_gather_matmul", impl.name)
-        gathered, (grad_a,) = impl.all_gather_matmul(
-            grad.contiguous(), [b.t()], group, return_a=True
+        k = b.shape[0] if b is not None else a.shape[1]
+        m, n = grad.shape
+        shape = Shape("matmul_reduce_scatter", m, k, n, 1, grad.dtype, grad.device)
+        impl = _backend(backend, group, shape)
+        grads = _compute.matmul_reduce_scatter_backward(
+            impl, group, a, b, grad, avg, need_a, need_b, need_bias
         )
-        grad_b = a.t() @ gathered
-        if avg:
-            grad_a.div_(group.size())
-            grad_b.div_(group.size())
-        return [grad_a, grad_b, gathered.sum(0)] if with_bias else [grad_a, grad_b]
+        return _present(*grads)
 
 
 @matmul_reduce_scatter_backward_2d.register_fake
-def _(a, b, grad, with_bias, group_name, backend, avg):
-    grads = [a.new_empty(a.shape), b.new_empty(b.shape)]
-    return [*grads, b.new_empty(b.shape[1])] if with_bias else grads
+def _(a, b, grad, group_name, backend, avg, need_a, need_b, need_bias):
+    rows = grad.shape[0] * _group_size(group_name)
+    grads = [grad.new_empty((rows, b.shape[0]))] if need_a else []
+    grads += [grad.new_empty((a.shape[1], grad.shape[1]))] if need_b else []
+    return grads + ([grad.new_empty(grad.shape[1])] if need_bias else [])
 
 
 def _matmul_reduce_scatter_setup(ctx, inputs, output):
     a, b, bias, group_name, backend, avg = inputs
-    ctx.group_name, ctx.backend, ctx.avg, ctx.with_bias = group_name, backend, avg, bias is not None
-    ctx.save_for_backward(a, b)
+    ctx.group_name, ctx.backend, ctx.avg = group_name, backend, avg
+    ctx.need = (a.requires_grad, b.requires_grad, bias is not None and bias.requires_grad)
+    ctx.save_for_backward(a if ctx.need[1] else None, b if ctx.need[0] else None)
 
 
 def _matmul_reduce_scatter_backward(ctx, grad):
     a, b = ctx.saved_tensors
-    grads = matmul_reduce_scatter_backward_2d(
-        a, b, grad, ctx.with_bias, ctx.group_name, ctx.backend, ctx.avg
+    need_a, need_b, need_bias = ctx.need
+    if not any(ctx.need):
+        return None, None, None, None, None, None
+    result = iter(
+        matmul_reduce_scatter_backward_2d(
+            a, b, grad, ctx.group_name, ctx.backend, ctx.avg, need_a, need_b, need_bias
+        )
     )
-    grad_bias = grads[2] if ctx.with_bias else None
-    return grads[0], grads[1], grad_bias, None, None, None
+    grads = [next(result) if need else None for need in ctx.need]
+    return *grads, None, None, None
 
 
 matmul_reduce_scatter_2d.register_autograd(
