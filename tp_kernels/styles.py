@@ -62,6 +62,8 @@ from torch.distributed.tensor.placement_types import Placement
 
 from tp_kernels.backends import check_backend_name
 from tp_kernels.ops import all_gather_matmul, matmul_reduce_scatter
+from tp_kernels.ops.functional import eager_path
+from tp_kernels.ops.linear import colwise_linears, rowwise_linear
 from tp_kernels.ops.stats import record
 
 # These styles have nothing to fuse: they are PyTorch's classes, re-exported.
@@ -129,6 +131,10 @@ class _FusedLinear:
     backend: str | None
     input_layouts: tuple[Placement, ...]
     output_layouts: tuple[Placement, ...]
+    # The output hook would only take the local tensor of the fused op's result (the style's
+    # use_local_output, with output_layouts the placement the fused op produces): the fused
+    # Linear then returns that local tensor itself (see ops/linear.py).
+    local_output: bool
     # The grouping PrepareModuleInput of the parent module, once it has found this child.
     group: _GatherGroup | None = None
 
@@ -189,11 +195,34 @@ class _FusableStyle:
                 why = "a Linear subclass with its own forward is never fused"
                 module.register_forward_pre_hook(lambda mod, args: _fall_back(where, why))
             return
+        produced = self.output_layouts[0]
+        if self._kind == "colwise":  # the fused op leaves the output sharded on its last dim
+            natural = isinstance(produced, Shard) and produced.dim in (-1, module.weight.ndim - 1)
+        else:  # the installed rowwise forward produces exactly output_layouts
+            natural = True
         module._tpk_fused = _FusedLinear(
-            self._kind, device_mesh, self.backend, self.input_layouts, self.output_layouts
+            self._kind,
+            device_mesh,
+            self.backend,
+            self.input_layouts,
+            self.output_layouts,
+            self.use_local_output and natural,
         )
         # An instance attribute shadows nn.Linear.forward for this module only; hooks still run.
         module.forward = forward.__get__(module)
+
+
+def _eager_linear(module: nn.Linear, x: Any) -> bool:
+    """Whether this call of a fused Linear takes ``ops/linear.py``'s single autograd node (eager,
+    no dispatch mode, the output handed on as its local tensor)."""
+    fused: _FusedLinear = module._tpk_fused
+    if not fused.local_output or torch.compiler.is_compiling():
+        return False
+    return eager_path((_local(x), _local(module.weight), _local(module.bias)))
+
+
+def _local(t: Any) -> Any:
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _colwise_forward(self: nn.Linear, x: Any) -> Any:
@@ -201,7 +230,15 @@ def _colwise_forward(self: nn.Linear, x: Any) -> Any:
     pre = fused.claim(self, x)
     if pre is not None:
         return pre
-    dim = _sharded_dim(x.placements[0], x.ndim) if isinstance(x, DTensor) else None
+    # A local x was left local by the input hook for the eager fused path: laid out as
+    # input_layouts.
+    layout = x.placements[0] if isinstance(x, DTensor) else fused.input_layouts[0]
+    dim = _sharded_dim(layout, x.ndim)
+    if dim is not None and _eager_linear(self, x):
+        _, (y,) = colwise_linears(x, [self.weight], [self.bias], dim, fused.mesh, fused.backend)
+        return y
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, fused.mesh, fused.input_layouts, run_check=False)
     if dim is not None:
         _, (y,) = all_gather_matmul(
             x.to_local(), [self.weight.to_local().t()], dim, fused.mesh, backend=fused.backend
@@ -214,27 +251,34 @@ def _colwise_forward(self: nn.Linear, x: Any) -> Any:
 
 def _rowwise_forward(self: nn.Linear, x: Any) -> Any:
     fused: _FusedLinear = self._tpk_fused
-    where = f"RowwiseParallel on {type(self).__qualname__}"
+    # A local x was left local by the input hook for the eager fused path: laid out as
+    # input_layouts, which is Shard(-1) there.
+    local = not isinstance(x, DTensor)
     dim = _sharded_dim(fused.output_layouts[0], x.ndim)
-    why = _simulated_ranks()
-    if why is not None:
-        _fall_back(where, why)
-        return nn.Linear.forward(self, x)
-    if dim is None:
-        _fall_back(where, f"output {fused.output_layouts[0]} shards the last (feature) dim")
-        return nn.Linear.forward(self, x)
-    if not (isinstance(x.placements[0], Shard) and x.placements[0].dim % x.ndim == x.ndim - 1):
-        _fall_back(where, f"input placements {x.placements} are not Shard(-1)")
-        return nn.Linear.forward(self, x)
     world = fused.mesh.size()
-    if x.shape[dim] % world:
-        _fall_back(where, f"output dim {dim} of size {x.shape[dim]} is uneven over {world} ranks")
+    why = _simulated_ranks()
+    if why is None and dim is None:
+        why = f"output {fused.output_layouts[0]} shards the last (feature) dim"
+    if why is None and not local and not _sharded_last(x.placements[0], x.ndim):
+        why = f"input placements {x.placements} are not Shard(-1)"
+    if why is None and x.shape[dim] % world:
+        why = f"output dim {dim} of size {x.shape[dim]} is uneven over {world} ranks"
+    if why is None and _eager_linear(self, x):
+        return rowwise_linear(x, self.weight, self.bias, dim, fused.mesh, fused.backend)
+    if local:
+        x = DTensor.from_local(x, fused.mesh, fused.input_layouts, run_check=False)
+    if why is not None:
+        _fall_back(f"RowwiseParallel on {type(self).__qualname__}", why)
         return nn.Linear.forward(self, x)
     bias = None if self.bias is None else self.bias.to_local()
     y = matmul_reduce_scatter(
         x.to_local(), self.weight.to_local().t(), dim, fused.mesh, backend=fused.backend, bias=bias
     )
     return DTensor.from_local(y, fused.mesh, fused.output_layouts, run_check=False)
+
+
+def _sharded_last(placement: Placement, ndim: int) -> bool:
+    return isinstance(placement, Shard) and placement.dim % ndim == ndim - 1
 
 
 class ColwiseParallel(_FusableStyle, _torch_style.ColwiseParallel):
@@ -263,6 +307,8 @@ class ColwiseParallel(_FusableStyle, _torch_style.ColwiseParallel):
                 why = _simulated_ranks()
                 if why is None:
                     if not isinstance(x, DTensor):
+                        if _eager_linear(mod, x):
+                            return inputs  # the fused Linear reads it as input_layouts
                         return DTensor.from_local(x, device_mesh, input_layouts, run_check=False)
                     if x.shape[dim] % world == 0:
                         return x
@@ -270,6 +316,14 @@ class ColwiseParallel(_FusableStyle, _torch_style.ColwiseParallel):
                 _fall_back(f"ColwiseParallel on {type(mod).__qualname__}", why)
         return _torch_style.ColwiseParallel._prepare_input_fn(
             input_layouts, desired_input_layouts, mod, inputs, device_mesh
+        )
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        if not isinstance(outputs, DTensor):
+            return outputs  # the fused Linear returned the local output itself
+        return _torch_style.ColwiseParallel._prepare_output_fn(
+            output_layouts, use_local_output, mod, outputs, device_mesh
         )
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -290,6 +344,30 @@ class RowwiseParallel(_FusableStyle, _torch_style.RowwiseParallel):
     """
 
     _kind = "rowwise"
+
+    @staticmethod
+    def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
+        fused: _FusedLinear | None = getattr(mod, "_tpk_fused", None)
+        x = inputs[0]
+        if (
+            fused is not None
+            and not isinstance(x, DTensor)
+            and input_layouts == desired_input_layouts
+            and _simulated_ranks() is None
+            and _eager_linear(mod, x)
+        ):
+            return inputs  # the fused Linear reads it as input_layouts (Shard(-1))
+        return _torch_style.RowwiseParallel._prepare_input_fn(
+            input_layouts, desired_input_layouts, mod, inputs, device_mesh
+        )
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        if not isinstance(outputs, DTensor):
+            return outputs  # the fused Linear returned the local output itself
+        return _torch_style.RowwiseParallel._prepare_output_fn(
+            output_layouts, use_local_output, mod, outputs, device_mesh
+        )
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_module(self, module)
@@ -474,25 +552,34 @@ class _GatherGroup:
     def _gather(self, x: Any, children: list[nn.Module]) -> Any:
         """One all-gather-matmul of ``x`` with every child's weight; the gathered input (as
         PyTorch's style would pass it) is returned and each child's output kept for it."""
-        local = x.to_local() if isinstance(x, DTensor) else x
-        gathered, outs = all_gather_matmul(
-            local,
-            [c.weight.to_local().t() for c in children],
-            self.gathered.layout.dim % local.ndim,
-            self.mesh,
-            backend=children[0]._tpk_fused.backend,
-            return_a=True,
+        local = _local(x)
+        dim = self.gathered.layout.dim % local.ndim
+        backend = children[0]._tpk_fused.backend
+        weights, biases = [c.weight for c in children], [c.bias for c in children]
+        eager = not torch.compiler.is_compiling() and eager_path(
+            (local, *map(_local, weights), *map(_local, biases))
         )
+        if eager:
+            gathered, ys = colwise_linears(x, weights, biases, dim, self.mesh, backend, True)
+        else:
+            gathered, outs = all_gather_matmul(
+                local,
+                [w.to_local().t() for w in weights],
+                dim,
+                self.mesh,
+                backend=backend,
+                return_a=True,
+            )
+            ys = [y if b is None else y + b.to_local() for y, b in zip(outs, biases)]
         passed = (
             gathered
             if self.style.use_local_output
             else DTensor.from_local(gathered, self.mesh, (Replicate(),), run_check=False)
         )
-        for child, y in zip(children, outs):
-            if child.bias is not None:
-                y = y + child.bias.to_local()
-            out = DTensor.from_local(y, self.mesh, (Shard(y.ndim - 1),), run_check=False)
-            self._outputs[id(child)] = (passed, out)
+        for child, y in zip(children, ys):
+            if not (eager and child._tpk_fused.local_output):  # else the output hook takes y
+                y = DTensor.from_local(y, self.mesh, (Shard(y.ndim - 1),), run_check=False)
+            self._outputs[id(child)] = (passed, y)
         return passed
 
 

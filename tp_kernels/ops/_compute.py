@@ -54,11 +54,14 @@ def all_gather_matmul_backward(
     grad_a: torch.Tensor | None,
     need_a: bool,
     need_b: Sequence[bool],
+    as_weights: bool = False,
 ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
     """``(d a_shard or None, [d b_j or None])`` for the ``grad_outs`` given (``dC_j``, each
     ``[W*m, N_j]``, with ``bs[j]`` and ``need_b[j]`` beside it; ``bs`` may be empty when
     ``need_a`` is false). ``a`` is the saved shard ``[m, K]`` or, with ``a_is_gathered``, the
-    saved ``A``; it is read only for a weight grad. ``grad_a``: ``dA`` or None."""
+    saved ``A``; it is read only for a weight grad. ``grad_a``: ``dA`` or None. With
+    ``as_weights`` the weight grads are those of Linear weights ``w_j = b_j^T``: ``d w_j =
+    dC_j^T @ A`` ``[N_j, K]``, row-major as autograd lays out a parameter's grad."""
     pending = None
     if any(need_b) and not a_is_gathered:
         # The gather of A for the weight grads runs while the fused matmul-reduce-scatter
@@ -78,7 +81,10 @@ def all_gather_matmul_backward(
             grad_cat.contiguous(), b_cat.t(), group, addend=grad_a
         )
     gathered = a if pending is None else pending.wait()
-    grad_bs = [gathered.t() @ g if need else None for g, need in zip(grad_outs, need_b)]
+    grad_bs = [
+        (g.t() @ gathered if as_weights else gathered.t() @ g) if need else None
+        for g, need in zip(grad_outs, need_b)
+    ]
     return grad_a_shard, grad_bs
 
 
@@ -109,9 +115,11 @@ def matmul_reduce_scatter_backward(
     need_a: bool,
     need_b: bool,
     need_bias: bool,
+    as_weight: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """``(d a, d b, d bias)``, each None unless asked for; ``a`` is read only for ``d b`` and
-    ``b`` only for ``d a``."""
+    ``b`` only for ``d a``. With ``as_weight``, ``d w = G^T @ a`` ``[N, K]`` for the Linear
+    weight ``w = b^T`` in place of ``d b``."""
     keep_gathered = need_b or need_bias
     grad_a = gathered = None
     if need_a:
@@ -122,7 +130,7 @@ def matmul_reduce_scatter_backward(
     elif keep_gathered:
         record("backward", "all_gather", impl.name)
         gathered = impl.all_gather_async(grad.contiguous(), group).wait()
-    grad_b = a.t() @ gathered if need_b else None
+    grad_b = (gathered.t() @ a if as_weight else a.t() @ gathered) if need_b else None
     if avg:
         for g in (grad_a, grad_b):
             if g is not None:

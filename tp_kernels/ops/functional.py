@@ -183,7 +183,7 @@ def _plan(
     return plan, False
 
 
-def _eager_path(tensors: Sequence[torch.Tensor | None]) -> bool:
+def eager_path(tensors: Sequence[torch.Tensor | None]) -> bool:
     """Whether the call may take ``ops/eager.py``: no dispatch mode is active (CommDebugMode,
     fake tensors, a user's mode see the custom op) and every tensor is a plain one."""
     return not torch._C._len_torch_dispatch_stack() and all(
@@ -191,7 +191,72 @@ def _eager_path(tensors: Sequence[torch.Tensor | None]) -> bool:
     )
 
 
-def _row_major(t: torch.Tensor, dim: int) -> torch.Tensor:
+def plan_all_gather_matmul(
+    a_shard: object,
+    bs: object,
+    gather_dim: object,
+    group: GroupLike,
+    backend: str | None,
+    return_a: bool,
+    save_gathered_a: bool,
+) -> tuple[dist.ProcessGroup, _Plan, bool]:
+    """The group, the plan of an :func:`all_gather_matmul` call and whether it still needs the
+    agreement (see :func:`_plan`); raises on every rank what the arguments get wrong."""
+    op = "all_gather_matmul"
+    pg = resolve_group_or_note(group, op=op)
+    keep_a = return_a or save_gathered_a
+    plan, agree = _plan(
+        op,
+        pg,
+        _call_key(a_shard, bs, gather_dim, backend, return_a, save_gathered_a),
+        a_shard,
+        backend,
+        lambda: check_all_gather_matmul(a_shard, bs, gather_dim),
+        {"return_a": return_a, "save": save_gathered_a},
+        lambda plan, n: get_backend(n).all_gather_matmul(
+            flatten_rows(a_shard, plan.dim)[0].contiguous(), bs, pg, return_a=keep_a
+        ),
+    )
+    return pg, plan, agree
+
+
+def plan_matmul_reduce_scatter(
+    a: object,
+    b: object,
+    scatter_dim: object,
+    group: GroupLike,
+    reduce_op: object,
+    backend: str | None,
+    bias: object,
+) -> tuple[dist.ProcessGroup, _Plan, bool]:
+    """:func:`plan_all_gather_matmul` for a :func:`matmul_reduce_scatter` call."""
+    op = "matmul_reduce_scatter"
+    pg = resolve_group_or_note(group, op=op)
+    bias_key = None if bias is None else _tensor_key(bias)
+    plan, agree = _plan(
+        op,
+        pg,
+        _call_key(a, (b,), scatter_dim, reduce_op, bias_key, backend),
+        a,
+        backend,
+        lambda: _as_rhs_list(check_matmul_reduce_scatter(a, b, scatter_dim, reduce_op, pg, bias)),
+        {"reduce_op": reduce_op, "bias": bias is not None},
+        lambda plan, n: get_backend(n).matmul_reduce_scatter(
+            flatten_rows(a, plan.dim)[0].contiguous(), b, pg
+        ),
+    )
+    return pg, plan, agree
+
+
+def agree_if_needed(
+    group: dist.ProcessGroup, op: str, plan: _Plan, agree: bool, device: torch.device
+) -> None:
+    """The agreement a cached plan still owes (inside the call's ``fused_call``)."""
+    if agree:
+        agree_across_ranks(group, op, plan.text, device)
+
+
+def restore_dim(t: torch.Tensor, dim: int) -> torch.Tensor:
     """``t`` (the gathered or scattered dim first, as the backends lay rows out rank-major) with
     that dim moved back to ``dim``, row-major, as PyTorch's collectives and matmuls return it:
     callers ``.view()`` results (``logits.view(-1, vocab)``). For ``dim == 0`` nothing moves; for
@@ -200,7 +265,7 @@ def _row_major(t: torch.Tensor, dim: int) -> torch.Tensor:
     return t if dim == 0 else t.movedim(0, dim).contiguous()
 
 
-def _rows(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, tuple[int, ...]]:
+def flatten_rows(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, tuple[int, ...]]:
     """``t`` with ``dim`` moved first and flattened to 2-D rows ``[rows, K]``, and the leading
     shape those rows came from."""
     lead = t if dim == 0 else t.movedim(dim, 0)
@@ -246,40 +311,28 @@ def all_gather_matmul(
     ``torch.ops.symm_mem.fused_all_gather_matmul``.
     """
     op = "all_gather_matmul"
-    pg = resolve_group_or_note(group, op=op)
-    keep_a = return_a or save_gathered_a
-    plan, agree = _plan(
-        op,
-        pg,
-        _call_key(a_shard, bs, gather_dim, backend, return_a, save_gathered_a),
-        a_shard,
-        backend,
-        lambda: check_all_gather_matmul(a_shard, bs, gather_dim),
-        {"return_a": return_a, "save": save_gathered_a},
-        lambda plan, n: get_backend(n).all_gather_matmul(
-            _rows(a_shard, plan.dim)[0].contiguous(), bs, pg, return_a=keep_a
-        ),
+    pg, plan, agree = plan_all_gather_matmul(
+        a_shard, bs, gather_dim, group, backend, return_a, save_gathered_a
     )
     dim = plan.dim
-    a_2d, rows_shape = _rows(a_shard, dim)
-    if plan.impl is not None and _eager_path((a_shard, *bs)):
+    a_2d, rows_shape = flatten_rows(a_shard, dim)
+    if plan.impl is not None and eager_path((a_shard, *bs)):
         with deadline.fused_call(pg, op, "forward"):
-            if agree:
-                agree_across_ranks(pg, op, plan.text, a_shard.device)
+            agree_if_needed(pg, op, plan, agree, a_shard.device)
             results = eager.AllGatherMatmul.apply(
                 plan.impl, pg, return_a, save_gathered_a, a_2d, *bs
             )
     else:
-        if agree:
+        if agree:  # never while torch.compile traces: a traced call's plan is new
             with deadline.fused_call(pg, op, "forward"):
-                agree_across_ranks(pg, op, plan.text, a_shard.device)
+                agree_if_needed(pg, op, plan, agree, a_shard.device)
         results = all_gather_matmul_2d(
             a_2d, list(bs), pg.group_name, plan.backend, return_a, save_gathered_a
         )
     rows = pg.size() * rows_shape[0]
 
     def unflatten(t: torch.Tensor) -> torch.Tensor:
-        return _row_major(t.view(rows, *rows_shape[1:], t.shape[-1]), dim)
+        return restore_dim(t.view(rows, *rows_shape[1:], t.shape[-1]), dim)
 
     outs = [unflatten(t) for t in results[-len(bs) :]]
     return (unflatten(results[0]) if return_a else None), outs
@@ -310,31 +363,17 @@ def matmul_reduce_scatter(
     Mirrors ``torch.ops.symm_mem.fused_matmul_reduce_scatter``.
     """
     op = "matmul_reduce_scatter"
-    pg = resolve_group_or_note(group, op=op)
     avg = reduce_op == "avg"
-    bias_key = None if bias is None else _tensor_key(bias)
-    plan, agree = _plan(
-        op,
-        pg,
-        _call_key(a, (b,), scatter_dim, reduce_op, bias_key, backend),
-        a,
-        backend,
-        lambda: _as_rhs_list(check_matmul_reduce_scatter(a, b, scatter_dim, reduce_op, pg, bias)),
-        {"reduce_op": reduce_op, "bias": bias is not None},
-        lambda plan, n: get_backend(n).matmul_reduce_scatter(
-            _rows(a, plan.dim)[0].contiguous(), b, pg
-        ),
-    )
+    pg, plan, agree = plan_matmul_reduce_scatter(a, b, scatter_dim, group, reduce_op, backend, bias)
     dim = plan.dim
-    a_2d, rows_shape = _rows(a, dim)
-    if plan.impl is not None and _eager_path((a, b, bias)):
+    a_2d, rows_shape = flatten_rows(a, dim)
+    if plan.impl is not None and eager_path((a, b, bias)):
         with deadline.fused_call(pg, op, "forward"):
-            if agree:
-                agree_across_ranks(pg, op, plan.text, a.device)
+            agree_if_needed(pg, op, plan, agree, a.device)
             out = eager.MatmulReduceScatter.apply(plan.impl, pg, avg, a_2d, b, bias)
     else:
-        if agree:
+        if agree:  # never while torch.compile traces: a traced call's plan is new
             with deadline.fused_call(pg, op, "forward"):
-                agree_across_ranks(pg, op, plan.text, a.device)
+                agree_if_needed(pg, op, plan, agree, a.device)
         out = matmul_reduce_scatter_2d(a_2d, b, bias, pg.group_name, plan.backend, avg)
-    return _row_major(out.view(rows_shape[0] // pg.size(), *rows_shape[1:], b.shape[1]), dim)
+    return restore_dim(out.view(rows_shape[0] // pg.size(), *rows_shape[1:], b.shape[1]), dim)
