@@ -7,9 +7,10 @@ see; eager calls with none of those take the cheaper ``ops/eager.py`` (same math
 
     tp_kernels::all_gather_matmul(a_shard [m, K], bs [K, N_j]..., return_a, save_a)
         returns [A] if (return_a or save_a), then A @ b_j                     A = [W*m, K]
-    tp_kernels::all_gather_matmul_backward(a, bs, grad_outs, grad_a, a_is_gathered, ...,
-                                           need_a, need_b)
-        returns [d a_shard] if need_a, then d b_j for each j with need_b[j]
+    tp_kernels::all_gather_matmul_backward(a, bs, grad_outs, grad_a, a_is_gathered, ..., need_b)
+        returns d a_shard, then d b_j for each j with need_b[j]
+    tp_kernels::all_gather_matmul_weight_grads(a, grad_outs, a_is_gathered, ...)
+        returns d b_j for each grad given: the backward when a_shard needs no grad
     tp_kernels::matmul_reduce_scatter(a [W*m, K], b [K, N], bias [N] or None, avg)  -> [m, N]
     tp_kernels::matmul_reduce_scatter_backward(a, b, grad, ..., need_a, need_b, need_bias)
         returns d a, d b, d bias: those asked for, in that order
@@ -75,17 +76,8 @@ def _(a_shard, bs, group_name, backend, return_a, save_a):
     return [a_shard.new_empty((rows, a_shard.shape[1])), *outs] if return_a or save_a else outs
 
 
-@torch.library.custom_op("tp_kernels::all_gather_matmul_backward", mutates_args=())
-def all_gather_matmul_backward_2d(
-    a: torch.Tensor | None,
-    bs: list[torch.Tensor],
-    grad_outs: list[torch.Tensor],
-    grad_a: torch.Tensor | None,
-    a_is_gathered: bool,
-    group_name: str,
-    backend: str,
-    need_a: bool,
-    need_b: list[bool],
+def _all_gather_matmul_grads(
+    a, bs, grad_outs, grad_a, a_is_gathered, group_name, backend, need_a, need_b
 ) -> list[torch.Tensor]:
     group = _resolve_process_group(group_name)
     with deadline.fused_call(group, "all_gather_matmul", "backward"):
@@ -101,14 +93,53 @@ def all_gather_matmul_backward_2d(
         return _present(grad_a_shard, *grad_bs)
 
 
+@torch.library.custom_op("tp_kernels::all_gather_matmul_backward", mutates_args=())
+def all_gather_matmul_backward_2d(
+    a: torch.Tensor | None,
+    bs: list[torch.Tensor],
+    grad_outs: list[torch.Tensor],
+    grad_a: torch.Tensor | None,
+    a_is_gathered: bool,
+    group_name: str,
+    backend: str,
+    need_b: list[bool],
+) -> list[torch.Tensor]:
+    return _all_gather_matmul_grads(
+        a, bs, grad_outs, grad_a, a_is_gathered, group_name, backend, True, need_b
+    )
+
+
 @all_gather_matmul_backward_2d.register_fake
-def _(a, bs, grad_outs, grad_a, a_is_gathered, group_name, backend, need_a, need_b):
-    grads = []
-    if need_a:
-        first = grad_outs[0] if grad_outs else grad_a
-        k = bs[0].shape[0] if bs else grad_a.shape[1]
-        grads.append(first.new_empty((first.shape[0] // _group_size(group_name), k)))
-    return grads + [g.new_empty((a.shape[1], g.shape[1])) for g, n in zip(grad_outs, need_b) if n]
+def _(a, bs, grad_outs, grad_a, a_is_gathered, group_name, backend, need_b):
+    first = grad_outs[0] if grad_outs else grad_a
+    k = bs[0].shape[0] if bs else grad_a.shape[1]
+    grad_a_shard = first.new_empty((first.shape[0] // _group_size(group_name), k))
+    return [grad_a_shard, *_fake_weight_grads(a, grad_outs, need_b)]
+
+
+@torch.library.custom_op("tp_kernels::all_gather_matmul_weight_grads", mutates_args=())
+def all_gather_matmul_weight_grads_2d(
+    a: torch.Tensor,
+    grad_outs: list[torch.Tensor],
+    a_is_gathered: bool,
+    group_name: str,
+    backend: str,
+) -> list[torch.Tensor]:
+    """``d b_j = A^T @ dC_j`` only (no input grad, so no reduce-scatter: CommDebugMode counts
+    nothing, as DTensor's path issues no collective for weight grads)."""
+    need_b = [True] * len(grad_outs)
+    return _all_gather_matmul_grads(
+        a, [], grad_outs, None, a_is_gathered, group_name, backend, False, need_b
+    )
+
+
+@all_gather_matmul_weight_grads_2d.register_fake
+def _(a, grad_outs, a_is_gathered, group_name, backend):
+    return _fake_weight_grads(a, grad_outs, [True] * len(grad_outs))
+
+
+def _fake_weight_grads(a, grad_outs, need_b) -> list[torch.Tensor]:
+    return [g.new_empty((a.shape[1], g.shape[1])) for g, n in zip(grad_outs, need_b) if n]
 
 
 def _all_gather_matmul_setup(ctx, inputs, output):
@@ -133,19 +164,19 @@ def _all_gather_matmul_backward(ctx, grads):
     grad_bs: list[torch.Tensor | None] = [None] * ctx.num_bs
     if not need_a and not any(need_b):
         return None, grad_bs, None, None, None, None
-    result = iter(
-        all_gather_matmul_backward_2d(
-            a,
-            [bs[j] for j in used] if need_a else [],
-            [grad_outs[j].contiguous() for j in used],
-            grad_a,
-            ctx.save_a,
-            ctx.group_name,
-            ctx.backend,
-            need_a,
-            need_b,
+    grad_outs = [grad_outs[j].contiguous() for j in used]
+    if need_a:
+        bs = [bs[j] for j in used]
+        result = iter(
+            all_gather_matmul_backward_2d(
+                a, bs, grad_outs, grad_a, ctx.save_a, ctx.group_name, ctx.backend, need_b
+            )
         )
-    )
+    else:
+        wanted = [g for g, need in zip(grad_outs, need_b) if need]
+        result = iter(
+            all_gather_matmul_weight_grads_2d(a, wanted, ctx.save_a, ctx.group_name, ctx.backend)
+        )
     grad_a_shard = next(result) if need_a else None
     for j, need in zip(used, need_b):
         if need:
