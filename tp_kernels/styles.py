@@ -563,7 +563,7 @@ class _GatherGroup:
             gathered, ys = colwise_linears(x, weights, biases, dim, self.mesh, backend, True)
         else:
             gathered, outs = all_gather_matmul(
-                local,
+                x.to_local() if isinstance(x, DTensor) else x,
                 [w.to_local().t() for w in weights],
                 dim,
                 self.mesh,

@@ -7,6 +7,8 @@ Usage::
         [--threads T] [--out PATH]
     python -m tp_kernels.bench model [--gpu h100] [--tp 8] [--model llama3-70b]   (the cost
         model's plan of a whole model, see tp_kernels.bench.model)
+    python -m tp_kernels.bench overhead [--world-sizes 1 2]   (the host's microseconds per fused
+        call and TP Linear, see tp_kernels.bench.overhead)
 
 Without a launcher it starts ``--world-size`` local gloo ranks
 (:class:`tp_kernels.testing.LocalWorld`) on this machine; under ``torchrun`` (``RANK`` and
@@ -232,6 +234,10 @@ def main(argv: Sequence[str] | None = None, *, world: LocalWorld | None = None) 
         from tp_kernels.bench import model
 
         return model.main(argv[1:])
+    if argv[:1] == ["overhead"]:  # host time per call: its own ranks per world size
+        from tp_kernels.bench import overhead
+
+        return overhead.main(argv[1:])
     args = parse_args(argv)
     cfg = BenchConfig(
         M=args.M,

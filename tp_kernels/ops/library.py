@@ -146,7 +146,9 @@ def _all_gather_matmul_setup(ctx, inputs, output):
     a_shard, bs, group_name, backend, return_a, save_a = inputs
     ctx.group_name, ctx.backend, ctx.num_bs = group_name, backend, len(bs)
     ctx.a_out, ctx.save_a = return_a or save_a, save_a
-    ctx.need_a, ctx.need_b = a_shard.requires_grad, [b.requires_grad for b in bs]
+    # In setup_context torch passes needs_input_grad flat: a_shard, then each of bs, then the rest.
+    need = ctx.needs_input_grad
+    ctx.need_a, ctx.need_b = need[0], list(need[1 : 1 + len(bs)])
     keep = (output[0] if save_a else a_shard) if any(ctx.need_b) else None
     ctx.save_for_backward(keep, *(bs if ctx.need_a else ()))
     # An output nobody used (the gathered A, often) gets grad None rather than a tensor of zeros
@@ -244,7 +246,7 @@ def _(a, b, grad, group_name, backend, avg, need_a, need_b, need_bias):
 def _matmul_reduce_scatter_setup(ctx, inputs, output):
     a, b, bias, group_name, backend, avg = inputs
     ctx.group_name, ctx.backend, ctx.avg = group_name, backend, avg
-    ctx.need = (a.requires_grad, b.requires_grad, bias is not None and bias.requires_grad)
+    ctx.need = tuple(ctx.needs_input_grad[:3])
     ctx.save_for_backward(a if ctx.need[1] else None, b if ctx.need[0] else None)
 
 

@@ -1,0 +1,185 @@
+"""``python -m tp_kernels.bench overhead``: the host's microseconds per fused call and TP Linear.
+
+A GPU runs a Llama TP layer in about 2 ms, so what the host spends launching each fused call
+decides whether the GPU waits for it. This bench measures only the host: tiny shapes (``--rows``
+rows per rank, ``--dim`` features), one thread, on local gloo ranks, consistency checks off (as
+on CUDA; ``--consistency`` turns them on), per world size of ``--world-sizes``:
+
+* ``torch.mm``: the matmul the fused ops run at these shapes (``[W*rows, dim] @ [dim, dim]``);
+* per backend, ``all_gather_matmul`` and ``matmul_reduce_scatter``, and their excess over the mm;
+* one ``ColwiseParallel(input_layouts=Shard(0))`` Linear, forward and forward + backward, and a
+  Colwise(Shard(0)) -> Rowwise(output_layouts=Shard(0)) MLP step, forward + backward, with
+  PyTorch's styles and with tp_kernels' (per backend), and the ratio to PyTorch's.
+
+Each sample is ``--calls`` calls in a loop divided by ``--calls``; samples interleave the
+providers, rotated round by round (:func:`tp_kernels.bench.protocol.time_providers`), and the
+table gives the median over ``--rounds`` rounds of the slowest rank, with p20 and p80.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import parallel as torch_tp
+
+import tp_kernels as tpk
+from tp_kernels import config
+from tp_kernels.bench.protocol import percentile, positive_int, render_table, time_providers
+from tp_kernels.testing import LocalWorld
+
+__all__ = ["main", "measure"]
+
+BACKENDS = ("reference", "pipelined", "symm")
+
+
+def _loop(fn: Callable[[], object], calls: int) -> Callable[[], None]:
+    def run() -> None:
+        for _ in range(calls):
+            fn()
+
+    return run
+
+
+def _mlp(styles, mesh, dim: int) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim))
+    plan = {
+        "0": styles.ColwiseParallel(input_layouts=Shard(0)),
+        "1": styles.RowwiseParallel(output_layouts=Shard(0)),
+    }
+    return styles.parallelize_module(model, mesh, plan)
+
+
+def _linear(styles, mesh, dim: int) -> nn.Module:
+    torch.manual_seed(0)
+    return styles.parallelize_module(
+        nn.Linear(dim, dim), mesh, styles.ColwiseParallel(input_layouts=Shard(0))
+    )
+
+
+def _step(model: nn.Module, x: torch.Tensor) -> Callable[[], None]:
+    def run() -> None:
+        y = model(x)
+        (y.to_local() if isinstance(y, DTensor) else y).sum().backward()
+
+    return run
+
+
+def _providers(rows: int, dim: int, calls: int) -> dict[str, Callable[[], None]]:
+    group = dist.group.WORLD
+    world = group.size()
+    mesh = init_device_mesh("cpu", (world,))
+    a = torch.randn(rows, dim)
+    b = torch.randn(dim, dim)
+    gathered = torch.randn(world * rows, dim)
+    x = torch.randn(rows, dim, requires_grad=True)
+    out: dict[str, Callable[[], object]] = {"torch.mm": lambda: torch.mm(gathered, b)}
+    for name in BACKENDS:
+        out[f"all_gather_matmul {name}"] = lambda n=name: tpk.all_gather_matmul(
+            a, [b], 0, group, backend=n
+        )
+        out[f"matmul_reduce_scatter {name}"] = lambda n=name: tpk.matmul_reduce_scatter(
+            gathered, b, 0, group, backend=n
+        )
+    torch_linear, torch_mlp = _linear(torch_tp, mesh, dim), _mlp(torch_tp, mesh, dim)
+    out["Linear fwd, PyTorch"] = lambda: torch_linear(x)
+    out["Linear fwd+bwd, PyTorch"] = _step(torch_linear, x)
+    out["MLP fwd+bwd, PyTorch"] = _step(torch_mlp, x)
+    for name in BACKENDS:
+        linear = _linear(tpk, mesh, dim)
+        mlp = _mlp(tpk, mesh, dim)
+        out[f"Linear fwd, tp_kernels {name}"] = _with_backend(name, lambda m=linear: m(x))
+        out[f"Linear fwd+bwd, tp_kernels {name}"] = _with_backend(name, _step(linear, x))
+        out[f"MLP fwd+bwd, tp_kernels {name}"] = _with_backend(name, _step(mlp, x))
+    return {name: _loop(fn, calls) for name, fn in out.items()}
+
+
+def _with_backend(name: str, fn: Callable[[], object]) -> Callable[[], object]:
+    def run() -> object:
+        with tpk.use_backend(name):
+            return fn()
+
+    return run
+
+
+def measure(rows: int, dim: int, calls: int, rounds: int, consistency: bool) -> dict:
+    """On every rank: per provider, the per-call microseconds of each round (slowest rank)."""
+    torch.set_num_threads(1)
+    config.CHECK_CONSISTENCY.set(consistency)
+    try:
+        providers = _providers(rows, dim, calls)
+        times_ms = time_providers(
+            providers, rounds=rounds, warmup=2, group=dist.group.WORLD, device=torch.device("cpu")
+        )
+    finally:
+        config.CHECK_CONSISTENCY.reset()
+    return {name: [t * 1e3 / calls for t in samples] for name, samples in times_ms.items()}
+
+
+def _baseline(name: str) -> str | None:
+    """The row a row is compared with: an op with torch.mm, a tp_kernels style with PyTorch's."""
+    if name.startswith(("all_gather_matmul", "matmul_reduce_scatter")):
+        return "torch.mm"
+    if ", tp_kernels " in name:
+        return name.split(", tp_kernels ")[0] + ", PyTorch"
+    return None
+
+
+def render(world: int, us: dict[str, list[float]]) -> str:
+    medians = {name: statistics.median(samples) for name, samples in us.items()}
+    rows = []
+    for name, samples in us.items():
+        base = _baseline(name)
+        vs = "-"
+        if base == "torch.mm":
+            vs = f"+{medians[name] - medians[base]:.1f} us"
+        elif base is not None:
+            vs = f"{medians[name] / medians[base]:.2f}x"
+        rows.append(
+            [
+                name,
+                f"{medians[name]:.1f}",
+                f"{percentile(samples, 20):.1f}",
+                f"{percentile(samples, 80):.1f}",
+                vs,
+            ]
+        )
+    header = ["host time per call", "median us", "p20 us", "p80 us", "vs mm / PyTorch"]
+    return f"== world={world} (gloo, one thread per rank)\n" + render_table(header, rows)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m tp_kernels.bench overhead",
+        description="Host microseconds per fused call and per TP Linear (tiny shapes).",
+    )
+    p.add_argument("--world-sizes", type=positive_int, nargs="+", default=[1, 2])
+    p.add_argument("--rows", type=positive_int, default=8, help="rows per rank (default 8)")
+    p.add_argument("--dim", type=positive_int, default=64, help="features (default 64)")
+    p.add_argument("--calls", type=positive_int, default=50, help="calls per sample (50)")
+    p.add_argument("--rounds", type=positive_int, default=15, help="samples (default 15)")
+    p.add_argument("--consistency", action="store_true", help="agree on every call (CPU default)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    for world_size in args.world_sizes:
+        world = LocalWorld(world_size)
+        try:
+            us = world.run(measure, args.rows, args.dim, args.calls, args.rounds, args.consistency)[
+                0
+            ]
+        finally:
+            world.close()
+        print(render(world_size, us), flush=True)
+    return 0
