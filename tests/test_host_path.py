@@ -1,0 +1,145 @@
+"""The cheap host path of the fused ops and styles stays right.
+
+A shape class's plan (checks passed, backend chosen, signature agreed) is reused, so these check
+what a reuse must still see: a changed setting or ``use_backend`` context, a changed shape (whose
+checks run again), a peer that calls differently (the agreement still runs on a reused plan, when
+consistency checks are on). Eager calls take the ``autograd.Function``\\ s (one node per fused op,
+and per fused Linear of a style); under a dispatch mode the custom ops run, with the same values
+and grads. Host time itself is measured by ``python -m tp_kernels.bench overhead``, not here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import tp_kernels as tpk
+from tp_kernels import config
+
+
+def _backends_used() -> list[str]:
+    return [backend for (_, _, backend) in tpk.comm_stats()]
+
+
+def _settings_are_seen() -> list[list[str]]:
+    group = dist.group.WORLD
+    a, b = torch.ones(8, 16), torch.ones(16, 4)
+    seen = []
+    try:
+        for set_to in ("reference", "symm"):
+            tpk.set_backend(set_to)
+            tpk.reset_comm_stats()
+            tpk.all_gather_matmul(a, [b], 0, group)
+            tpk.matmul_reduce_scatter(a, b, 0, group)
+            seen.append(_backends_used())
+        with tpk.use_backend("pipelined"):
+            tpk.reset_comm_stats()
+            tpk.all_gather_matmul(a, [b], 0, group)
+            seen.append(_backends_used())
+    finally:
+        config.BACKEND.reset()
+    return seen
+
+
+def test_a_reused_plan_sees_settings_and_contexts(worlds):
+    for seen in worlds(2).run(_settings_are_seen):
+        assert seen == [["reference", "reference"], ["symm", "symm"], ["pipelined"]]
+
+
+def _new_shape_is_checked() -> str:
+    group = dist.group.WORLD
+    tpk.all_gather_matmul(torch.ones(8, 16), [torch.ones(16, 4)], 0, group)
+    with pytest.raises(ValueError) as raised:
+        tpk.all_gather_matmul(torch.ones(8, 16), [torch.ones(12, 4)], 0, group)
+    return str(raised.value)
+
+
+def test_a_new_shape_is_checked_again(worlds):
+    for message in worlds(2).run(_new_shape_is_checked):
+        assert "bs[0] has K=12" in message and "a_shard has K=16" in message
+
+
+def _peer_calls_differently() -> str:
+    group = dist.group.WORLD
+    config.CHECK_CONSISTENCY.set(True)
+    try:
+        b = torch.ones(16, 4)
+        tpk.all_gather_matmul(torch.ones(8, 16), [b], 0, group, backend="reference")
+        rows = 8 if dist.get_rank() == 0 else 4  # rank 0 reuses its plan, rank 1 makes one
+        with pytest.raises(ValueError) as raised:
+            tpk.all_gather_matmul(torch.ones(rows, 16), [b], 0, group, backend="reference")
+        return str(raised.value)
+    finally:
+        config.CHECK_CONSISTENCY.reset()
+
+
+def test_a_reused_plan_still_agrees_with_the_peers(worlds):
+    for message in worlds(2).run(_peer_calls_differently):
+        assert "called with different arguments" in message
+        assert "a=(8, 16)" in message and "a=(4, 16)" in message
+
+
+class _PassThrough(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _both_paths(backend: str) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor]]:
+    """Both ops (with a bias, avg and the gathered A) eagerly and under a dispatch mode: the
+    autograd node each path creates, and every output and grad."""
+    group = dist.group.WORLD
+    nodes, results = [], []
+    for mode in (contextlib.nullcontext, _PassThrough):
+        torch.manual_seed(0)
+        a = torch.randn(2, 6, 16, requires_grad=True)  # gathered along dim 1
+        bs = [torch.randn(16, 4, requires_grad=True), torch.randn(16, 3, requires_grad=True)]
+        c = torch.randn(2, 8, 16, requires_grad=True)  # scattered along dim 1
+        w = torch.randn(16, 5, requires_grad=True)
+        bias = torch.randn(5, requires_grad=True)
+        with mode():
+            gathered, outs = tpk.all_gather_matmul(a, bs, 1, group, backend=backend, return_a=True)
+            y = tpk.matmul_reduce_scatter(
+                c, w, 1, group, backend=backend, reduce_op="avg", bias=bias
+            )
+        nodes += [type(outs[0].grad_fn).__name__, type(y.grad_fn).__name__]
+        loss = sum((o * (i + 1)).square().sum() for i, o in enumerate(outs))
+        (loss + gathered.sum() + y.square().sum()).backward()
+        tensors = [gathered, *outs, y, a.grad, *(b.grad for b in bs), c.grad, w.grad, bias.grad]
+        results.append([t.detach() for t in tensors])
+    return nodes, results[0], results[1]
+
+
+@pytest.mark.parametrize("backend", ["reference", "pipelined", "symm"])
+def test_eager_and_custom_op_paths_agree(worlds, backend):
+    for nodes, eager, custom in worlds(2).run(_both_paths, backend):
+        # Eager: the views of the Functions' outputs; under the mode: of the custom ops'.
+        assert "Generated" not in "".join(nodes[:2]), nodes
+        for got, want in zip(eager, custom):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def _style_nodes() -> list[str]:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 16))
+    plan = {
+        "0": tpk.ColwiseParallel(input_layouts=Shard(0)),
+        "1": tpk.RowwiseParallel(output_layouts=Shard(0)),
+    }
+    tpk.parallelize_module(model, mesh, plan)
+    x = torch.randn(4, 16, requires_grad=True)
+    h = model[0](x)
+    y = model[1](h)
+    return [type(h).__name__, type(h.grad_fn).__name__, type(y).__name__, type(y.grad_fn).__name__]
+
+
+def test_a_fused_linear_is_one_autograd_node(worlds):
+    for nodes in worlds(2).run(_style_nodes):
+        assert nodes == ["Tensor", "_ColwiseBackward", "Tensor", "_RowwiseBackward"]
