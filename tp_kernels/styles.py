@@ -63,7 +63,7 @@ from torch.distributed.tensor.placement_types import Placement
 from tp_kernels.backends import check_backend_name
 from tp_kernels.ops import all_gather_matmul, matmul_reduce_scatter
 from tp_kernels.ops.functional import eager_path
-from tp_kernels.ops.linear import colwise_linears, rowwise_linear
+from tp_kernels.ops.linear import colwise_linears, local_tensor, rowwise_linear
 from tp_kernels.ops.stats import record
 
 # These styles have nothing to fuse: they are PyTorch's classes, re-exported.
@@ -218,11 +218,7 @@ def _eager_linear(module: nn.Linear, x: Any) -> bool:
     fused: _FusedLinear = module._tpk_fused
     if not fused.local_output or torch.compiler.is_compiling():
         return False
-    return eager_path((_local(x), _local(module.weight), _local(module.bias)))
-
-
-def _local(t: Any) -> Any:
-    return t._local_tensor if isinstance(t, DTensor) else t
+    return eager_path((local_tensor(x), local_tensor(module.weight), local_tensor(module.bias)))
 
 
 def _colwise_forward(self: nn.Linear, x: Any) -> Any:
@@ -552,12 +548,12 @@ class _GatherGroup:
     def _gather(self, x: Any, children: list[nn.Module]) -> Any:
         """One all-gather-matmul of ``x`` with every child's weight; the gathered input (as
         PyTorch's style would pass it) is returned and each child's output kept for it."""
-        local = _local(x)
+        local = local_tensor(x)
         dim = self.gathered.layout.dim % local.ndim
         backend = children[0]._tpk_fused.backend
         weights, biases = [c.weight for c in children], [c.bias for c in children]
         eager = not torch.compiler.is_compiling() and eager_path(
-            (local, *map(_local, weights), *map(_local, biases))
+            (local, *map(local_tensor, weights), *map(local_tensor, biases))
         )
         if eager:
             gathered, ys = colwise_linears(x, weights, biases, dim, self.mesh, backend, True)

@@ -45,10 +45,12 @@ from tp_kernels.ops.functional import (
     restore_dim,
 )
 
-__all__ = ["colwise_linears", "rowwise_linear"]
+__all__ = ["colwise_linears", "local_tensor", "rowwise_linear"]
 
 
-def _local(t: torch.Tensor | None) -> torch.Tensor | None:
+def local_tensor(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t``'s local tensor if it is a DTensor (no autograd node: this module's Functions take
+    the DTensor itself as their argument), else ``t``."""
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
@@ -82,14 +84,14 @@ class _Colwise(torch.autograd.Function):
     @staticmethod
     def forward(ctx, impl: Backend, group: dist.ProcessGroup, dim, return_a, n, x, *params):
         weights, biases = params[:n], params[n:]
-        w_locals = [_local(w) for w in weights]
-        rows, lead = flatten_rows(_local(x), dim)
+        w_locals = [local_tensor(w) for w in weights]
+        rows, lead = flatten_rows(local_tensor(x), dim)
         a, outs = _compute.all_gather_matmul(
             impl, rows, [w.t() for w in w_locals], group, keep_a=return_a
         )
         for out, bias in zip(outs, biases):
             if bias is not None:
-                out.add_(_local(bias))
+                out.add_(local_tensor(bias))
         need = ctx.needs_input_grad
         ctx.need_x, ctx.need_w, ctx.need_bias = need[5], need[6 : 6 + n], need[6 + n :]
         ctx.impl, ctx.group, ctx.dim, ctx.lead, ctx.return_a = impl, group, dim, lead, return_a
@@ -144,9 +146,11 @@ class _Rowwise(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, impl: Backend, group: dist.ProcessGroup, dim, x, weight, bias):
-        x_local, w_local = _local(x), _local(weight)
+        x_local, w_local = local_tensor(x), local_tensor(weight)
         rows, lead = flatten_rows(x_local, dim)
-        out = _compute.matmul_reduce_scatter(impl, rows, w_local.t(), _local(bias), group, False)
+        out = _compute.matmul_reduce_scatter(
+            impl, rows, w_local.t(), local_tensor(bias), group, False
+        )
         need = ctx.needs_input_grad[3:6]
         ctx.impl, ctx.group, ctx.dim, ctx.lead, ctx.need = impl, group, dim, lead, need
         ctx.specs = _specs(x, weight, bias)
@@ -192,8 +196,8 @@ def colwise_linears(
     its DTensor), gathered along ``gather_dim`` of ``mesh``; all local tensors. Eager only: the
     caller checks :func:`tp_kernels.ops.functional.eager_path`."""
     op = "all_gather_matmul"
-    x_local = _local(x)
-    bs = [_local(w).t() for w in weights]
+    x_local = local_tensor(x)
+    bs = [local_tensor(w).t() for w in weights]
     pg, plan, agree = plan_all_gather_matmul(
         x_local, bs, gather_dim, mesh, backend, return_a, False
     )
@@ -216,9 +220,9 @@ def rowwise_linear(
     local or its DTensor, ``weight`` ``[N, K/W]``, ``bias`` ``[N]`` replicated), local. Eager
     only, as :func:`colwise_linears`."""
     op = "matmul_reduce_scatter"
-    x_local, bias_local = _local(x), _local(bias)
+    x_local, bias_local = local_tensor(x), local_tensor(bias)
     pg, plan, agree = plan_matmul_reduce_scatter(
-        x_local, _local(weight).t(), scatter_dim, mesh, "sum", backend, bias_local
+        x_local, local_tensor(weight).t(), scatter_dim, mesh, "sum", backend, bias_local
     )
     with deadline.fused_call(pg, op, "forward"):
         agree_if_needed(pg, op, plan, agree, x_local.device)
