@@ -27,8 +27,6 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor import parallel as torch_tp
-from torch.distributed.tensor.debug import CommDebugMode
-from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tp_kernels as tpk
@@ -89,6 +87,10 @@ def _matmul_flops(prof) -> int:
 
 def _step(styles_name: str, case: str, backend: str, custom_ops: bool) -> dict:
     """Forward and backward of the block on this rank; what backward ran, and the grads."""
+    # Imported here, in the ranks: the profiler imports Triton, which the test session's modules
+    # must first set TRITON_INTERPRET for (this module is collected before them).
+    from torch.profiler import ProfilerActivity, profile
+
     styles = tpk if styles_name == "tp_kernels" else torch_tp
     input_grad, frozen = CASES[case]
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -172,6 +174,8 @@ def test_backward_does_only_the_work_pytorch_does(worlds, case, custom_ops):
 def _mlp_training_counts(styles_name: str, backend: str) -> dict[str, int]:
     """PyTorch's ``test_mlp_training`` with sequence parallel: MLP(10, 16, 10), input [8, 10]
     needing no grad, forward and backward under CommDebugMode."""
+    from torch.distributed.tensor.debug import CommDebugMode  # imports Triton: see _step
+
     styles = tpk if styles_name == "tp_kernels" else torch_tp
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(0)
