@@ -161,6 +161,21 @@ def test_error_ratio():
     assert gc.error_ratio(nan, truth, exact, mag) == math.inf
 
 
+def test_torch_symm_mem_is_held_to_its_own_floors():
+    """Its backward's addend is reduce-scattered in the dtype and added outside torch's op: up to
+    8 half-ulps beyond the one-device computation, where the other backends have 4."""
+    assert gc.floors_for("torch_symm_mem") is gc.TORCH_SYMM_MEM_FLOOR
+    assert all(gc.floors_for(name) is gc.FLOOR for name in ("symm", "pipelined", "reference"))
+    truth = torch.tensor([[1.0, -2.0], [3.0, 0.5]], dtype=torch.float64)
+    exact = truth.to(torch.bfloat16)
+    off = exact.clone()
+    off[1, 0] += 0.0625  # 3.0625 is exact in bf16: over symm's 0.06, inside torch_symm_mem's 0.12
+    assert gc.error_ratio(off, truth, exact, truth.abs(), gc.floors_for("symm")) > 1.0
+    ratio = gc.error_ratio(off, truth, exact, truth.abs(), gc.floors_for("torch_symm_mem"))
+    assert ratio == pytest.approx(0.0625 / 0.12)
+    assert gc.TORCH_SYMM_MEM_FLOOR[torch.float32] == gc.FLOOR[torch.float32]
+
+
 def test_rank_errors_are_summarized_per_rank():
     text = (
         "rank_row failed in a local world of 3 ranks\n"
