@@ -195,6 +195,43 @@ def _takes_return_a() -> bool:
     return any(arg.name == "return_A" for arg in schema.arguments)
 
 
+def first_contact_facts(device: torch.device) -> list[tuple[str, str]]:
+    """``(what, value)`` for what a first run of torch's fused ops on ``device`` depends on: each
+    op's schema, whether the device reports multicast (which picks torch's multicast all-gather),
+    the symmetric-memory backend selected, and :data:`_ALLOW_OVERLAPPING` in this process. A fact
+    that cannot be read says why instead. Asking for multicast support marks torch's allocator
+    backend as used, after which ``set_backend`` cannot change it: ask in a process that does not
+    choose one (gpu_check's parent process, whose ranks are processes of their own)."""
+
+    def read(what: Any) -> str:
+        try:
+            return str(what())
+        except Exception as exc:  # a fact that cannot be read is reported, not raised
+            return f"unreadable ({type(exc).__name__}: {exc})"
+
+    def schema(name: str) -> Any:
+        return _missing_ops_reason() or getattr(torch.ops.symm_mem, name).default._schema
+
+    def multicast() -> Any:
+        if device.type != "cuda":
+            return f"n/a ({device.type})"
+        from torch._C._autograd import DeviceType
+
+        symm_mem, why = _symm_mem_module()
+        index = torch.cuda.current_device() if device.index is None else device.index
+        return why or symm_mem._SymmetricMemory.has_multicast_support(DeviceType.CUDA, index)
+
+    def backend() -> Any:
+        symm_mem, why = _symm_mem_module()
+        return why or repr(symmetric_memory._symm_mem_backend(symm_mem, device))
+
+    facts = [(f"torch.ops.symm_mem.{name}", read(lambda n=name: schema(n))) for name in _OPS]
+    facts.append((f"has_multicast_support({device})", read(multicast)))
+    facts.append((f"symmetric-memory backend for {device}", read(backend)))
+    facts.append((_ALLOW_OVERLAPPING, os.environ.get(_ALLOW_OVERLAPPING, "unset")))
+    return facts
+
+
 class TorchSymmMemBackend(Backend):
     name = "torch_symm_mem"
 

@@ -3,6 +3,12 @@ one GPU, checked against float64; then the kernels' tile GEMMs timed against cuB
 
 What runs (``--device cuda``, the default, on a machine with one GPU):
 
+0. Before anything runs, the facts a first run of ``torch_symm_mem`` depends on, read in this
+   process (:func:`print_first_contact_facts`): the schemas of ``torch.ops.symm_mem``'s
+   ``fused_all_gather_matmul`` and ``fused_matmul_reduce_scatter``, whether ``cuda:0`` reports
+   multicast (``has_multicast_support``, which picks torch's multicast all-gather), torch's
+   symmetric-memory backend for it, and ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES`` here and in
+   the ranks' environment.
 1. For each world size of ``--worlds`` (default 2, then 4), a
    :class:`~tp_kernels.testing.LocalWorld` of that many local ranks. Their process group is gloo,
    since NCCL refuses two ranks on one GPU; every rank calls ``torch.cuda.set_device(0)`` and works
@@ -745,6 +751,21 @@ def _versions(device: str) -> str:
     )
 
 
+def print_first_contact_facts(device: str, symm_timeout_s: float) -> None:
+    """What a first run of torch's fused ops depends on, printed before anything runs (see
+    :func:`tp_kernels.backends.torch_symm_mem.first_contact_facts`), and what the ranks'
+    environment sets of it."""
+    from tp_kernels.backends import torch_symm_mem
+
+    where = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+    print(f"\n== torch's symmetric memory, as torch_symm_mem will find it on {where}")
+    for what, value in torch_symm_mem.first_contact_facts(where):
+        print(f"  {what}: {value}")
+    for name, value in _rank_env(device, symm_timeout_s).items():
+        print(f"  the ranks' environment sets {name}={value}")
+    sys.stdout.flush()
+
+
 def _world_size(text: str) -> int:
     value = int(text)
     if not 2 <= value <= MAX_WORLD:
@@ -840,6 +861,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"TEST HOOK {FAULT_ENV}={os.environ[FAULT_ENV]}: that backend's all_gather_matmul "
             "returns a wrong element; its checks must FAIL"
         )
+    print_first_contact_facts(args.device, args.symm_timeout_s)
     failed: list[str] = []
     for world_size in args.worlds:
         started = time.perf_counter()
