@@ -51,6 +51,15 @@ def test_cpu_mode_passes_every_check(monkeypatch, capsys):
                 assert float(cells[4]) <= 1.0
     # A backend that cannot run on a CPU gets a row saying why, and does not fail the run.
     assert any(line.startswith("torch_symm_mem") and " n/a " in line for line in out.splitlines())
+    # The first-contact facts come before any world runs.
+    facts = out.index("== torch's symmetric memory, as torch_symm_mem will find it on cpu")
+    assert facts < out.index("== world of 2 ranks (cpu)")
+    schema = torch.ops.symm_mem.fused_all_gather_matmul.default._schema
+    assert f"  torch.ops.symm_mem.fused_all_gather_matmul: {schema}" in out
+    assert "  torch.ops.symm_mem.fused_matmul_reduce_scatter: symm_mem::fused_matmul_reduce_" in out
+    assert "  has_multicast_support(cpu): n/a (cpu)" in out
+    assert "  symmetric-memory backend for cpu: " in out
+    assert "  TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES: " in out
     assert "== world of 2 ranks (cpu)" in out
     assert "cuBLAS timing skipped: --device cpu" in out
     assert f"torch {torch.__version__}" in out
@@ -159,6 +168,61 @@ def test_error_ratio():
     nan = exact.clone()
     nan[1, 1] = math.nan
     assert gc.error_ratio(nan, truth, exact, mag) == math.inf
+
+
+def test_first_contact_facts_on_cuda(monkeypatch, capsys):
+    """What a first GPU run prints before anything runs, on a board that reports multicast with
+    the CUDA backend selected; the ranks get the overlapping-devices variable."""
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    from tp_kernels import symmetric_memory
+
+    asked = []
+
+    def has_multicast_support(device_type, index):
+        asked.append((device_type, index))
+        return True
+
+    monkeypatch.setattr(symm_mem._SymmetricMemory, "has_multicast_support", has_multicast_support)
+    monkeypatch.setattr(symmetric_memory, "_symm_mem_backend", lambda module, device: "CUDA")
+    monkeypatch.delenv("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", raising=False)
+    gc.print_first_contact_facts("cuda", 60.0)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == "== torch's symmetric memory, as torch_symm_mem will find it on cuda:0"
+    rs_schema = torch.ops.symm_mem.fused_matmul_reduce_scatter.default._schema
+    assert f"  torch.ops.symm_mem.fused_matmul_reduce_scatter: {rs_schema}" in lines
+    assert "  has_multicast_support(cuda:0): True" in lines
+    assert asked == [(symm_mem.DeviceType.CUDA, 0)]
+    assert "  symmetric-memory backend for cuda:0: 'CUDA'" in lines
+    assert "  TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES: unset" in lines
+    assert "  the ranks' environment sets TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1" in lines
+
+
+def test_a_fact_that_cannot_be_read_says_why(monkeypatch):
+    from tp_kernels import symmetric_memory
+    from tp_kernels.backends import torch_symm_mem
+
+    def broken(module, device):
+        raise RuntimeError("no allocator")
+
+    monkeypatch.setattr(symmetric_memory, "_symm_mem_backend", broken)
+    facts = dict(torch_symm_mem.first_contact_facts(torch.device("cpu")))
+    assert facts["symmetric-memory backend for cpu"] == "unreadable (RuntimeError: no allocator)"
+
+
+def test_torch_symm_mem_is_held_to_its_own_floors():
+    """Its backward's addend is reduce-scattered in the dtype and added outside torch's op: up to
+    8 half-ulps beyond the one-device computation, where the other backends have 4."""
+    assert gc.floors_for("torch_symm_mem") is gc.TORCH_SYMM_MEM_FLOOR
+    assert all(gc.floors_for(name) is gc.FLOOR for name in ("symm", "pipelined", "reference"))
+    truth = torch.tensor([[1.0, -2.0], [3.0, 0.5]], dtype=torch.float64)
+    exact = truth.to(torch.bfloat16)
+    off = exact.clone()
+    off[1, 0] += 0.0625  # 3.0625 is exact in bf16: over symm's 0.06, inside torch_symm_mem's 0.12
+    assert gc.error_ratio(off, truth, exact, truth.abs(), gc.floors_for("symm")) > 1.0
+    ratio = gc.error_ratio(off, truth, exact, truth.abs(), gc.floors_for("torch_symm_mem"))
+    assert ratio == pytest.approx(0.0625 / 0.12)
+    assert gc.TORCH_SYMM_MEM_FLOOR[torch.float32] == gc.FLOOR[torch.float32]
 
 
 def test_rank_errors_are_summarized_per_rank():

@@ -86,8 +86,11 @@ class FakeDist:
 
     def all_gather_object(self, out: list[Any], obj: Any, group: FakeGroup) -> None:
         """Every peer sends what this rank sends, but from its own host and device (this rank's
-        own entry is what it sent)."""
+        own entry is what it sent); what is not a setup record comes back as sent."""
         for r in range(group.size()):
+            if not isinstance(obj, dict):
+                out[r] = obj
+                continue
             info = dict(obj, uid=f"uid{r}")
             if group.hosts is not None:
                 info["host"] = group.hosts[r]
@@ -175,8 +178,16 @@ class FakeSymmMem(types.ModuleType):
     """``torch.distributed._symmetric_memory`` of one torch release; records every call with the
     current device it ran on."""
 
-    def __init__(self, version: str, cuda: FakeCuda, *, backend: str | None = "CUDA") -> None:
+    def __init__(
+        self,
+        version: str,
+        cuda: FakeCuda,
+        *,
+        backend: str | None = "CUDA",
+        offset: int | None = None,
+    ) -> None:
         super().__init__(SYMM_MEM)
+        self._offset = offset  # the handles' ``offset`` attribute (None: they have none)
         minor = int(version.split(".")[1])
         self.cuda = cuda
         self.calls: list[tuple] = []
@@ -200,7 +211,10 @@ class FakeSymmMem(types.ModuleType):
 
     def rendezvous(self, tensor: torch.Tensor, group: FakeGroup) -> StaticPadHandle:
         self.calls.append(("rendezvous", group.group_name, self.cuda.current))
-        return self._SymmetricMemory(tensor, group)
+        handle = self._SymmetricMemory(tensor, group)
+        if self._offset is not None:
+            handle.offset = self._offset
+        return handle
 
 
 class World:
@@ -380,6 +394,25 @@ def test_gloo_group_on_one_gpu(fake_world, monkeypatch, version):
     ws = symmetric_memory.get_workspace(group, 4096, "cuda:0", tag="shared")
     assert (ws.rank, ws.world_size, ws.device) == (1, 2, torch.device("cuda", 0))
     assert ("rendezvous", "gloo-on-one-gpu", 0) in fake_world.symm_mem.calls
+
+
+# --- 4b. the handle's offset: the workspace must start its allocation ----------------------------
+
+
+@pytest.mark.parametrize("offset", [None, 0])
+def test_handle_at_the_start_of_its_allocation(fake_world, offset):
+    fake_world.torch_release("2.13", offset=offset)
+    group = FakeGroup(0, 2, devices=[0, 1], name=f"offset-{offset}")
+    assert symmetric_memory.get_workspace(group, 4096, "cuda:0").nbytes == 4096
+
+
+def test_handle_inside_a_larger_allocation_is_refused(fake_world):
+    """torch's pool may place a tensor inside a block: the handle's pointers are then the block's
+    and its signal pad is shared; using them as the workspace's would address the wrong bytes."""
+    fake_world.torch_release("2.13", offset=8192)
+    group = FakeGroup(0, 2, devices=[0, 1], name="offset-8192")
+    with pytest.raises(RuntimeError, match=r"offset by rank: \[8192, 8192\].*IMPLICIT_POOL=0"):
+        symmetric_memory.get_workspace(group, 4096, "cuda:0")
 
 
 # --- 5. replaced CUDA workspaces stay alive with their group --------------------------------------

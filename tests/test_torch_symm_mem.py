@@ -24,7 +24,7 @@ from _numerics import assert_no_failures, check_close
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 import tp_kernels as tpk
-from tp_kernels import backends
+from tp_kernels import backends, symmetric_memory
 from tp_kernels._compat import all_gather_single, reduce_scatter_single
 from tp_kernels.backends import auto, torch_symm_mem
 
@@ -159,15 +159,32 @@ def test_unavailable_reasons_for_a_group(worlds):
 # ---------------------------------------------------------------- the glue, with gloo fakes
 
 _calls: list[tuple] = []
+_ALLOW = "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"  # torch's variable for ranks sharing a GPU
+# Whether the fake device reports multicast support (torch asks the device, not the workspace).
+_device_multicast = [False]
 
 
 def _fake_all_gather_matmul(A, Bs, gather_dim, group_name, *, return_A=True):
-    """``A = all_gather(A_shard, dim=gather_dim)``; ``(A if return_A else None, [A @ B, ...])``."""
+    """``A = all_gather(A_shard, dim=gather_dim)``; ``(A if return_A else None, [A @ B, ...])``.
+
+    Also torch's choice of its multicast all-gather (``_should_use_multimem_all_gather_matmul``,
+    torch 2.13 and 2.15) on a device that reports multicast, and its failure where rendezvous set
+    no multicast up, as with ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``.
+    """
     b_shapes = [tuple(b.shape) for b in Bs]
     _calls.append(
         ("ag", tuple(A.shape), b_shapes, gather_dim, group_name, return_A, A.is_contiguous())
     )
     group = _resolve_process_group(group_name)
+    multimem = (
+        _device_multicast[0]
+        and not return_A
+        and A.is_contiguous()
+        and gather_dim == 0
+        and A.shape[:-1].numel() * group.size() <= 2048
+    )
+    if multimem and os.environ.get(_ALLOW) == "1":
+        raise RuntimeError("multimem_all_gather_out: output must have multicast support")
     lead = A.movedim(gather_dim, 0).contiguous()
     full = lead.new_empty((group.size() * lead.shape[0], *lead.shape[1:]))
     all_gather_single(full, lead, group)
@@ -334,3 +351,158 @@ def _fakes_removed() -> bool:
 
 def test_fakes_leave_no_cpu_kernel_behind(worlds):
     assert all(worlds(2).run(_fakes_removed))
+
+
+# ---------------------------------------------------------------- first contact with a GPU
+
+
+def _shared_gpu_multicast_board() -> tuple:
+    """Ranks sharing a GPU (overlapping devices allowed) on a device that reports multicast: a
+    small gather without ``return_a`` is where torch would take its multicast path."""
+    saved = os.environ.get(_ALLOW)
+    os.environ[_ALLOW] = "1"
+    _device_multicast[0] = True
+    try:
+        with _fake_torch_ops():
+            shard = torch.full((2, 3), float(dist.get_rank() + 1))
+            a, outs = tpk.all_gather_matmul(
+                shard, [torch.ones(3, 4)], 0, dist.group.WORLD, backend=NAME
+            )
+            calls = list(_calls)
+    finally:
+        _device_multicast[0] = False
+        if saved is None:
+            del os.environ[_ALLOW]
+        else:
+            os.environ[_ALLOW] = saved
+    return a, outs[0][:, 0].tolist(), calls[0][5]
+
+
+def test_shared_gpu_keeps_torch_off_its_multicast_all_gather(worlds):
+    """(a) torch picks multimem_all_gather_out by the device's report, but rendezvous sets no
+    multicast up while overlapping devices are allowed: the backend asks for A there."""
+    for a, col, return_a in worlds(2).run(_shared_gpu_multicast_board):
+        assert a is None  # A was asked of torch, not returned to the caller
+        assert col == [3.0, 3.0, 6.0, 6.0]  # rank 0's rows (1 * 3), then rank 1's (2 * 3)
+        assert return_a is True
+
+
+def _guarded_calls() -> list[tuple]:
+    """Every fake op call, with the device guards entered and left around it."""
+    saved = symmetric_memory._on_device
+
+    @contextlib.contextmanager
+    def recorder(device):
+        _calls.append(("guard", str(device)))
+        yield
+        _calls.append(("unguard",))
+
+    symmetric_memory._on_device = recorder
+    try:
+        with _fake_torch_ops():
+            group = dist.group.WORLD
+            backend = torch_symm_mem.BACKEND
+            backend.all_gather_matmul(torch.ones(2, 3), [torch.ones(3, 4)], group, return_a=False)
+            backend.matmul_reduce_scatter(
+                torch.ones(4, 3), torch.ones(3, 5), group, addend=torch.ones(4, 5)
+            )
+            return [call[:1] if call[0] in ("ag", "rs") else call for call in _calls]
+    finally:
+        symmetric_memory._on_device = saved
+
+
+def test_torch_ops_run_on_the_tensors_device(worlds):
+    """(b) torch allocates its workspace and picks its streams on the current device: each op
+    (and the addend's collective) runs with the tensors' device made current."""
+    for calls in worlds(2).run(_guarded_calls):
+        assert calls == [
+            ("guard", "cpu"),
+            ("ag",),
+            ("unguard",),
+            ("guard", "cpu"),
+            ("rs",),
+            ("unguard",),
+        ], calls
+
+
+def _reasons_on_a_cuda_host(backend_name: str, gpus: int, allow: str | None) -> str | None:
+    """``unavailable_reason`` for ``cuda:0`` as a host with ``gpus`` GPUs and torch's
+    symmetric-memory backend ``backend_name`` would give it."""
+    saved = (torch.cuda.is_available, torch.cuda.device_count, symmetric_memory._symm_mem_backend)
+    env = {k: os.environ.get(k) for k in ("LOCAL_WORLD_SIZE", _ALLOW)}
+    torch.cuda.is_available = lambda: True
+    torch.cuda.device_count = lambda: gpus
+    symmetric_memory._symm_mem_backend = lambda symm_mem, device: backend_name
+    os.environ["LOCAL_WORLD_SIZE"] = str(dist.get_world_size())
+    if allow is None:
+        os.environ.pop(_ALLOW, None)
+    else:
+        os.environ[_ALLOW] = allow
+    try:
+        return torch_symm_mem.BACKEND.unavailable_reason(dist.group.WORLD, torch.device("cuda", 0))
+    finally:
+        torch.cuda.is_available, torch.cuda.device_count = saved[:2]
+        symmetric_memory._symm_mem_backend = saved[2]
+        for key, value in env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _cuda_host_reasons() -> dict[str, str | None]:
+    return {
+        "cuda, a GPU per rank": _reasons_on_a_cuda_host("CUDA", 2, None),
+        "nvshmem": _reasons_on_a_cuda_host("NVSHMEM", 2, None),
+        "no backend": _reasons_on_a_cuda_host(None, 2, None),
+        "shared gpu": _reasons_on_a_cuda_host("CUDA", 1, None),
+        "shared gpu, allowed": _reasons_on_a_cuda_host("CUDA", 1, "1"),
+    }
+
+
+def test_unavailable_where_torch_would_fail(worlds):
+    """(c) ``auto`` rules torch_symm_mem out, instead of crashing in torch, for a symmetric-memory
+    backend other than CUDA and for ranks that share a GPU without the overlapping variable."""
+    for got in worlds(2).run(_cuda_host_reasons):
+        assert got["cuda, a GPU per rank"] is None
+        assert "backend for cuda:0 is 'NVSHMEM'" in got["nvshmem"]
+        assert "set_backend('CUDA')" in got["nvshmem"]
+        assert "backend for cuda:0 is None" in got["no backend"]
+        assert "2 ranks on this host share 1 GPU(s)" in got["shared gpu"]
+        assert "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1" in got["shared gpu"]
+        assert got["shared gpu, allowed"] is None
+
+
+def test_graph_capture_is_refused_before_anything_runs(monkeypatch):
+    """(d) torch raises mid-capture when its workspace must grow: refuse up front, on CUDA only
+    (asking a CPU build whether it captures raises)."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    for op in ("all_gather_matmul", "matmul_reduce_scatter"):
+        refused = rf"torch_symm_mem {op}: cannot be captured.*nothing"
+        with pytest.raises(RuntimeError, match=refused):
+            torch_symm_mem._check_call(op, torch.device("cuda", 0))
+        torch_symm_mem._check_call(op, torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    torch_symm_mem._check_call("all_gather_matmul", torch.device("cuda", 0))
+
+    # Each op checks before it registers the group, enqueues the addend or calls torch.
+    checked: list[str] = []
+
+    def refuse(op: str, device: torch.device) -> None:
+        checked.append(op)
+        raise RuntimeError("refused")
+
+    def touched(*args, **kwargs):
+        raise AssertionError("something ran before the check")
+
+    monkeypatch.setattr(torch_symm_mem, "_check_call", refuse)
+    monkeypatch.setattr(torch_symm_mem, "_enable_for_group", touched)
+    monkeypatch.setattr(torch_symm_mem, "reduce_scatter_single", touched)
+    backend = torch_symm_mem.BACKEND
+    with pytest.raises(RuntimeError, match="refused"):
+        backend.all_gather_matmul(torch.ones(2, 3), [torch.ones(3, 4)], _FakeGroup(), return_a=True)
+    with pytest.raises(RuntimeError, match="refused"):
+        backend.matmul_reduce_scatter(
+            torch.ones(4, 3), torch.ones(3, 5), _FakeGroup(), addend=torch.ones(4, 5)
+        )
+    assert checked == ["all_gather_matmul", "matmul_reduce_scatter"]

@@ -537,6 +537,27 @@ class _ShmWorkspace(SymmWorkspace):
             raise SymmTimeoutError(str(exc), channel=channel, timeout_s=timeout) from None
 
 
+def _check_handle_offset(group: dist.ProcessGroup, handle: Any) -> None:
+    """Raise on every rank unless every rank's tensor starts its symmetric allocation.
+
+    A handle's ``buffer_ptrs`` and ``signal_pad_ptrs`` are those of the whole allocation, and its
+    ``offset`` (bytes) says where the tensor lies in it: non-zero when torch's memory pool
+    (``symm_mem.empty`` since torch 2.11) places a tensor inside a larger block, whose one signal
+    pad every tensor in the block then shares; ``get_buffer`` counts from the block's start too.
+    The kernels address peers' buffers from ``buffer_ptrs`` and own the pad's words, so they need
+    offset 0. Handles without the attribute (older torch) have none.
+    """
+    offsets = gather_objects(group, int(getattr(handle, "offset", 0)), "symmetric memory setup")
+    if any(offsets):
+        raise RuntimeError(
+            f"symmetric memory setup on group {_group_label(group)}: torch placed the workspace "
+            f"inside a larger symmetric allocation (handle.offset by rank: {offsets} bytes), "
+            "whose buffer addresses and signal pad are the allocation's, not the workspace's; "
+            "tp_kernels needs offset 0: start the processes with TORCH_SYMMMEM_IMPLICIT_POOL=0 "
+            "so that symm_mem.empty allocates each tensor on its own"
+        )
+
+
 class _CudaWorkspace(SymmWorkspace):
     """CUDA implementation: a thin layer over ``torch.distributed._symmetric_memory``."""
 
@@ -547,6 +568,7 @@ class _CudaWorkspace(SymmWorkspace):
         with torch.cuda.device(device):
             tensor = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
             handle = symm_mem.rendezvous(tensor, group)
+        _check_handle_offset(group, handle)
         # The pad size this allocation got, read once: the handle's attribute exists in every
         # supported torch (symm_mem.get_signal_pad_size only since 2.10), and from 2.10 on it
         # reports the process-wide setting, which a later set_signal_pad_size could change.

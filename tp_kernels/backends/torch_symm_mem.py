@@ -24,11 +24,36 @@ symmetric-memory barriers only on the peers' fused ops.
 
 Requirements (checked by :meth:`TorchSymmMemBackend.unavailable_reason` without communication):
 CUDA tensors; a torch build whose ``torch.distributed._symmetric_memory`` imports and defines both
-ops; every rank of the group on this host (an NVLink domain; from ``LOCAL_WORLD_SIZE``). Any group
-with a store will do for the rendezvous (NCCL on GPU nodes; gloo where ranks share one GPU).
-Torch 2.7 .. 2.13 differ in two ways, both feature-detected: before ``return_A`` existed, the
+ops; torch's ``CUDA`` symmetric-memory backend (the ops barrier on the handle's signal pads and copy
+from peers' buffers, which the NVSHMEM and NCCL backends do not provide that way); every rank of
+the group on this host (an NVLink domain; from ``LOCAL_WORLD_SIZE``), and, when this process sees
+fewer GPUs than the group has ranks, ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1`` (torch's
+rendezvous refuses two ranks with the same device index on one host without it). Any group with a
+store will do for the rendezvous (NCCL on GPU nodes; gloo where ranks share one GPU).
+Torch 2.7 .. 2.15 differ in two ways, both feature-detected: before ``return_A`` existed, the
 gathered ``A`` is always returned (and dropped here when not asked for); before
 ``enable_symm_mem_for_group`` was deprecated, it is called once per group.
+
+What each call guards against, from torch's ``_symmetric_memory/__init__.py`` (2.13 and 2.15):
+
+* The device: torch allocates its workspace on, and takes its side stream from, the *current*
+  CUDA device, so each call runs with the tensors' device made current.
+* The multicast all-gather: with ``return_A=False``, a contiguous shard, ``gather_dim == 0`` and
+  ``W*m <= 2048`` torch takes ``multimem_all_gather_out``, chosen because the *device* supports
+  multicast; its workspace has multicast only where rendezvous set it up, which it never does
+  while ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1`` (the op then fails: the output "must have
+  multicast support"). With that variable set, ``return_A=True`` is asked for, which keeps torch
+  on its pipelined all-gather; the copy of ``A`` it makes is dropped.
+* CUDA graph capture is refused before anything is launched: torch's workspace cannot grow
+  during capture (it raises mid-capture), and the addend's collective would be captured too.
+
+Numerics (what the tolerances of tests/_numerics.py and gpu_check allow for): torch rounds each
+rank's partial product to the input dtype before reducing (2.13: ``torch.sum`` over the partials,
+which on CUDA accumulates fp16/bf16 in fp32 and rounds once; 2.15: a Triton kernel that does the
+same), as ``symm`` does; but the addend is reduce-scattered by the group's collective in the dtype
+(``W - 1`` running sums rounded) and added with one more rounding, where ``symm`` folds it into its
+partials: hence the wider floors of ``TORCH_SYMM_MEM_FLOOR`` (tests/_numerics.py, gpu_check) for
+this backend.
 
 What was not run where this was written (a CPU machine, no GPU): torch's CUDA kernels behind the
 two ops, the overlap of the addend's reduce-scatter with them, and the availability checks on a
@@ -52,6 +77,10 @@ from tp_kernels._compat import reduce_scatter_single
 from tp_kernels.backends.base import Backend
 
 _OPS = ("fused_all_gather_matmul", "fused_matmul_reduce_scatter")
+
+# torch's CUDA rendezvous accepts ranks with the same (host, device index) only when this is "1"
+# (c10::utils::check_env), and then never sets multicast up.
+_ALLOW_OVERLAPPING = "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"
 
 _enabled_groups: set[str] = set()
 
@@ -77,6 +106,22 @@ def _missing_ops_reason() -> str | None:
     return None
 
 
+def _cuda_backend_reason(device: torch.device) -> str | None:
+    """Why torch's symmetric-memory backend for ``device`` is not the ``CUDA`` one that its fused
+    ops are written for (their workspace comes from whichever backend is selected)."""
+    symm_mem, _ = _symm_mem_module()
+    backend = symmetric_memory._symm_mem_backend(symm_mem, device)
+    if backend == "CUDA":
+        return None
+    return (
+        f"torch's symmetric-memory backend for {device} is {backend!r}, but its fused ops "
+        "barrier on the workspace handle's signal pads and copy from the peers' buffers "
+        "(get_buffer), which only the 'CUDA' backend provides; select it with "
+        "torch.distributed._symmetric_memory.set_backend('CUDA') before the first symmetric "
+        "allocation, or TORCH_SYMMMEM=CUDA"
+    )
+
+
 def _hosts_reason(group: dist.ProcessGroup) -> str | None:
     """Why ``group`` may span more than one host (``None`` when all its ranks are on this one).
 
@@ -92,6 +137,38 @@ def _hosts_reason(group: dist.ProcessGroup) -> str | None:
             "cannot be told without communication (torchrun sets it)"
         )
     return symmetric_memory._spans_hosts_reason(group, "torch's fused symmetric-memory ops")
+
+
+def _overlapping_devices_allowed() -> bool:
+    return os.environ.get(_ALLOW_OVERLAPPING) == "1"
+
+
+def _shared_gpu_reason(group: dist.ProcessGroup) -> str | None:
+    """Why torch's rendezvous will refuse the group's ranks for sharing a device index.
+
+    Called once every rank of ``group`` is known to run on this host: when this process sees fewer
+    GPUs than the group has ranks, two of them use the same index (as every rank sees the same
+    GPUs), which torch refuses unless :data:`_ALLOW_OVERLAPPING` is ``"1"``.
+    """
+    gpus, world = torch.cuda.device_count(), group.size()
+    if world <= gpus or _overlapping_devices_allowed():
+        return None
+    return (
+        f"the group's {world} ranks on this host share {gpus} GPU(s), and torch's CUDA "
+        f"symmetric memory refuses ranks on the same device unless {_ALLOW_OVERLAPPING}=1 is set "
+        "in every rank"
+    )
+
+
+def _check_call(op: str, device: torch.device) -> None:
+    """Refuse, before anything is launched, what torch's op would fail at midway."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"torch_symm_mem {op}: cannot be captured in a CUDA graph (torch's symmetric-memory "
+            "workspace cannot grow during capture, and the backward's addend is reduce-scattered "
+            "by a collective of the group); nothing was launched. Inside graphs use "
+            "backend='reference' or 'pipelined', whose NCCL collectives can be captured"
+        )
 
 
 def _enable_for_group(group: dist.ProcessGroup) -> None:
@@ -118,6 +195,43 @@ def _takes_return_a() -> bool:
     return any(arg.name == "return_A" for arg in schema.arguments)
 
 
+def first_contact_facts(device: torch.device) -> list[tuple[str, str]]:
+    """``(what, value)`` for what a first run of torch's fused ops on ``device`` depends on: each
+    op's schema, whether the device reports multicast (which picks torch's multicast all-gather),
+    the symmetric-memory backend selected, and :data:`_ALLOW_OVERLAPPING` in this process. A fact
+    that cannot be read says why instead. Asking for multicast support marks torch's allocator
+    backend as used, after which ``set_backend`` cannot change it: ask in a process that does not
+    choose one (gpu_check's parent process, whose ranks are processes of their own)."""
+
+    def read(what: Any) -> str:
+        try:
+            return str(what())
+        except Exception as exc:  # a fact that cannot be read is reported, not raised
+            return f"unreadable ({type(exc).__name__}: {exc})"
+
+    def schema(name: str) -> Any:
+        return _missing_ops_reason() or getattr(torch.ops.symm_mem, name).default._schema
+
+    def multicast() -> Any:
+        if device.type != "cuda":
+            return f"n/a ({device.type})"
+        from torch._C._autograd import DeviceType
+
+        symm_mem, why = _symm_mem_module()
+        index = torch.cuda.current_device() if device.index is None else device.index
+        return why or symm_mem._SymmetricMemory.has_multicast_support(DeviceType.CUDA, index)
+
+    def backend() -> Any:
+        symm_mem, why = _symm_mem_module()
+        return why or repr(symmetric_memory._symm_mem_backend(symm_mem, device))
+
+    facts = [(f"torch.ops.symm_mem.{name}", read(lambda n=name: schema(n))) for name in _OPS]
+    facts.append((f"has_multicast_support({device})", read(multicast)))
+    facts.append((f"symmetric-memory backend for {device}", read(backend)))
+    facts.append((_ALLOW_OVERLAPPING, os.environ.get(_ALLOW_OVERLAPPING, "unset")))
+    return facts
+
+
 class TorchSymmMemBackend(Backend):
     name = "torch_symm_mem"
 
@@ -130,12 +244,12 @@ class TorchSymmMemBackend(Backend):
             return f"torch.cuda.is_available() is False (torch {torch.__version__})"
         if device.index is not None and device.index >= torch.cuda.device_count():
             return f"{device} does not exist: this process sees {torch.cuda.device_count()} GPUs"
-        why = _missing_ops_reason()
+        why = _missing_ops_reason() or _cuda_backend_reason(device)
         if why is not None or group is None:
             return why
         # Any group with a store: torch's rendezvous exchanges handles through it (NCCL for real
         # GPU nodes; gloo where several ranks share one GPU, which NCCL refuses).
-        return _hosts_reason(group)
+        return _hosts_reason(group) or _shared_gpu_reason(group)
 
     def all_gather_matmul(
         self,
@@ -147,10 +261,14 @@ class TorchSymmMemBackend(Backend):
     ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         if group.size() == 1:
             return (a_shard.clone() if return_a else None), [a_shard @ b for b in bs]
+        _check_call("all_gather_matmul", a_shard.device)
         _enable_for_group(group)
         op = torch.ops.symm_mem.fused_all_gather_matmul
-        kwargs = {"return_A": return_a} if _takes_return_a() else {}
-        a, outs = op(a_shard, list(bs), 0, group.group_name, **kwargs)
+        # Asking for A keeps torch off its multicast path (see the module docstring).
+        ask_a = return_a or _overlapping_devices_allowed()
+        kwargs = {"return_A": ask_a} if _takes_return_a() else {}
+        with symmetric_memory._on_device(a_shard.device):
+            a, outs = op(a_shard, list(bs), 0, group.group_name, **kwargs)
         return (a if return_a else None), list(outs)
 
     def matmul_reduce_scatter(
@@ -164,16 +282,20 @@ class TorchSymmMemBackend(Backend):
         world = group.size()
         if world == 1:
             return a @ b if addend is None else torch.addmm(addend, a, b)
+        _check_call("matmul_reduce_scatter", a.device)
         _enable_for_group(group)
-        pending = None
-        if addend is not None:
-            # Started first, so that it overlaps the fused op (see the module docstring).
-            rs_addend = addend.new_empty((addend.shape[0] // world, addend.shape[1]))
-            pending = reduce_scatter_single(rs_addend, addend.contiguous(), group, async_op=True)
-        out = torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, group.group_name)
-        if pending is not None:
-            pending.wait()
-            out = out.add_(rs_addend)
+        with symmetric_memory._on_device(a.device):
+            pending = None
+            if addend is not None:
+                # Started first, so that it overlaps the fused op (see the module docstring).
+                rs_addend = addend.new_empty((addend.shape[0] // world, addend.shape[1]))
+                pending = reduce_scatter_single(
+                    rs_addend, addend.contiguous(), group, async_op=True
+                )
+            out = torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, group.group_name)
+            if pending is not None:
+                pending.wait()
+                out = out.add_(rs_addend)
         return out
 
 
