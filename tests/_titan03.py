@@ -82,9 +82,9 @@ def _parallelism(tp: int, dp: int):
     )
 
 
-def build(tp_gemm_backend: str, tp: int = 1, dp: int = 1, state: dict | None = None):
-    """The Llama3 model (on CPU, fp32), weights from ``state`` or seeded; its sharding config set
-    for ``tp`` x ``dp``."""
+def build(tp_gemm_backend: str, tp: int = 1, dp: int = 1, state: dict | None = None, seed: int = 0):
+    """The Llama3 model (on CPU, fp32), weights from ``state`` or drawn from ``seed``; its
+    sharding config set for ``tp`` x ``dp``."""
     from torchtitan.models import llama3
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
 
@@ -111,7 +111,7 @@ def build(tp_gemm_backend: str, tp: int = 1, dp: int = 1, state: dict | None = N
         ),
     )
     config.update_from_config(config=SimpleNamespace(parallelism=_parallelism(tp, dp)))
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = config.build()
     with torch.no_grad():
         model.init_weights()
@@ -120,14 +120,24 @@ def build(tp_gemm_backend: str, tp: int = 1, dp: int = 1, state: dict | None = N
     return model
 
 
+_DIMS: dict = {}
+
+
 def parallel_dims(tp: int, dp: int):
+    """torchtitan's ParallelDims for ``dp_shard`` x ``tp``, its meshes built; one per process and
+    layout, since torchtitan keeps the first meshes it sees (a second set of mesh objects for
+    the same layout fails FSDP's same-mesh check)."""
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
 
     dist_utils.set_spmd_backend("spmd_types")
-    dims = ParallelDims(dp_replicate=1, dp_shard=dp, cp=1, tp=tp, pp=1, ep=1, world_size=tp * dp)
-    dims.build_mesh()
-    return dims
+    if (tp, dp) not in _DIMS:
+        dims = ParallelDims(
+            dp_replicate=1, dp_shard=dp, cp=1, tp=tp, pp=1, ep=1, world_size=tp * dp
+        )
+        dims.build_mesh()
+        _DIMS[(tp, dp)] = dims
+    return _DIMS[(tp, dp)]
 
 
 def parallelize(model, dims, *, tp: int, dp: int, ac: str = "none"):
@@ -159,9 +169,10 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _local_batch(dims) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's dp slice of :func:`batch` (all of it without dp)."""
-    inputs, labels = batch()
+def _local_batch(dims, tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's dp slice of the global batch (all of it without dp): inputs and labels of
+    ``tokens`` [BATCH, SEQ + 1], by default :func:`batch`'s."""
+    inputs, labels = batch() if tokens is None else (tokens[:, :-1], tokens[:, 1:])
     if dims.dp_shard == 1:
         return inputs, labels
     rows = BATCH // dims.dp_shard
@@ -201,24 +212,29 @@ class _GatherVocab(torch.autograd.Function):
         return grad.chunk(world, dim=-1)[rank].contiguous(), None
 
 
-def step(model, dims, *, loss_parallel: bool, patched: bool):
+def step(model, dims, *, loss_parallel: bool, patched: bool, tokens: torch.Tensor | None = None):
     """One forward and backward as torchtitan's trainer runs it (its spmd context, input types,
-    loss over the global token count), on this rank's dp slice of the batch; with ``patched`` the
-    forward runs inside :func:`tp_kernels.integrations.torchtitan.patched`. Returns the global
-    loss and every parameter's full gradient."""
+    loss over the global token count), on this rank's dp slice of the batch. Returns the global
+    loss (the grads are left on the parameters, see :func:`full_grads`); with ``patched`` the
+    forward and backward run inside :func:`tp_kernels.integrations.torchtitan.patched`.
+    ``tokens``: the global batch [BATCH, SEQ + 1] (default: :func:`batch`'s)."""
     import spmd_types as spmd
     from torchtitan.components.loss import cross_entropy_loss
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.distributed.spmd_types import annotate_input_spmd_types, current_spmd_mesh
 
-    inputs, labels = _local_batch(dims)
-    with dist_utils.get_spmd_context(parallel_dims=dims)():
+    inputs, labels = _local_batch(dims, tokens)
+    # patched() holds the backward too: under activation checkpointing the backward runs each
+    # block's forward again, and dist_gemm's modules look the Functions up then
+    with (
+        dist_utils.get_spmd_context(parallel_dims=dims)(),
+        titan.patched() if patched else contextlib.nullcontext(),
+    ):
         inputs, labels, extra = annotate_input_spmd_types(
             dims, inputs, labels, {"positions": _positions(inputs)}
         )
         masks = model.get_attention_masks(extra["positions"])
-        with titan.patched() if patched else contextlib.nullcontext():
-            pred = model(inputs, extra["positions"], masks)
+        pred = model(inputs, extra["positions"], masks)
         if loss_parallel:
             loss = cross_entropy_loss(pred, labels, global_vocab_size=VOCAB)
         else:
@@ -230,7 +246,11 @@ def step(model, dims, *, loss_parallel: bool, patched: bool):
     whole = loss.detach().clone()
     if dims.dp_shard > 1:
         dist.all_reduce(whole, group=dims.get_mesh("dp_shard").get_group())
-    return whole, {n: full(p.grad) for n, p in model.named_parameters()}
+    return whole
+
+
+def full_grads(model) -> dict[str, torch.Tensor]:
+    return {n: full(p.grad) for n, p in model.named_parameters()}
 
 
 def counted_step(model, dims, backend: str, *, loss_parallel: bool):
@@ -250,7 +270,7 @@ def counted_step(model, dims, backend: str, *, loss_parallel: bool):
             model(inputs, extra["positions"], model.get_attention_masks(extra["positions"]))
         forward = tp_kernels.comm_stats()
         tp_kernels.reset_comm_stats()
-        loss, grads = step(model, dims, loss_parallel=loss_parallel, patched=True)
+        loss = step(model, dims, loss_parallel=loss_parallel, patched=True)
         both = tp_kernels.comm_stats()
     counts = {
         "forward": {k: forward.total("forward", k) for k in FORWARD},
@@ -258,7 +278,7 @@ def counted_step(model, dims, backend: str, *, loss_parallel: bool):
         "backward": {k: both.total("backward", k) for k in BACKWARD},
         "fallback": forward.total(kind="fallback") + both.total(kind="fallback"),
     }
-    return loss, grads, counts
+    return loss, full_grads(model), counts
 
 
 def copy_state(model) -> dict[str, torch.Tensor]:

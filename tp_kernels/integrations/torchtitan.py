@@ -30,14 +30,14 @@ and calls no style class; its fused path, ``tp_gemm_backend="dist_gemm"``, runs 
 only. There :func:`patched` rebinds those three names to tp_kernels' Functions of the same
 contract (:mod:`tp_kernels.integrations._torchtitan_linear`), so the path runs tp_kernels' fused
 ops on any backend and any process group, CPU included. The fused modules look the names up
-when their forward runs, so the block must hold the forward (the backward follows the Functions
-the forward recorded); a training script calls :func:`patch` once instead::
+each time their forward runs, so the block must hold the forward and, under activation
+checkpointing, the backward too (it runs the blocks' forwards again; outside the block they would
+call torchtitan's own Functions); a training script simply calls :func:`patch` once::
 
     tpk_titan.patch()   # then build and train as usual, with tp_gemm_backend="dist_gemm"
 
-    with tpk_titan.patched():
-        pred = model(tokens)
-    loss_fn(pred, labels).backward()
+    with tpk_titan.patched():   # or around each step
+        loss_fn(model(tokens), labels).backward()
 
 The version (``torchtitan.__version__``) picks the path; a checkout without one (``0.0.0``) is
 taken as 0.3 when it has ``dist_gemm``.
