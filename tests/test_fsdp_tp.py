@@ -12,7 +12,7 @@ ships it, then trained side by side and checkpointed across:
   (tp_kernels' styles, or the same plan from PyTorch's) with ``fully_shard`` per decoder layer and
   at the root.
 
-Each variant takes ``STEPS`` SGD steps on the same batches (each dp rank its own half); the losses
+Each variant takes ``STEPS`` SGD steps on one batch (each dp rank its own half); the losses
 and the final parameters of the two must agree. Then a ``torch.distributed.checkpoint`` save of
 each trained model is loaded into a freshly built model of the other variant (other weights):
 the loaded parameters must equal the saved ones exactly, and one more step on each gives the same
@@ -52,15 +52,16 @@ VARIANTS = ("tp_kernels", "reference")
 VOCAB, SEQ, BATCH = 128, 16, 4  # BATCH global: 2 rows per dp rank
 
 
-def _tokens(step: int) -> torch.Tensor:
-    """Step ``step``'s global batch of token ids [BATCH, SEQ + 1]."""
-    gen = torch.Generator().manual_seed(100 + step)
+def _tokens() -> torch.Tensor:
+    """The global batch of token ids [BATCH, SEQ + 1], the same every step (so the loss must
+    fall)."""
+    gen = torch.Generator().manual_seed(100)
     return torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
 
 
-def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This dp rank's rows of step ``step``'s batch: inputs and next-token labels [2, SEQ]."""
-    tokens = _tokens(step)
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """This dp rank's rows of the batch: inputs and next-token labels [2, SEQ]."""
+    tokens = _tokens()
     rows = BATCH // 2
     start = (dist.get_rank() // 2) * rows  # mesh (dp, tp): ranks 0, 1 are dp 0
     tokens = tokens[start : start + rows]
@@ -85,10 +86,22 @@ def _mean_over_dp(loss: torch.Tensor, mesh) -> torch.Tensor:
     return loss / 2
 
 
-# ---- the three layouts: make(variant, seed) -> model, step(model, variant, i) -> global loss ----
+# ---- the three layouts: make(variant, seed) -> model, step(model, variant) -> global loss ----
 
 
-class Titan02:
+class _Layout:
+    """How a layout's model is checkpointed: PyTorch's distributed state-dict API by default."""
+
+    def save(self, model, path: str) -> None:
+        dcp.save(get_model_state_dict(model), checkpoint_id=path)
+
+    def load(self, model, path: str) -> None:
+        state = get_model_state_dict(model)
+        dcp.load(state, checkpoint_id=path)
+        set_model_state_dict(model, state)
+
+
+class Titan02(_Layout):
     def __init__(self) -> None:
         self.mesh = _mesh()
 
@@ -115,14 +128,14 @@ class Titan02:
         llama3.apply_fsdp(model, self.mesh["dp"], torch.float32, torch.float32, pp_enabled=False)
         return _sum_on_gloo(model)
 
-    def step(self, model, variant: str, i: int) -> torch.Tensor:
-        inputs, labels = _batch(i)
+    def step(self, model, variant: str) -> torch.Tensor:
+        inputs, labels = _batch()
         loss = F.cross_entropy(model(inputs).flatten(0, 1).float(), labels.flatten())
         loss.backward()
         return _mean_over_dp(loss, self.mesh)
 
 
-class Titan03:
+class Titan03(_Layout):
     def __init__(self) -> None:
         import _titan03 as t3
 
@@ -135,13 +148,29 @@ class Titan03:
         model = self.t3.build(gemm, tp=2, dp=2, seed=seed)
         return self.t3.parallelize(model, self.dims, tp=2, dp=2)
 
-    def step(self, model, variant: str, i: int) -> torch.Tensor:
-        tokens = _tokens(i)  # t3.step takes this dp rank's rows
+    def step(self, model, variant: str) -> torch.Tensor:
+        tokens = _tokens()  # t3.step takes this dp rank's rows
         patched = variant == "tp_kernels"
         return self.t3.step(model, self.dims, loss_parallel=True, patched=patched, tokens=tokens)
 
+    # torchtitan 0.3's checkpointer: the model's own state_dict through its ModelWrapper, whose
+    # hooks save the fused wqkv as the stock wq/wk/wv (PyTorch's get_model_state_dict cannot
+    # follow those keys)
+    def save(self, model, path: str) -> None:
+        from torchtitan.components.checkpointer.base import ModelWrapper
 
-class HF:
+        dcp.save(ModelWrapper(model).state_dict(), checkpoint_id=path)
+
+    def load(self, model, path: str) -> None:
+        from torchtitan.components.checkpointer.base import ModelWrapper
+
+        wrapper = ModelWrapper(model)
+        state = wrapper.state_dict()
+        dcp.load(state, checkpoint_id=path)
+        wrapper.load_state_dict(state)
+
+
+class HF(_Layout):
     def __init__(self) -> None:
         self.mesh = _mesh()
 
@@ -166,8 +195,8 @@ class HF:
         fully_shard(model, mesh=self.mesh["dp"])
         return _sum_on_gloo(model)
 
-    def step(self, model, variant: str, i: int) -> torch.Tensor:
-        inputs, labels = _batch(i)
+    def step(self, model, variant: str) -> torch.Tensor:
+        inputs, labels = _batch()
         # transformers shifts the labels itself: pass the inputs as labels, its mean over tokens
         loss = model(input_ids=inputs, labels=inputs).loss
         loss.backward()
@@ -192,9 +221,9 @@ def _train_and_cross_load(layout: str, checkpoint_dir: str) -> dict:
             model = setup.make(variant, seed=0)
             optimizer = torch.optim.SGD(model.parameters(), lr=LR)
             losses[variant] = []
-            for i in range(STEPS):
+            for _ in range(STEPS):
                 optimizer.zero_grad(set_to_none=True)
-                losses[variant].append(setup.step(model, variant, i))
+                losses[variant].append(setup.step(model, variant))
                 optimizer.step()
             trained[variant] = model
         params = {variant: _full_params(model) for variant, model in trained.items()}
@@ -208,15 +237,13 @@ def _train_and_cross_load(layout: str, checkpoint_dir: str) -> dict:
         }
         for src, dst in (VARIANTS, VARIANTS[::-1]):
             path = f"{checkpoint_dir}/{layout}-{src}"
-            dcp.save(get_model_state_dict(trained[src]), checkpoint_id=path)
+            setup.save(trained[src], path)
             fresh = setup.make(dst, seed=1)  # other weights, so the load must overwrite them
-            state = get_model_state_dict(fresh)
-            dcp.load(state, checkpoint_id=path)
-            set_model_state_dict(fresh, state)
+            setup.load(fresh, path)
             loaded = _full_params(fresh)
             worst = max((loaded[n] - params[src][n]).abs().max().item() for n in loaded)
-            next_src = setup.step(trained[src], src, STEPS)
-            next_dst = setup.step(fresh, dst, STEPS)
+            next_src = setup.step(trained[src], src)
+            next_dst = setup.step(fresh, dst)
             out["cross"][f"{src}->{dst}"] = (worst, relative_error(next_dst, next_src))
     return out
 

@@ -117,15 +117,24 @@ def _uses_dist_gemm(torchtitan: ModuleType) -> bool:
     """True for torchtitan 0.3+ (fused linears to rebind), False for 0.2.x (style classes)."""
     found = re.match(r"(\d+)\.(\d+)", str(getattr(torchtitan, "__version__", "")))
     major_minor = (int(found[1]), int(found[2])) if found else (0, 0)
-    if major_minor == (0, 0):  # a source checkout: no release number to go by
+    if major_minor != (0, 0):
+        return major_minor >= (0, 3)
+    try:  # a source checkout: no release number to go by, so by what it has
         return importlib.util.find_spec(DIST_GEMM_MODULE) is not None
-    return major_minor >= (0, 3)
+    except ModuleNotFoundError:  # a parent package (torchtitan.models.common) is missing
+        return False
 
 
 def _dist_gemm_targets() -> list[tuple[ModuleType, str, object]]:
     """``(dist_gemm module, name, tp_kernels' Function)`` for each Function torchtitan 0.3's
     fused linears call."""
-    module = importlib.import_module(DIST_GEMM_MODULE)
+    try:
+        module = importlib.import_module(DIST_GEMM_MODULE)
+    except ImportError as e:
+        raise RuntimeError(
+            f"{_version(_torchtitan())}: cannot import {DIST_GEMM_MODULE}, whose fused linears "
+            f"patched() rebinds on torchtitan 0.3+ ({type(e).__name__}: {e})"
+        ) from e
     missing = [name for name in DIST_GEMM_FUNCTIONS if not hasattr(module, name)]
     if missing:
         raise RuntimeError(
