@@ -120,6 +120,33 @@ def _functions_against_written_out(backend: str) -> list[str]:
         if with_bias:
             check(f"LinearReduceScatter dbias ({tag})", b.grad, dy_full.sum(0))
 
+    # frozen weight (input grad only) and an input without grad (weight grad only)
+    x_full, w_full, w2_full, dy_full = rand(m, k), rand(n, k), rand(n, k), rand(m, n)
+    out_cols = slice(rank * n // world, (rank + 1) * n // world)
+    dx_all = dy_full[:, out_cols] @ w_full[out_cols]
+    dist.all_reduce(dx_all, group=group)
+    for x_grad, w_grad in ((True, False), (False, True)):
+        tag = "frozen w" if x_grad else "x without grad"
+        x = x_full[rows].clone().requires_grad_(x_grad)
+        w = w_full[out_cols].clone().requires_grad_(w_grad)
+        xr = x_full[:, cols].clone().requires_grad_(x_grad)
+        wr = w2_full[:, cols].clone().requires_grad_(w_grad)
+        with tp_kernels.use_backend(backend):
+            ours.AllGatherLinear.apply(x, w, None, group, group.group_name).backward(
+                dy_full[:, out_cols]
+            )
+            ours.LinearReduceScatter.apply(xr, wr, None, group, group.group_name).backward(
+                dy_full[rows]
+            )
+        if x_grad:
+            check(f"AllGatherLinear dx ({tag})", x.grad, dx_all[rows])
+            check(f"LinearReduceScatter dx ({tag})", xr.grad, dy_full @ w2_full[:, cols])
+        else:
+            check(f"AllGatherLinear dw ({tag})", w.grad, dy_full[:, out_cols].t() @ x_full)
+            check(f"LinearReduceScatter dw ({tag})", wr.grad, dy_full.t() @ x_full[:, cols])
+        if (x.grad is None) == x_grad or (w.grad is None) == w_grad:
+            problems.append(f"{backend} AllGatherLinear ({tag}): a grad not asked for, or missing")
+
     # two right-hand matrices, one gather
     x_full, wa_full, wb_full = rand(m, k), rand(n, k), rand(2 * n, k)
     dya_full, dyb_full = rand(m, n), rand(m, 2 * n)

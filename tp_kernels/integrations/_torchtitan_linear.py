@@ -23,8 +23,10 @@ tp_kernels' own autograd runs (``torch.ops.tp_kernels.*_backward``)::
     scatter side  G = all_gather(dy) fused with dx = G @ w        one fused all-gather-matmul
                   dw = G^T @ x,  dbias = G.sum(0)                 no further communication
 
-What backward keeps: ``x`` as given and the weights. On the gather side that is ``M*K/R``
-elements, as many as torchtitan's K-slice of the gathered ``x``; torchtitan cuts and copies that
+What backward keeps: ``x`` as given (for the weight grads) and the weights (for the input grad),
+each only where that grad is asked for (``needs_input_grad``: frozen weights, an input without
+grad), and only those grads are computed. On the gather side ``x`` is ``M*K/R`` elements, as many
+as torchtitan's K-slice of the gathered ``x``; torchtitan cuts and copies that
 slice in forward and re-gathers it along K after the input grad's reduce-scatter, where here the
 re-gather of ``x`` itself runs while the reduce-scatter computes, with no transposed copy. The
 weight grads are computed in the input dtype (a CUDA bf16 GEMM accumulates in fp32 and rounds
@@ -48,7 +50,6 @@ from collections.abc import Sequence
 
 import spmd_types as spmd
 import torch
-import torch.distributed as dist
 
 from tp_kernels.backends import current_backend
 from tp_kernels.ops import all_gather_matmul, matmul_reduce_scatter
@@ -56,32 +57,36 @@ from tp_kernels.ops import all_gather_matmul, matmul_reduce_scatter
 __all__ = ["AllGatherLinear", "AllGatherLinearMulti", "LinearReduceScatter"]
 
 
-def _keep(ctx, group: dist.ProcessGroup, backend: str, *tensors: torch.Tensor) -> None:
-    ctx.save_for_backward(*tensors)
-    ctx.group_name, ctx.backend = group.group_name, backend
-
-
 def _gather_forward(ctx, x, weights, group) -> list[torch.Tensor]:
-    """``[all_gather(x) @ w^T for w in weights]`` [M, N_j/R]; saves ``x`` and the weights."""
+    """``[all_gather(x) @ w^T for w in weights]`` [M, N_j/R]; keeps what backward needs: ``x``
+    for the weight grads, the weights for the input grad (``ctx.needs_input_grad``)."""
     backend = current_backend()
     _, outs = all_gather_matmul(x, [w.t() for w in weights], 0, group, backend=backend)
-    _keep(ctx, group, backend, x, *weights)
+    need = ctx.needs_input_grad
+    ctx.need_x, ctx.need_w = need[0], list(need[1 : 1 + len(weights)])
+    ctx.group_name, ctx.backend = group.group_name, backend
+    ctx.save_for_backward(x if any(ctx.need_w) else None, *(weights if ctx.need_x else ()))
     return outs
 
 
-def _gather_backward(ctx, grads: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list]:
-    """``(dx [M/R, K], [dw_j [N_j/R, K]])`` from the output grads ``dy_j`` [M, N_j/R]."""
+def _gather_backward(ctx, grads: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, list]:
+    """``(dx [M/R, K] or None, [dw_j [N_j/R, K] or None])`` from the output grads ``dy_j``
+    [M, N_j/R], each computed only if asked for."""
     x, *weights = ctx.saved_tensors
-    grad_x, *grad_bs = torch.ops.tp_kernels.all_gather_matmul_backward(
-        x,
-        [w.t() for w in weights],
-        [g.contiguous() for g in grads],
-        None,
-        False,  # x is this rank's rows: gather it again for the weight grads
-        ctx.group_name,
-        ctx.backend,
-    )
-    return grad_x, [grad_b.t().contiguous() for grad_b in grad_bs]
+    grads = [g.contiguous() for g in grads]
+    ops = torch.ops.tp_kernels
+    if ctx.need_x:  # x is this rank's rows: gathered again (a_is_gathered=False)
+        grad_x, *grad_bs = ops.all_gather_matmul_backward(
+            x, [w.t() for w in weights], grads, None, False, ctx.group_name, ctx.backend, ctx.need_w
+        )
+    elif any(ctx.need_w):  # weight grads only: no reduce-scatter
+        wanted = [g for g, need in zip(grads, ctx.need_w) if need]
+        grad_x = None
+        grad_bs = ops.all_gather_matmul_weight_grads(x, wanted, False, ctx.group_name, ctx.backend)
+    else:
+        return None, [None] * len(ctx.need_w)
+    present = iter(grad_bs)
+    return grad_x, [next(present).t().contiguous() if need else None for need in ctx.need_w]
 
 
 def _typechecked(
@@ -112,13 +117,13 @@ class AllGatherLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, bias, group, group_name):
         (y,) = _gather_forward(ctx, x, [w], group)
-        ctx.has_bias = bias is not None
+        ctx.need_bias = bias is not None and ctx.needs_input_grad[2]
         return y if bias is None else y.add_(bias)
 
     @staticmethod
     def backward(ctx, grad_y):
         grad_x, (grad_w,) = _gather_backward(ctx, [grad_y])
-        grad_bias = grad_y.sum(0) if ctx.has_bias else None
+        grad_bias = grad_y.sum(0) if ctx.need_bias else None
         return grad_x, grad_w, grad_bias, None, None
 
     @staticmethod
@@ -165,17 +170,31 @@ class LinearReduceScatter(torch.autograd.Function):
     def forward(ctx, x, w, bias, group, group_name):
         backend = current_backend()
         y = matmul_reduce_scatter(x, w.t(), 0, group, backend=backend, bias=bias)
-        _keep(ctx, group, backend, x, w)
-        ctx.has_bias = bias is not None
+        ctx.need = (*ctx.needs_input_grad[:2], bias is not None and ctx.needs_input_grad[2])
+        ctx.group_name, ctx.backend = group.group_name, backend
+        need_x, need_w, _ = ctx.need
+        ctx.save_for_backward(x if need_w else None, w if need_x else None)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
+        if not any(ctx.need):
+            return None, None, None, None, None
         x, w = ctx.saved_tensors
-        grad_x, grad_b, *grad_bias = torch.ops.tp_kernels.matmul_reduce_scatter_backward(
-            x, w.t(), grad_y.contiguous(), ctx.has_bias, ctx.group_name, ctx.backend, False
+        present = iter(
+            torch.ops.tp_kernels.matmul_reduce_scatter_backward(
+                x,
+                None if w is None else w.t(),
+                grad_y.contiguous(),
+                ctx.group_name,
+                ctx.backend,
+                False,  # a sum, not a mean
+                *ctx.need,
+            )
         )
-        return grad_x, grad_b.t().contiguous(), grad_bias[0] if grad_bias else None, None, None
+        grad_x, grad_b, grad_bias = (next(present) if need else None for need in ctx.need)
+        grad_w = None if grad_b is None else grad_b.t().contiguous()
+        return grad_x, grad_w, grad_bias, None, None
 
     @staticmethod
     def typecheck_forward(x, w, bias, group, group_name):
