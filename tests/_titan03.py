@@ -250,7 +250,12 @@ def step(model, dims, *, loss_parallel: bool, patched: bool, tokens: torch.Tenso
 
 
 def full_grads(model) -> dict[str, torch.Tensor]:
-    return {n: full(p.grad) for n, p in model.named_parameters()}
+    """Every parameter's full gradient, by name (activation checkpointing's wrapper prefix
+    removed, so names match the unwrapped model's)."""
+    return {
+        n.replace("_checkpoint_wrapped_module.", ""): full(p.grad)
+        for n, p in model.named_parameters()
+    }
 
 
 def counted_step(model, dims, backend: str, *, loss_parallel: bool):

