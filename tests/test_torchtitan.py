@@ -34,7 +34,10 @@ from torch.distributed.tensor import parallel as torch_tp
 
 import tp_kernels
 
-pytest.importorskip("torchtitan.models.llama3.infra.parallelize")
+pytest.importorskip(
+    "torchtitan.models.llama3.infra.parallelize",
+    reason="needs torchtitan 0.2.x (apply_tp); 0.3 is tested by test_torchtitan_dist_gemm.py",
+)
 from torchtitan.config.job_config import ActivationCheckpoint  # noqa: E402
 from torchtitan.distributed.activation_checkpoint import apply_ac  # noqa: E402
 from torchtitan.models.llama3 import Transformer, TransformerModelArgs  # noqa: E402
@@ -254,10 +257,28 @@ def test_patched_names_the_version_when_nothing_imports_the_styles(monkeypatch):
     import torchtitan
 
     monkeypatch.setattr(titan, "_style_modules", lambda: ([], {}))
-    monkeypatch.setattr(torchtitan, "__version__", "0.3.0")
-    with pytest.raises(RuntimeError, match=r"torchtitan 0\.3\.0 .*nothing to patch.*0\.2\.x"):
+    monkeypatch.setattr(torchtitan, "__version__", "0.2.9")
+    with pytest.raises(RuntimeError, match=r"torchtitan 0\.2\.9 .*nothing to patch.*0\.2\.x"):
         with titan.patched():
             pass
     # the failed entry left nothing open
     with pytest.raises(RuntimeError, match="without a patch"):
         titan.unpatch()
+
+
+def test_patched_takes_the_dist_gemm_path_by_version(monkeypatch):
+    # A release numbered 0.3 without dist_gemm (this 0.2 install, relabelled): a clear error
+    # naming the version and the module, and nothing left patched.
+    import torchtitan
+
+    monkeypatch.setattr(torchtitan, "__version__", "0.3.0")
+    assert titan._uses_dist_gemm(torchtitan)
+    with pytest.raises(RuntimeError, match=r"torchtitan 0\.3\.0: cannot import .*dist_gemm"):
+        titan.patch()
+    with pytest.raises(RuntimeError, match="without a patch"):
+        titan.unpatch()
+    # a checkout without a release number goes by what it has: 0.2.x has no dist_gemm
+    monkeypatch.setattr(torchtitan, "__version__", "0.0.0+unknown")
+    assert not titan._uses_dist_gemm(torchtitan)
+    monkeypatch.setattr(torchtitan, "__version__", "0.2.2")
+    assert not titan._uses_dist_gemm(torchtitan)

@@ -22,10 +22,25 @@ only add tp_kernels' 1-D mesh check to the expert-parallel calls that share the 
 float8 styles that ``apply_tp`` imports from torchao when ``enable_float8_tensorwise_tp`` is set
 (they keep their own path). :func:`patch` / :func:`unpatch` do the same without a block.
 
-**torchtitan 0.3+** builds dense models from per-module sharding configs and calls no style
-class, so :func:`patched` raises there, naming the installed version; docs/torchtitan.md
-describes its own fused linears (``tp_gemm_backend="dist_gemm"``) and where tp_kernels' ops
-would plug in.
+**torchtitan 0.3.x** (tested with 0.3.0) builds dense models from per-module sharding configs
+and calls no style class; its fused path, ``tp_gemm_backend="dist_gemm"``, runs modules of
+``torchtitan.models.common.dist_gemm`` that call three autograd Functions of
+``torchtitan/distributed/linear.py`` by their module-global names (``AllGatherLinear``,
+``AllGatherLinearMulti``, ``LinearReduceScatter``), built on ``torch.ops.symm_mem`` and so CUDA
+only. There :func:`patched` rebinds those three names to tp_kernels' Functions of the same
+contract (:mod:`tp_kernels.integrations._torchtitan_linear`), so the path runs tp_kernels' fused
+ops on any backend and any process group, CPU included. The fused modules look the names up
+each time their forward runs, so the block must hold the forward and, under activation
+checkpointing, the backward too (it runs the blocks' forwards again; outside the block they would
+call torchtitan's own Functions); a training script simply calls :func:`patch` once::
+
+    tpk_titan.patch()   # then build and train as usual, with tp_gemm_backend="dist_gemm"
+
+    with tpk_titan.patched():   # or around each step
+        loss_fn(model(tokens), labels).backward()
+
+The version (``torchtitan.__version__``) picks the path; a checkout without one (``0.0.0``) is
+taken as 0.3 when it has ``dist_gemm``.
 
 Patching rebinds module attributes, which is process-wide: while any ``patched()`` block (or a
 :func:`patch` without its :func:`unpatch`) is open, every thread sees tp_kernels' classes. Nested
@@ -39,6 +54,7 @@ import importlib
 import importlib.util
 import logging
 import pathlib
+import re
 import threading
 from collections.abc import Iterator
 from types import ModuleType
@@ -71,6 +87,9 @@ _STYLES = {
     if getattr(_torch_tp, name) is not getattr(_tpk_styles, name)  # re-exports need no patch
 }
 _IMPORT_LINE = "from torch.distributed.tensor.parallel import"
+# torchtitan 0.3: the module whose fused linears call these Functions, rebound to tp_kernels'.
+DIST_GEMM_MODULE = "torchtitan.models.common.dist_gemm"
+DIST_GEMM_FUNCTIONS = ("AllGatherLinear", "AllGatherLinearMulti", "LinearReduceScatter")
 
 
 def _is_torch_style(value: object) -> bool:
@@ -92,6 +111,40 @@ def _torchtitan() -> ModuleType:
 
 def _version(torchtitan: ModuleType) -> str:
     return f"torchtitan {getattr(torchtitan, '__version__', '(unknown version)')}"
+
+
+def _uses_dist_gemm(torchtitan: ModuleType) -> bool:
+    """True for torchtitan 0.3+ (fused linears to rebind), False for 0.2.x (style classes)."""
+    found = re.match(r"(\d+)\.(\d+)", str(getattr(torchtitan, "__version__", "")))
+    major_minor = (int(found[1]), int(found[2])) if found else (0, 0)
+    if major_minor != (0, 0):
+        return major_minor >= (0, 3)
+    try:  # a source checkout: no release number to go by, so by what it has
+        return importlib.util.find_spec(DIST_GEMM_MODULE) is not None
+    except ModuleNotFoundError:  # a parent package (torchtitan.models.common) is missing
+        return False
+
+
+def _dist_gemm_targets() -> list[tuple[ModuleType, str, object]]:
+    """``(dist_gemm module, name, tp_kernels' Function)`` for each Function torchtitan 0.3's
+    fused linears call."""
+    try:
+        module = importlib.import_module(DIST_GEMM_MODULE)
+    except ImportError as e:
+        raise RuntimeError(
+            f"{_version(_torchtitan())}: cannot import {DIST_GEMM_MODULE}, whose fused linears "
+            f"patched() rebinds on torchtitan 0.3+ ({type(e).__name__}: {e})"
+        ) from e
+    missing = [name for name in DIST_GEMM_FUNCTIONS if not hasattr(module, name)]
+    if missing:
+        raise RuntimeError(
+            f"{_version(_torchtitan())}: {DIST_GEMM_MODULE} has no {missing}; patched() "
+            f"rebinds {list(DIST_GEMM_FUNCTIONS)}, the Functions of torchtitan 0.3.0's "
+            f"distributed/linear.py that its fused linears call"
+        )
+    from tp_kernels.integrations import _torchtitan_linear
+
+    return [(module, name, getattr(_torchtitan_linear, name)) for name in DIST_GEMM_FUNCTIONS]
 
 
 def _style_modules() -> tuple[list[ModuleType], dict[str, str]]:
@@ -122,35 +175,46 @@ _depth = 0
 _rebound: list[tuple[ModuleType, str, object]] = []
 
 
+def _style_targets() -> list[tuple[ModuleType, str, object]]:
+    """``(module, global name, tp_kernels' class)`` for every global of torchtitan 0.2.x's
+    parallelize modules that holds one of PyTorch's style classes."""
+    modules, skipped = _style_modules()
+    for name, why in skipped.items():
+        logger.info("tp_kernels.integrations.torchtitan: not patched %s (%s)", name, why)
+    if not modules:
+        torchtitan = _torchtitan()
+        raise RuntimeError(
+            f"{_version(torchtitan)} (at {pathlib.Path(torchtitan.__file__).parent}): no "
+            f"module imports PyTorch's tensor-parallel styles, so there is nothing to "
+            f"patch. patched() supports torchtitan 0.2.x, whose "
+            f"models/<family>/infra/parallelize.py build plans from those classes, and 0.3.x, "
+            f"whose {DIST_GEMM_MODULE} fused linears (tp_gemm_backend='dist_gemm') it "
+            f"rebinds (see tp_kernels' docs/torchtitan.md)"
+        )
+    return [
+        (module, attr, _STYLES[value])
+        for module in modules
+        for attr, value in list(vars(module).items())
+        if _is_torch_style(value)
+    ]
+
+
 def patch() -> list[str]:
-    """Rebind PyTorch's style names in torchtitan 0.2.x's parallelize modules to tp_kernels'.
+    """Rebind torchtitan's names to tp_kernels': on 0.2.x PyTorch's style classes in its
+    parallelize modules, on 0.3.x the three Functions of its ``dist_gemm`` fused linears.
 
     Returns the patched module names. Counted: each call needs one :func:`unpatch`. Raises
-    ``RuntimeError`` (naming the installed version) when no module imports PyTorch's styles,
-    as in torchtitan 0.3+, and ``ImportError`` when torchtitan is not installed.
+    ``RuntimeError`` (naming the installed version) when there is nothing to rebind, and
+    ``ImportError`` when torchtitan is not installed.
     """
     global _depth
     with _lock:
         if _depth == 0:
-            modules, skipped = _style_modules()
-            for name, why in skipped.items():
-                logger.info("tp_kernels.integrations.torchtitan: not patched %s (%s)", name, why)
-            if not modules:
-                torchtitan = _torchtitan()
-                raise RuntimeError(
-                    f"{_version(torchtitan)} (at {pathlib.Path(torchtitan.__file__).parent}): no "
-                    f"module imports PyTorch's tensor-parallel styles, so there is nothing to "
-                    f"patch. patched() supports torchtitan 0.2.x, whose "
-                    f"models/<family>/infra/parallelize.py build plans from those classes; "
-                    f"torchtitan 0.3+ shards dense models with per-module sharding configs and "
-                    f"fuses with its own tp_gemm_backend='dist_gemm' linears (see tp_kernels' "
-                    f"docs/torchtitan.md)"
-                )
-            for module in modules:
-                for attr, value in list(vars(module).items()):
-                    if _is_torch_style(value):
-                        _rebound.append((module, attr, value))
-                        setattr(module, attr, _STYLES[value])
+            torchtitan = _torchtitan()
+            targets = _dist_gemm_targets() if _uses_dist_gemm(torchtitan) else _style_targets()
+            for module, attr, ours in targets:
+                _rebound.append((module, attr, getattr(module, attr)))
+                setattr(module, attr, ours)
         _depth += 1
         return sorted({module.__name__ for module, _, _ in _rebound})
 
@@ -171,7 +235,8 @@ def unpatch() -> None:
 @contextlib.contextmanager
 def patched() -> Iterator[list[str]]:
     """``with patched() as modules:`` torchtitan 0.2.x's parallelize functions build their plans
-    from tp_kernels' styles; PyTorch's are restored on exit (see the module docstring)."""
+    from tp_kernels' styles, or torchtitan 0.3.x's ``dist_gemm`` linears run tp_kernels' fused
+    ops; torchtitan's own names are restored on exit (see the module docstring)."""
     modules = patch()
     try:
         yield modules

@@ -1,0 +1,342 @@
+"""torchtitan 0.3's fused linears (``tp_gemm_backend="dist_gemm"``) running tp_kernels' ops.
+
+Two parts. The three Functions alone (:mod:`tp_kernels.integrations._torchtitan_linear`) against
+the collectives and matmuls written out, forward and backward, with and without bias, and under
+spmd_types' type checker. Then torchtitan 0.3's Llama3 (tests/_titan03.py: its layer builder,
+``parallelize_llama`` with TP + sequence parallel and FSDP, as its trainer steps it) with
+``dist_gemm`` inside :func:`tp_kernels.integrations.torchtitan.patched`, against the unsharded
+model and against torchtitan's stock unfused path (``tp_gemm_backend="default"``) on the same
+layout: TP 2 and 4, FSDP dp 1 and 2, loss parallel on (torchtitan's vocab-parallel cross entropy)
+and off (the logits gathered, plain cross entropy: 0.3 has no switch for it), full and selective
+activation checkpointing, every backend. torchtitan's own dist_gemm Functions need CUDA symmetric
+memory, so on CPU they cannot be the reference; its stock path is.
+
+Tolerances, as in test_torchtitan.py: per quantity (the loss, each parameter's full gradient), the
+norm-relative error against a float64 run of the unsharded model must stay within
+``max(2 * err_ref, 2 * eps(float32))``, ``err_ref`` being the error of the float32 run compared
+with (the unsharded model, or the stock path): sharding only reorders sums. (RoPE stays complex64
+in the float64 run, torchtitan's choice; both float32 runs round it alike.)
+
+Needs torch >= 2.15 and torchtitan 0.3.x (``pip install --no-deps torchtitan==0.3.0`` and
+``spmd_types==0.2.3 torch_checkpointing`` with the deps its imports need); skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from _training import relative_error
+
+import tp_kernels
+
+spmd = pytest.importorskip("spmd_types", reason="torchtitan 0.3's dist_gemm path needs spmd_types")
+torchtitan = pytest.importorskip("torchtitan", reason="needs torchtitan 0.3.x")
+
+from tp_kernels.integrations import torchtitan as titan  # noqa: E402
+
+if not titan._uses_dist_gemm(torchtitan):
+    pytest.skip(
+        f"needs torchtitan 0.3.x (dist_gemm); installed: {torchtitan.__version__}",
+        allow_module_level=True,
+    )
+
+import _titan03 as t3  # noqa: E402
+
+from tp_kernels.integrations import _torchtitan_linear as ours  # noqa: E402
+
+FLOOR = 2 * torch.finfo(torch.float32).eps
+BACKENDS = ["reference", "pipelined", "symm"]
+
+
+# ---- the three Functions alone ------------------------------------------------------------------
+
+
+def _gathered(x: torch.Tensor, group) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(group.size())]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts)
+
+
+def _functions_against_written_out(backend: str) -> list[str]:
+    """Each Function's output and grads against all_gather / matmul / reduce_scatter written out
+    (float64, so any difference is a wrong formula, not rounding); the problems found."""
+    group = dist.group.WORLD
+    world, rank = group.size(), group.rank()
+    gen = torch.Generator().manual_seed(3)  # every rank draws the same full tensors
+    m, k, n = 4 * world, 6 * world, 2 * world
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    problems = []
+
+    def check(name, got, want):
+        if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-12, atol=1e-12):
+            problems.append(f"{backend} {name}: {got.shape} vs {want.shape}")
+
+    rows = slice(rank * m // world, (rank + 1) * m // world)
+    cols = slice(rank * k // world, (rank + 1) * k // world)
+    for with_bias in (False, True):
+        tag = "bias" if with_bias else "no bias"
+        # gather side: x [M/R, K] rows of the full x; w [N/R, K], bias [N/R]
+        x_full, w_full, b_full, dy_full = rand(m, k), rand(n, k), rand(n), rand(m, n)
+        out_cols = slice(rank * n // world, (rank + 1) * n // world)
+        x = x_full[rows].clone().requires_grad_()
+        w = w_full[out_cols].clone().requires_grad_()
+        b = b_full[out_cols].clone().requires_grad_() if with_bias else None
+        with tp_kernels.use_backend(backend):
+            y = ours.AllGatherLinear.apply(x, w, b, group, group.group_name)
+            y.backward(dy_full[:, out_cols])
+        ref_x = x_full[rows].clone().requires_grad_()
+        ref_w = w_full[out_cols].clone().requires_grad_()
+        ref_b = b_full[out_cols].clone().requires_grad_() if with_bias else None
+        ref_y = _gathered(ref_x.detach(), group) @ ref_w.t()
+        ref_y = ref_y + ref_b if with_bias else ref_y
+        check(f"AllGatherLinear y ({tag})", y, ref_y)
+        # dx = rows of sum over ranks of dy_r @ w_r: the reduce-scatter written out
+        dx_all = dy_full[:, out_cols] @ w_full[out_cols]
+        dist.all_reduce(dx_all, group=group)
+        check(f"AllGatherLinear dx ({tag})", x.grad, dx_all[rows])
+        check(f"AllGatherLinear dw ({tag})", w.grad, dy_full[:, out_cols].t() @ x_full)
+        if with_bias:
+            check(f"AllGatherLinear dbias ({tag})", b.grad, dy_full[:, out_cols].sum(0))
+
+        # scatter side: x [M, K/R] columns of the full x; w [N, K/R], bias [N] replicated
+        x = x_full[:, cols].clone().requires_grad_()
+        w2_full = rand(n, k)
+        w = w2_full[:, cols].clone().requires_grad_()
+        b = b_full.clone().requires_grad_() if with_bias else None
+        dy_rows = dy_full[rows]
+        with tp_kernels.use_backend(backend):
+            y = ours.LinearReduceScatter.apply(x, w, b, group, group.group_name)
+            y.backward(dy_rows)
+        want = (x_full @ w2_full.t())[rows]
+        check(f"LinearReduceScatter y ({tag})", y, want + b_full if with_bias else want)
+        check(f"LinearReduceScatter dx ({tag})", x.grad, dy_full @ w2_full[:, cols])
+        check(f"LinearReduceScatter dw ({tag})", w.grad, dy_full.t() @ x_full[:, cols])
+        if with_bias:
+            check(f"LinearReduceScatter dbias ({tag})", b.grad, dy_full.sum(0))
+
+    # frozen weight (input grad only) and an input without grad (weight grad only)
+    x_full, w_full, w2_full, dy_full = rand(m, k), rand(n, k), rand(n, k), rand(m, n)
+    out_cols = slice(rank * n // world, (rank + 1) * n // world)
+    dx_all = dy_full[:, out_cols] @ w_full[out_cols]
+    dist.all_reduce(dx_all, group=group)
+    for x_grad, w_grad in ((True, False), (False, True)):
+        tag = "frozen w" if x_grad else "x without grad"
+        x = x_full[rows].clone().requires_grad_(x_grad)
+        w = w_full[out_cols].clone().requires_grad_(w_grad)
+        xr = x_full[:, cols].clone().requires_grad_(x_grad)
+        wr = w2_full[:, cols].clone().requires_grad_(w_grad)
+        with tp_kernels.use_backend(backend):
+            ours.AllGatherLinear.apply(x, w, None, group, group.group_name).backward(
+                dy_full[:, out_cols]
+            )
+            ours.LinearReduceScatter.apply(xr, wr, None, group, group.group_name).backward(
+                dy_full[rows]
+            )
+        if x_grad:
+            check(f"AllGatherLinear dx ({tag})", x.grad, dx_all[rows])
+            check(f"LinearReduceScatter dx ({tag})", xr.grad, dy_full @ w2_full[:, cols])
+        else:
+            check(f"AllGatherLinear dw ({tag})", w.grad, dy_full[:, out_cols].t() @ x_full)
+            check(f"LinearReduceScatter dw ({tag})", wr.grad, dy_full.t() @ x_full[:, cols])
+        if (x.grad is None) == x_grad or (w.grad is None) == w_grad:
+            problems.append(f"{backend} AllGatherLinear ({tag}): a grad not asked for, or missing")
+
+    # two right-hand matrices, one gather
+    x_full, wa_full, wb_full = rand(m, k), rand(n, k), rand(2 * n, k)
+    dya_full, dyb_full = rand(m, n), rand(m, 2 * n)
+    a_cols = slice(rank * n // world, (rank + 1) * n // world)
+    b_cols = slice(rank * 2 * n // world, (rank + 1) * 2 * n // world)
+    x = x_full[rows].clone().requires_grad_()
+    wa = wa_full[a_cols].clone().requires_grad_()
+    wb = wb_full[b_cols].clone().requires_grad_()
+    with tp_kernels.use_backend(backend):
+        ya, yb = ours.AllGatherLinearMulti.apply(x, wa, wb, group, group.group_name)
+        torch.autograd.backward([ya, yb], [dya_full[:, a_cols], dyb_full[:, b_cols]])
+    check("AllGatherLinearMulti ya", ya, x_full @ wa_full[a_cols].t())
+    check("AllGatherLinearMulti yb", yb, x_full @ wb_full[b_cols].t())
+    dx_all = dya_full[:, a_cols] @ wa_full[a_cols] + dyb_full[:, b_cols] @ wb_full[b_cols]
+    dist.all_reduce(dx_all, group=group)
+    check("AllGatherLinearMulti dx", x.grad, dx_all[rows])
+    check("AllGatherLinearMulti dwa", wa.grad, dya_full[:, a_cols].t() @ x_full)
+    check("AllGatherLinearMulti dwb", wb.grad, dyb_full[:, b_cols].t() @ x_full)
+    return problems
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_functions_match_collectives_written_out(worlds, world):
+    backends = BACKENDS if world == 2 else ["symm"]
+    for backend in backends:
+        for problems in worlds(world).run(_functions_against_written_out, backend):
+            assert not problems, "\n".join(problems)
+
+
+def _types_under_the_checker() -> dict:
+    """Under spmd_types' checker: the output types of each Function, and the error when an
+    input's type is wrong."""
+    from spmd_types import R, S, V
+    from spmd_types.checker import typecheck
+
+    group = dist.group.WORLD
+    world = group.size()
+    out = {}
+    with typecheck(local=False):
+        x = spmd.assert_type(torch.randn(4, 8), {group: S(0)})
+        w = spmd.assert_type(torch.randn(6, 8), {group: S(0)})
+        y = ours.AllGatherLinear.apply(x, w, None, group, group.group_name)
+        ya, yb = ours.AllGatherLinearMulti.apply(x, w, w, group, group.group_name)
+        h = spmd.assert_type(torch.randn(4 * world, 6), {group: S(1)})
+        w2 = spmd.assert_type(torch.randn(8, 6), {group: S(1)})
+        bias = spmd.assert_type(torch.randn(8), {group: R})
+        z = ours.LinearReduceScatter.apply(h, w2, bias, group, group.group_name)
+        for name, t in {"y": y, "ya": ya, "yb": yb, "z": z}.items():
+            spec = spmd.get_partition_spec(t)
+            sharded = [d for d, entry in enumerate(spec or ()) if entry is not None]
+            out[name] = (list(spmd.get_local_type(t).values()) == [V], sharded)
+        wrong = spmd.assert_type(torch.randn(4, 8), {group: R})
+        try:
+            ours.AllGatherLinear.apply(wrong, w, None, group, group.group_name)
+            out["wrong"] = None
+        except spmd.SpmdTypeError as e:
+            out["wrong"] = str(e)
+    return out
+
+
+def test_functions_are_typechecked_by_spmd_types(worlds):
+    result = worlds(2).run(_types_under_the_checker)[0]
+    # varying on the TP axis, sharded along the dim torchtitan's Functions declare: S(1) out of
+    # the gather side, S(0) out of the scatter side
+    assert result["y"] == result["ya"] == result["yb"] == (True, [1]), result
+    assert result["z"] == (True, [0]), result
+    assert result["wrong"] is not None, "a replicated x was accepted where S(0) is required"
+    assert "tensor has PerMeshAxisLocalSpmdType.R, expected" in result["wrong"], result["wrong"]
+
+
+# ---- torchtitan 0.3's Llama3 ---------------------------------------------------------------------
+
+
+def _run_cases(
+    tp: int, dp: int, backends: list[str], ac: str = "none", loss_parallel=(False, True)
+) -> dict:
+    """Per (backend, loss_parallel): errors of tp_kernels and of its references, fused counts.
+
+    Returns ``{(backend, lp): {"errors": {quantity: (err_tpk, err_unsharded, err_stock)},
+    "forward": ..., "step": ..., "backward": ..., "fallback": n}}``.
+    """
+    t3.use_cpu()
+    base = t3.build("default")
+    state = t3.copy_state(base)
+    truth = t3.unsharded_loss_and_grads(copy.deepcopy(base).double())
+    unsharded = t3.unsharded_loss_and_grads(copy.deepcopy(base))
+    dims = t3.parallel_dims(tp, dp)
+    out = {}
+    for lp in loss_parallel:
+        stock_model = t3.parallelize(t3.build("default", tp, dp, state), dims, tp=tp, dp=dp, ac=ac)
+        stock_loss = t3.step(stock_model, dims, loss_parallel=lp, patched=False)
+        stock = (stock_loss, t3.full_grads(stock_model))
+        for backend in backends:
+            model = t3.build("dist_gemm", tp, dp, state)
+            model = t3.parallelize(model, dims, tp=tp, dp=dp, ac=ac)
+            loss, grads, counts = t3.counted_step(model, dims, backend, loss_parallel=lp)
+            assert grads.keys() == truth[1].keys()
+            errors = {}
+            for key, (got, ref64, ref, stock_ref) in {
+                "loss": (loss, truth[0], unsharded[0], stock[0]),
+                **{n: (grads[n], truth[1][n], unsharded[1][n], stock[1][n]) for n in truth[1]},
+            }.items():
+                assert got.shape == ref.shape and got.dtype == ref.dtype, key
+                errors[key] = (
+                    relative_error(got, ref64),
+                    relative_error(ref, ref64),
+                    relative_error(stock_ref, ref64),
+                )
+            out[(backend, lp)] = {"errors": errors, **counts}
+    return out
+
+
+def _failures(result: dict) -> list[str]:
+    failures = []
+    for (backend, lp), case in result.items():
+        where = f"backend={backend} loss_parallel={lp}"
+        for name, (err, err_unsharded, err_stock) in case["errors"].items():
+            for ref_name, ref in (("unsharded", err_unsharded), ("stock path", err_stock)):
+                if err > max(2 * ref, FLOOR):
+                    failures.append(
+                        f"{where} {name}: err {err:.3e} > max(2 * {ref:.3e} ({ref_name}), "
+                        f"{FLOOR:.1e})"
+                    )
+        if case["fallback"]:
+            failures.append(f"{where}: {case['fallback']} calls fell back")
+    return failures
+
+
+def _check(result: dict, recomputed: int = 0) -> None:
+    assert not _failures(result), "\n".join(_failures(result))
+    for case in result.values():
+        assert len(case["errors"]) == 1 + N_PARAMS, case["errors"].keys()
+        assert case["forward"] == t3.FORWARD
+        assert case["step"] == {k: (1 + recomputed) * n for k, n in t3.FORWARD.items()}
+        assert case["backward"] == t3.BACKWARD
+
+
+# tok_embeddings, norm, lm_head; per layer wqkv, wo, w1, w2, w3 and two norms
+N_PARAMS = 3 + 7 * t3.LAYERS
+
+
+def _backends() -> list:
+    symm = tp_kernels.available_backends()["symm"]
+    skip = pytest.mark.skipif(symm != "ok", reason=f"symm: {symm}")
+    return [pytest.param(b, marks=skip) if b == "symm" else b for b in BACKENDS]
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_dist_gemm_tp2_matches_unsharded_and_stock(worlds, backend):
+    per_rank = worlds(2).run(_run_cases, 2, 1, [backend])
+    assert all(r == per_rank[0] for r in per_rank), "ranks disagree on the full tensors"
+    _check(per_rank[0])
+
+
+# At 4 ranks (slow to run on 2 cores), AC and dp 2: torchtitan's default, loss parallel on; the
+# 2-rank backend tests cover it off.
+def test_dist_gemm_tp4(worlds):
+    _check(worlds(4).run(_run_cases, 4, 1, ["symm"], loss_parallel=(True,))[0])
+
+
+def test_dist_gemm_tp2_with_fsdp_dp2(worlds):
+    # 4 ranks: dp_shard 2 x tp 2; the TP group is a subgroup of the world
+    _check(worlds(4).run(_run_cases, 2, 2, ["pipelined"], loss_parallel=(True,))[0])
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_dist_gemm_with_activation_checkpointing(worlds, mode):
+    # Each block's forward runs again in backward, its fused ops included (torchtitan's
+    # selective policy saves aten ops' outputs, not tp_kernels' ops, so those are recomputed).
+    result = worlds(2).run(_run_cases, 2, 1, ["pipelined"], mode, loss_parallel=(True,))[0]
+    _check(result, recomputed=1)
+
+
+# ---- patching ------------------------------------------------------------------------------------
+
+
+def test_patched_rebinds_dist_gemm_and_restores():
+    from torchtitan.distributed import linear as titan_linear
+    from torchtitan.models.common import dist_gemm
+
+    names = titan.DIST_GEMM_FUNCTIONS
+    before = {name: getattr(dist_gemm, name) for name in names}
+    assert all(before[name] is getattr(titan_linear, name) for name in names)
+    with titan.patched() as modules:
+        assert modules == [titan.DIST_GEMM_MODULE]
+        with titan.patched():
+            pass  # nested: the inner exit must not restore
+        for name in names:
+            assert getattr(dist_gemm, name) is getattr(ours, name), name
+    for name in names:
+        assert getattr(dist_gemm, name) is before[name], name
+    with pytest.raises(RuntimeError, match="without a patch"):
+        titan.unpatch()
