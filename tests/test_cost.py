@@ -216,8 +216,8 @@ def test_schedule_table_covers_the_llama_shapes_and_marks_where_fusion_loses(cap
     assert "one SM's remote rate = 21.8 GB/s" in out
     table = model.schedule_rows(H100, 8)
     assert [len(rows) for rows in table.values()] == [12, 12]  # 3 models x 2 token counts x 2
-    for op, rows in table.items():
-        for *_, sol, times, verdict in rows:
+    for rows in table.values():
+        for *_, times, verdict in rows:
             built = {s: t for s, t in times.items() if "proposed" not in s}
             fused_best = min(t for s, t in built.items() if s != "reference")
             loses = fused_best >= built["reference"]
