@@ -265,3 +265,41 @@ def test_the_local_cpu_is_measured_once_and_gpus_found_by_name(monkeypatch):
     assert cost.device_spec(cuda) is cost.DEVICES["h100"]
     assert cost.device_spec(cuda) is cost.DEVICES["h200"]
     assert cost.device_spec(cuda) is None  # not described: auto then times without ruling out
+
+
+class _Group:
+    """What auto's rule-out asks of a group: its size (the agreement is replaced below)."""
+
+    def size(self) -> int:
+        return 8
+
+
+@pytest.mark.parametrize(
+    ("m", "k", "n", "num_bs", "fusion"),
+    [(256, 4096, 768, 3, False), (1024, 8192, 7168, 2, True)],  # Llama-3 8B QKV; 70B w1/w3
+)
+def test_auto_rules_fusion_out_where_the_model_says_none_beats_reference(
+    monkeypatch, m, k, n, num_bs, fusion
+):
+    from tp_kernels.backends import auto
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(auto, "_agreed_max", lambda values, group, device: values)
+    shape = auto.Shape(AG, m, k, n, num_bs, torch.bfloat16, torch.device("cuda", 0))
+    names = ("torch_symm_mem", "symm", "pipelined", "reference")
+    found = auto._ruled_out_by_model(shape, _Group(), auto.Candidates(names, {}, {}))
+    ns = [n // num_bs] * num_bs
+    predicted = cost.op_cost(AG, m, k, n, 8, "bf16", H100, ns=ns).backends_s
+    assert found.predicted_s == {b: predicted[b] for b in names}
+    fused = min(predicted[b] for b in names[:3])
+    assert (fused < predicted["reference"]) == fusion  # the case is what it says
+    within = tuple(b for b in names if predicted[b] <= auto.RULE_OUT * min(predicted.values()))
+    if fusion:
+        assert found.names == within and within[0] == "torch_symm_mem"
+    else:
+        assert found.names == ("reference",)
+        assert "no fused backend beating reference's" in found.ruled_out["symm"]
+    # On a CPU the timing decides: the same predictions rule out only past RULE_OUT.
+    cpu = dataclasses.replace(shape, device=torch.device("cpu"))
+    monkeypatch.setattr(cost, "device_spec", lambda device: H100)
+    assert auto._ruled_out_by_model(cpu, _Group(), auto.Candidates(names, {}, {})).names == within
