@@ -303,3 +303,43 @@ def test_auto_rules_fusion_out_where_the_model_says_none_beats_reference(
     cpu = dataclasses.replace(shape, device=torch.device("cpu"))
     monkeypatch.setattr(cost, "device_spec", lambda device: H100)
     assert auto._ruled_out_by_model(cpu, _Group(), auto.Candidates(names, {}, {})).names == within
+
+
+def synthetic_gemms(device, efficiency, overhead):
+    """GEMM timings a GPU of the model's kind would give: whole waves of 128x256 tiles."""
+    per_sm = device.peak_tflops["bf16"] * 1e12 / device.sms * efficiency
+    out = []
+    for rows, k, n in ((8192, 4096, 1792), (8192, 8192, 3584), (8192, 16384, 6656)):
+        waves = math.ceil(math.ceil(rows / 128) * math.ceil(n / 256) / device.sms)
+        out.append((rows, k, n, waves * (overhead + 2 * 128 * 256 * k / per_sm)))
+    return out
+
+
+def test_calibration_recovers_the_figures_that_made_the_timings():
+    copies = [(mib << 20, 4e-6 + (mib << 20) / 1.5e12) for mib in (1, 4, 16)]
+    assert cost.fit_copies(copies) == pytest.approx((1500.0, 4e-6))
+    gemms = synthetic_gemms(H100, 0.62, 2e-6)
+    assert cost.fit_tiles(gemms, H100) == pytest.approx((0.62, 2e-6))
+    fitted, rate = cost.calibrated(H100, copies, gemms)
+    assert rate == pytest.approx(1500.0)
+    assert (fitted.gemm_efficiency, fitted.tile_overhead_s, fitted.copy_latency_s) == (
+        pytest.approx(0.62),
+        pytest.approx(2e-6),
+        pytest.approx(4e-6),
+    )
+    assert fitted.sources["gemm_efficiency"].startswith("fitted by tp_kernels.bench.gpu_check")
+    assert fitted.link_gb_s == H100.link_gb_s  # a copy within one GPU says nothing of NVLink
+    # Noise moves the fit, not its meaning: 2% on every timing stays within a few percent.
+    noisy = [(r, k, n, t * (1.02 if i % 2 else 0.98)) for i, (r, k, n, t) in enumerate(gemms)]
+    assert cost.fit_tiles(noisy, H100)[0] == pytest.approx(0.62, rel=0.05)
+
+
+def test_calibration_refuses_samples_that_cannot_fit():
+    with pytest.raises(ValueError, match="copy samples: got 2 samples at 1 distinct sizes"):
+        cost.fit_copies([(1 << 20, 1e-5), (1 << 20, 2e-5)])
+    with pytest.raises(ValueError, match="copy samples: time does not grow"):
+        cost.fit_copies([(1 << 20, 2e-5), (2 << 20, 1e-5)])
+    with pytest.raises(ValueError, match="GEMM samples: got 1 samples"):
+        cost.fit_tiles([(8192, 4096, 1792, 1e-3)], H100)
+    with pytest.raises(ValueError, match="has no SMs"):
+        cost.fit_tiles(synthetic_gemms(H100, 0.7, 0.0), cost.measure_cpu())

@@ -62,8 +62,12 @@ __all__ = [
     "DeviceSpec",
     "OpCost",
     "Problem",
+    "calibrated",
     "copy_engine_chunks",
     "device_spec",
+    "fit_copies",
+    "fit_line",
+    "fit_tiles",
     "gemm_s",
     "measure_cpu",
     "op_cost",
@@ -842,3 +846,83 @@ def op_cost(
     if "torch_symm_mem" not in backends:
         backends["torch_symm_mem"] = backends["symm"]  # not on a CPU: never a candidate there
     return OpCost(compute, comm, sol, compute + comm, backends, schedules)
+
+
+# --------------------------------------------------------------------------------------------
+# Calibration: the figures a GPU's own timings give (tp_kernels.bench.gpu_check measures them).
+
+
+def fit_line(xs: Sequence[float], ys: Sequence[float], *, argument: str) -> tuple[float, float]:
+    """Least squares ``y = a + b * x`` through the points: ``(a, b)``; ``argument`` names the
+    samples in the error raised when fewer than two distinct ``x`` leave the line undefined."""
+    if len(xs) != len(ys) or len(set(xs)) < 2:
+        raise ValueError(
+            f"{argument}: got {len(xs)} samples at {len(set(xs))} distinct sizes, expected at "
+            "least two sizes to fit a rate and a fixed cost"
+        )
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - b * mx, b
+
+
+def fit_copies(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """``(GB/s, latency s)`` of copies timed as ``(bytes, seconds)``: ``seconds = latency +
+    bytes / rate``."""
+    latency, per_byte = fit_line(
+        [b for b, _ in samples], [t for _, t in samples], argument="copy samples"
+    )
+    if per_byte <= 0:
+        raise ValueError(f"copy samples: time does not grow with size ({samples})")
+    return 1 / per_byte / 1e9, max(latency, 0.0)
+
+
+def fit_tiles(
+    samples: Sequence[tuple[int, int, int, float]], device: DeviceSpec, dtype: str = "bf16"
+) -> tuple[float, float]:
+    """``(gemm_efficiency, tile_overhead_s)`` from GEMMs timed as ``(rows, k, n, seconds)``.
+
+    Each GEMM is taken as 128x256 tiles (the model's largest) in ``ceil(tiles / SMs)`` waves,
+    so ``seconds / waves = tile_overhead_s + 2*128*256*k / (peak per SM * gemm_efficiency)``:
+    a line in the tile's flops whose slope gives the efficiency and whose intercept the
+    overhead; the shapes need at least two ``k``."""
+    if device.sms is None:
+        raise ValueError(f"device: {device.name} has no SMs, so no tiles to fit")
+    flops, per_wave = [], []
+    for rows, k, n, seconds in samples:
+        waves = math.ceil(math.ceil(rows / 128) * math.ceil(n / 256) / device.sms)
+        flops.append(2.0 * 128 * 256 * k)
+        per_wave.append(seconds / waves)
+    overhead, per_flop = fit_line(flops, per_wave, argument="GEMM samples")
+    if per_flop <= 0:
+        raise ValueError(f"GEMM samples: time does not grow with K ({samples})")
+    per_sm = device.peak_tflops[dtype] * 1e12 / device.sms
+    return 1 / per_flop / per_sm, max(overhead, 0.0)
+
+
+def calibrated(
+    device: DeviceSpec,
+    copies: Sequence[tuple[int, float]],
+    gemms: Sequence[tuple[int, int, int, float]],
+    dtype: str = "bf16",
+) -> tuple[DeviceSpec, float]:
+    """``device`` with ``gemm_efficiency``, ``tile_overhead_s`` (:func:`fit_tiles`) and
+    ``copy_latency_s`` (:func:`fit_copies`) fitted from one GPU's timings, each source saying
+    so, and the copies' fitted rate (GB/s: a copy within one GPU, an upper bound of a copy over
+    the link, so ``link_gb_s`` stays the datasheet's)."""
+    efficiency, overhead = fit_tiles(gemms, device, dtype)
+    rate, latency = fit_copies(copies)
+    where = "fitted by tp_kernels.bench.gpu_check on this GPU"
+    sources = {
+        **device.sources,
+        "gemm_efficiency": f"{where} (plain matmuls at the Llama shapes)",
+        "tile_overhead_s": f"{where} (plain matmuls at the Llama shapes)",
+        "copy_latency_s": f"{where} (device-to-device copies of chunk sizes)",
+    }
+    fitted = dataclasses.replace(
+        device,
+        gemm_efficiency=efficiency,
+        tile_overhead_s=overhead,
+        copy_latency_s=latency,
+        sources=sources,
+    )
+    return fitted, rate
