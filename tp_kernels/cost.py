@@ -359,7 +359,6 @@ class _Timeline:
     the SMs an earlier one leaves (as the hardware dispatches blocks in launch order)."""
 
     def __init__(self, dev: DeviceSpec, sms: int | None = None) -> None:
-        self.dev = dev
         self._sms = [0.0] * (sms or dev.sms or 1)
         self._engine_free = 0.0
 
@@ -645,9 +644,9 @@ def symm_puller_s(p: Problem) -> float:
 
 
 def copy_engine_chunks(p: Problem) -> int:
-    """Chunks per peer shard of the copy-engine all-gather: the fewest (each chunk a whole number
-    of ``bm``-row M tiles) whose first chunk's copy, after the barrier, lands before the own
-    shard's tiles of the first launch are done; more chunks only add per-copy latency."""
+    """Chunks per peer shard of the copy-engine all-gather: the fewest (each a whole number of the
+    consumer's M tiles) whose first chunk's copy, after the barrier, lands before the own shard's
+    tiles of the first launch are done; more chunks only add per-copy latency."""
     dev = p.dev
     bm, bn, rel = _launch_tile(p, p.ns[0])
     own = math.ceil(math.ceil(p.m / bm) * math.ceil(p.ns[0] / bn) / dev.sms)
@@ -667,7 +666,8 @@ def symm_copy_engine_s(p: Problem) -> float:
     After the own shard's copy into the symmetric buffer, a barrier; on a side stream the copy
     engine copies each peer's shard (``r+1, r+2, ...``) in :func:`copy_engine_chunks` chunks
     into the local gathered ``A``, each copy paying ``copy_latency_s`` (its launch and the
-    progress word's stream write); then the own rows into ``A``. The consumer of ``bs[0]`` is
+    progress word's stream write); then the own rows into ``A`` (the consumer reads them from
+    the symmetric buffer). The consumer of ``bs[0]`` is
     persistent over every SM, its tiles in the kernels' order, each tile of a peer's chunk not
     before that chunk's word; it reads only local memory (TMA), so no SM moves bytes and none
     waits for a tile that is not running. The further launches (``bs[1:]``) read ``A`` after
@@ -689,7 +689,10 @@ def symm_copy_engine_s(p: Problem) -> float:
     ready = [landed[(s, mt // per_chunk)] if s else start for s, mt, _ in order]
     tile_s = _tile_s(dev, p.dtype, bm, bn, p.k, rel)
     done = max(_persistent(ready, tile_s, min(len(order), dev.sms), start))
-    return done + sum(gemm_s(p.w * p.m, p.k, n, p.dtype, dev, cublas=False) for n in p.ns[1:])
+    own_rows = at + dev.copy_latency_s + p.hbm_s(2 * p.m * p.k * p.e)
+    return max(done, own_rows) + sum(
+        gemm_s(p.w * p.m, p.k, n, p.dtype, dev, cublas=False) for n in p.ns[1:]
+    )
 
 
 def symm_ag_schedule(p: Problem) -> str:
