@@ -89,16 +89,22 @@ def test_two_streams_share_the_sms_and_copies_take_turns():
 
 def test_a_shared_link_splits_its_rate_up_to_each_sms_cap():
     link = cost._SharedLink(rate=100.0, cap=30.0)
-    link.left = {"a": 60.0}
+    link.start(0, 60.0)
     assert link.speed() == 30.0  # alone: one SM's cap
-    link.left["b"] = 60.0
-    link.left["c"] = 60.0
-    link.left["d"] = 60.0
+    assert link.next_done(0.0) == (pytest.approx(2.0), 0)
+    link.advance(1.0)  # 30 bytes of the first moved
+    for key in (1, 2, 3):
+        link.start(key, 60.0)
     assert link.speed() == 25.0  # four: the link's share
-    when, key = link.next_done(0.0)
-    assert when == pytest.approx(60.0 / 25.0)
+    assert link.next_done(1.0) == (pytest.approx(1.0 + 30.0 / 25.0), 0)
+    link.advance(30.0 / 25.0)
+    link.finish()
+    assert link.speed() == 30.0  # three left (30 of 60 bytes each moved): the cap again
+    assert link.next_done(0.0)[0] == pytest.approx(1.0)
     link.advance(1.0)
-    assert link.left["a"] == pytest.approx(35.0)
+    for _ in range(3):
+        link.finish()
+    assert not link.busy() and link.next_done(5.0) is None
 
 
 def test_the_puller_waits_for_its_transfer_and_its_column_tiles_spin_on_it():

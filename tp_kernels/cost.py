@@ -409,25 +409,37 @@ def _run_streams(streams: list[list[tuple]], timeline: _Timeline) -> float:
 
 class _SharedLink:
     """Transfers sharing the link: each of the ``n`` in flight moves at ``min(cap, rate / n)``
-    bytes/s (processor sharing); ``cap`` is one SM's remote rate."""
+    bytes/s (processor sharing; ``cap`` is one SM's remote rate). All in flight move at one
+    speed, so the link counts the bytes each has been served since it started (``served``) and
+    a transfer ends when that count has grown by its size: a heap of those end counts."""
 
     def __init__(self, rate: float, cap: float) -> None:
         self.rate, self.cap = rate, cap
-        self.left: dict[object, float] = {}
+        self.served = 0.0
+        self._ends: list[tuple[float, int]] = []  # (served when it ends, key)
+
+    def busy(self) -> bool:
+        return bool(self._ends)
 
     def speed(self) -> float:
-        return min(self.cap, self.rate / len(self.left)) if self.left else 0.0
+        return min(self.cap, self.rate / len(self._ends)) if self._ends else 0.0
 
-    def next_done(self, now: float) -> tuple[float, object] | None:
-        if not self.left:
+    def start(self, key: int, nbytes: float) -> None:
+        heapq.heappush(self._ends, (self.served + nbytes, key))
+
+    def next_done(self, now: float) -> tuple[float, int] | None:
+        """When the first transfer in flight ends at today's speed, and its key."""
+        if not self._ends:
             return None
-        key = min(self.left, key=self.left.__getitem__)
-        return now + self.left[key] / self.speed(), key
+        end, key = self._ends[0]
+        return now + max(end - self.served, 0.0) / self.speed(), key
 
     def advance(self, seconds: float) -> None:
-        moved = self.speed() * seconds
-        for key in self.left:
-            self.left[key] -= moved
+        self.served += self.speed() * seconds
+
+    def finish(self) -> None:
+        """The first transfer (the one :meth:`next_done` names) has ended."""
+        heapq.heappop(self._ends)
 
 
 # --------------------------------------------------------------------------------------------
@@ -613,13 +625,13 @@ def symm_puller_s(p: Problem) -> float:
         for waiter in blocked.pop(key, []):
             heapq.heappush(free, (at + tile_s, waiter))
 
-    while ticket < len(order) or link.left:
+    while ticket < len(order) or link.busy():
         drawn = free[0][0] if free and ticket < len(order) else math.inf
         landed = link.next_done(now)
         if landed is not None and landed[0] < drawn:
             link.advance(landed[0] - now)
             now, program = landed
-            del link.left[program]
+            link.finish()
             key, computed = pulling.pop(program)
             release(key, max(now, computed), program)
             continue
@@ -630,7 +642,7 @@ def symm_puller_s(p: Problem) -> float:
         key = (step, mt)
         if col == 0 and step > 0:
             rows = min(bm, p.m - mt * bm)
-            link.left[program] = rows * p.k * p.e
+            link.start(program, rows * p.k * p.e)
             pulling[program] = (key, now + tile_s)
         elif col == 0:
             release(key, now + tile_s, program)
@@ -729,12 +741,12 @@ def symm_reduce_scatter_s(p: Problem) -> float:
     heapq.heapify(computed)
     nxt = list(range(programs))  # each program's current tile
     now = finish = 0.0
-    while computed or link.left:
+    while computed or link.busy():
         stored = link.next_done(now)
         if stored is not None and (not computed or stored[0] < computed[0][0]):
             link.advance(stored[0] - now)
             now, program = stored
-            del link.left[program]
+            link.finish()
             at = now + dev.remote_latency_s
         else:
             at, program = heapq.heappop(computed)
@@ -743,7 +755,7 @@ def symm_reduce_scatter_s(p: Problem) -> float:
             step, mt = tiles[nxt[program]]
             if step < p.w - 1:  # a peer's slot
                 rows = min(bm, p.m - mt * bm)
-                link.left[program] = rows * min(bn, p.n) * p.e
+                link.start(program, rows * min(bn, p.n) * p.e)
                 continue
         finish = max(finish, at)
         nxt[program] += programs
