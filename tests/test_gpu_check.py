@@ -235,3 +235,37 @@ def test_rank_errors_are_summarized_per_rank():
     assert gc.summarize_rank_error(text) == (
         "rank 0: TypeError: bad launch; ranks [1] gave no answer within 60 s (hung)"
     )
+
+
+def test_calibration_prints_the_fitted_figures_beside_the_assumed():
+    from tp_kernels import cost
+
+    h100 = cost.DEVICES["h100"]
+    per_sm = h100.peak_tflops["bf16"] * 1e12 / h100.sms * 0.6
+    gemms = []
+    for rows, k, n in gc.CALIBRATION_GEMMS:
+        waves = math.ceil(math.ceil(rows / 128) * math.ceil(n / 256) / h100.sms)
+        gemms.append((rows, k, n, waves * (1.5e-6 + 2 * 128 * 256 * k / per_sm)))
+    copies = [(mib << 20, 5e-6 + (mib << 20) / 2e12) for mib in gc.CALIBRATION_CHUNK_MIB]
+    out = gc.calibration_report(h100, copies, gemms)
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
+    assert rows["gemm_efficiency"][1:] == ["0.75", "0.6"]
+    assert rows["tile_overhead_s"][1:] == ["1e-06", "1.5e-06"]
+    assert rows["copy_latency_s"][1:] == ["3e-06", "5e-06"]
+    assert " ".join(rows["copy"]) == "copy rate GB/s 382 (NVLink) 2000 (within one GPU)"
+    assert "copies: 1 MiB 5.5 us, 2 MiB 6.0 us" in out
+    assert "8192x8192x3584 0.846 ms (569 TFLOP/s)" in out
+    assert (
+        "python -m tp_kernels.bench model --param gemm_efficiency=0.6 "
+        "--param tile_overhead_s=1.5e-06 --param copy_latency_s=5e-06" in out
+    )
+
+
+def test_a_calibration_that_raises_is_a_failed_check_not_a_crash(monkeypatch, capsys):
+    def broken(quick):
+        raise RuntimeError("no CUDA here")
+
+    monkeypatch.setattr(gc, "measure_calibration", broken)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    assert gc.calibrate_cost_model(quick=True) is False
+    assert "FAIL: the calibration raised RuntimeError: no CUDA here" in capsys.readouterr().out

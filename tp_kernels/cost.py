@@ -1,112 +1,202 @@
-"""A cost model of the two fused patterns: what each should take on a given GPU, on paper.
+"""A cost model of the two fused patterns that simulates each schedule as it is built.
 
 For one call on each of ``W`` ranks, with ``m`` rows per rank, ``K`` the reduction dim and ``N``
-the output columns (the sum over every ``b`` for an all-gather-matmul), in a dtype of ``e`` bytes::
+the output columns (the sum over every ``b`` of an all-gather-matmul), in a dtype of ``e`` bytes::
 
-    compute  = 2 * W*m * K * N / (peak_tflops[dtype] * mma_efficiency)        every rank's GEMM
-    comm     = (W-1) * m * X * e / (link_gb_s * link_efficiency)               X = K (AG), N (RS)
-               + (W-1) * signal_latency                                        one step per peer
-    speed of light = max(compute, comm)        sequential = compute + comm
+    compute  = 2 * W*m * K * N / (peak_tflops[dtype] * gemm_efficiency)     every rank's GEMM
+    comm     = (W-1) * m * X * e / (link_gb_s * link_efficiency)            X = K (AG), N (RS)
+    speed of light = max(compute, comm)
 
-``comm`` counts the bytes that cross this rank's link once each: the ``W-1`` peer shards coming in
-(all-gather) or the ``W-1`` partial blocks going out (reduce-scatter); on an NVSwitch node every
-GPU has ``link_gb_s`` in each direction to the switch, whatever the peer.
+``comm`` counts the bytes that cross this rank's link once each (on an NVSwitch node every GPU has
+``link_gb_s`` in each direction to the switch, whatever the peer). The speed of light knows no
+tiles; each schedule's time does. Every rank runs the same schedule on the same shapes, so one
+rank is simulated and a peer's data is ready when this rank's own is.
 
-Each backend's expected time follows its schedule, one peer step at a time (see
-:func:`pipeline_time`): ``reference`` moves everything, then computes (``sequential``); the
-overlapped backends compute their own block while the first peer's block moves, then each
-peer's block as it lands (all-gather), or send each partial block as soon as it is computed
-(reduce-scatter): when the link is faster than the math the transfers hide behind it entirely
-(the own block covers the first transfer (AG) or the last (RS)), and when it is slower only one
-block of math stays exposed. ``pipelined`` pays NCCL's
-per-message latency and shares the SMs with NCCL's kernels; ``symm`` and ``torch_symm_mem`` copy
-with the copy engines and signal through memory.
+How a GPU is simulated (:class:`_Timeline`, :func:`_gemm`, :class:`_SharedLink`):
 
-The efficiencies are assumptions, not measurements: a good GEMM reaches about 75-80% of a
-Hopper's dense peak at these shapes, and NCCL's all-gather bus bandwidth about 80% of NVLink's.
-Every figure of a :class:`DeviceSpec` names its source.
+* A GEMM is tiles over the SMs: a ``BM x BN`` tile takes ``tile_overhead_s + 2*BM*BN*K /
+  (peak per SM * gemm_efficiency * the tile shape's relative rate)``; a launch's tiles go to the
+  SM that frees first, so a GEMM of ``T`` tiles alone takes ``ceil(T / SMs)`` waves and two
+  GEMMs on two streams share the SMs (cuBLAS's tile shape: the menu's fastest for the shape).
+* The copy engine moves one copy at a time (copies from two streams do not overlap, as torch's
+  comment in ``_pipelined_all_gather_and_consume`` says) at ``link_gb_s * link_efficiency``,
+  each copy paying ``copy_latency_s`` (launch, completion, the progress word's stream write).
+* An SM reading or writing peer memory moves at most ``sm_bytes_in_flight / remote_latency_s``
+  (Little's law: the bytes its outstanding requests cover over the round trip), and the SMs that
+  use the link at once share ``link_gb_s * link_efficiency`` equally (processor sharing).
+* NCCL: a collective at ``link_gb_s * nccl_efficiency`` plus ``nccl_latency_s`` per message;
+  its kernels hold ``nccl_sms`` SMs while it runs.
+* A pass over memory (a local copy, the reduce-scatter's sum) moves its bytes at ``hbm_gb_s *
+  hbm_efficiency``.
+
+Schedules (one function each, its docstring says what it models): ``reference``
+(:func:`reference_s`), ``torch_symm_mem`` (:func:`torch_symm_mem_s`), ``pipelined``
+(:func:`pipelined_s`), and ``symm``'s: the pulling consumer (:func:`symm_puller_s`), the
+copy-engine producer (:func:`symm_copy_engine_s`) and the matmul-reduce-scatter producer with its
+reduction pass (:func:`symm_reduce_scatter_s`). ``symm`` is predicted at the faster of its
+all-gather schedules: the backend chooses by shape (issue 20), and :func:`symm_ag_schedule` says
+which. On a CPU (``sms is None``) a GEMM is one piece of work at the measured rate and ``symm``
+is its torch path (:func:`symm_cpu_s`).
+
+Every figure of a :class:`DeviceSpec` names its source in ``sources``: a datasheet, or
+"assumed" with the reasoning; :func:`tp_kernels.bench.gpu_check.calibration` fits the GEMM's
+per-tile rate and the copy engine's rate and latency on a GPU and prints them beside these.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import heapq
+import math
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 __all__ = [
     "DEVICES",
     "DTYPE_NAMES",
+    "SCHEDULES",
     "DeviceSpec",
     "OpCost",
+    "Problem",
+    "calibrated",
+    "copy_engine_chunks",
     "device_spec",
+    "fit_copies",
+    "fit_line",
+    "fit_tiles",
+    "gemm_s",
     "measure_cpu",
     "op_cost",
-    "pipeline_time",
+    "pipelined_s",
+    "reference_s",
+    "symm_ag_schedule",
+    "symm_copy_engine_s",
+    "symm_cpu_s",
+    "symm_puller_s",
+    "symm_reduce_scatter_s",
+    "symm_rs_copy_engine_s",
+    "torch_symm_mem_s",
 ]
 
+AG, RS = "all_gather_matmul", "matmul_reduce_scatter"
 _ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # The model's dtype names for torch dtypes (other dtypes have no tensor-core rate to model).
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+# Columns of the schedule table, per op: the symm schedules that exist for it.
+SCHEDULES = {
+    AG: ("reference", "torch_symm_mem", "pipelined", "symm[puller]", "symm[copy-engine]"),
+    RS: ("reference", "torch_symm_mem", "pipelined", "symm", "symm[ce-push, proposed]"),
+}
+# GEMM tile shapes (BM, BN) and their rate relative to the largest: smaller tiles reuse each
+# loaded byte less (assumed; these are the shapes of kernels._shared.GEMM_SHAPES that 16-bit
+# GEMMs use, and cuBLAS's are similar).
+TILES = ((128, 256, 1.0), (128, 128, 0.9), (64, 128, 0.75))
+GROUP_M = 8  # kernels._shared.GROUP_M: M tiles that walk the column tiles together
 _NVIDIA = "https://www.nvidia.com/en-us/data-center"
+_HOPPER = "https://developer.nvidia.com/blog/nvidia-hopper-architecture-in-depth/"
+
+_ASSUMED = {
+    "gemm_efficiency": "assumed: a tile's steady rate is 75% of the dense peak, the rate of the "
+    "issue-20 sketch (cuBLAS bf16 GEMMs at these sizes reach 60-80%); gpu_check fits it",
+    "tile_overhead_s": "assumed: 1 us per tile to fill the operand pipeline and store the tile; "
+    "gpu_check fits it",
+    "link_efficiency": "assumed: copy-engine and SM transfers reach 85% of NVLink's rate per "
+    "direction",
+    "nccl_efficiency": "assumed: NCCL's all-gather/reduce-scatter bus bandwidth at 80% of "
+    "NVLink's rate per direction (nccl-tests on 8-GPU NVSwitch nodes report 350-370 GB/s)",
+    "hbm_efficiency": "assumed: memory passes reach 85% of the datasheet's HBM bandwidth",
+    "copy_latency_s": "assumed: 3 us per cudaMemcpyAsync on a side stream, its completion and "
+    "the progress word's stream write; gpu_check fits it",
+    "nccl_latency_s": "assumed: 10 us per NCCL collective or point-to-point batch (kernel "
+    "launch, protocol handshake)",
+    "barrier_s": "assumed: 4 us for a symmetric-memory barrier (a signal to every peer over "
+    "NVLink and a poll)",
+    "remote_latency_s": "assumed: 1.5 us round trip of an SM's load from a peer's memory over "
+    "NVLink and the switch (the issue's 1-2 us)",
+    "sm_bytes_in_flight": "assumed: 32 KiB, two pipeline stages of a 128x64 16-bit A tile "
+    "outstanding per SM (the GEMMs' 3 stages, one being consumed)",
+    "nccl_sms": "assumed: NCCL's point-to-point kernels hold 8 SMs while they move bytes",
+}
 
 
 @dataclass(frozen=True)
 class DeviceSpec:
-    """A GPU as the model sees it: dense tensor-core peak per dtype (TFLOP/s; fp32 matmuls at the
-    TF32 rate), NVLink bandwidth per direction (GB/s), per-step latency (s) of a point-to-point
-    message (NCCL) and of a signal through memory (symm), and the assumed efficiencies."""
+    """A GPU (or this CPU) as the model sees it. Rates: dense tensor-core peak per dtype (TFLOP/s;
+    fp32 matmuls at the TF32 rate), HBM and NVLink per direction (GB/s); ``sms`` streaming
+    multiprocessors (``None``: not tiled, a CPU); the efficiencies, latencies (s) and sizes of
+    the module docstring. ``sources[field]`` says where each figure comes from."""
 
     name: str
     peak_tflops: dict[str, float]
+    sms: int | None
+    hbm_gb_s: float
     link_gb_s: float
-    nccl_latency_s: float
-    signal_latency_s: float
-    source: str
-    mma_efficiency: float = 0.78
-    link_efficiency: float = 0.8
-    # NCCL's kernels take SMs from the GEMM while they move bytes (a few percent of the math).
-    nccl_sm_share: float = 0.05
+    sources: dict[str, str]
+    gemm_efficiency: float = 0.75
+    tile_overhead_s: float = 1e-6
+    link_efficiency: float = 0.85
+    nccl_efficiency: float = 0.8
+    hbm_efficiency: float = 0.85
+    copy_latency_s: float = 3e-6
+    nccl_latency_s: float = 10e-6
+    barrier_s: float = 4e-6
+    remote_latency_s: float = 1.5e-6
+    sm_bytes_in_flight: int = 32 << 10
+    nccl_sms: int = 8
+
+    @property
+    def source(self) -> str:
+        """The datasheet figures' source (one line)."""
+        return self.sources["peak_tflops"]
+
+    def sm_remote_gb_s(self) -> float:
+        """One SM's rate to or from peer memory: bytes in flight over the round trip."""
+        return self.sm_bytes_in_flight / self.remote_latency_s / 1e9
 
 
+def _gpu(name, peak, sms, hbm, link, datasheet, sms_source) -> DeviceSpec:
+    sources = {
+        "peak_tflops": datasheet,
+        "hbm_gb_s": datasheet,
+        "link_gb_s": f"{datasheet}; NVLink's total is both directions, half of it each way",
+        "sms": sms_source,
+        **_ASSUMED,
+    }
+    return DeviceSpec(name, peak, sms, hbm, link, sources)
+
+
+_HOPPER_PEAK = {"bf16": 989.4, "fp16": 989.4, "fp32": 494.7}
 DEVICES: dict[str, DeviceSpec] = {
-    "h100": DeviceSpec(
-        "H100 SXM5",
-        {"bf16": 989.4, "fp16": 989.4, "fp32": 494.7},
-        450.0,
-        20e-6,
-        3e-6,
+    "h100": _gpu(
+        "H100 SXM5", _HOPPER_PEAK, 132, 3350.0, 450.0,
         f"{_NVIDIA}/h100/ (datasheet: BF16/FP16 1979 and TF32 989 TFLOPS with sparsity, half "
-        "dense; NVLink 900 GB/s, both directions)",
+        "dense; HBM3 3.35 TB/s; NVLink 900 GB/s)",
+        f"{_HOPPER} (H100 SXM5: 132 SMs)",
     ),
-    "h200": DeviceSpec(
-        "H200 SXM",
-        {"bf16": 989.4, "fp16": 989.4, "fp32": 494.7},
-        450.0,
-        20e-6,
-        3e-6,
-        f"{_NVIDIA}/h200/ (datasheet: the H100 SXM's tensor-core rates; NVLink 900 GB/s)",
+    "h200": _gpu(
+        "H200 SXM", _HOPPER_PEAK, 132, 4800.0, 450.0,
+        f"{_NVIDIA}/h200/ (datasheet: the H100 SXM's tensor-core rates; HBM3e 4.8 TB/s; NVLink "
+        "900 GB/s)",
+        f"assumed: the H100 SXM5's 132 SMs ({_HOPPER}), as the H200 has its tensor-core rates",
     ),
-    "b200": DeviceSpec(
-        "B200 (HGX, 1000 W)",
-        {"bf16": 2250.0, "fp16": 2250.0, "fp32": 1100.0},
+    "b200": _gpu(
+        "B200 (HGX, 1000 W)", {"bf16": 2250.0, "fp16": 2250.0, "fp32": 1100.0}, 148, 8000.0,
         900.0,
-        20e-6,
-        3e-6,
         f"{_NVIDIA}/hgx/ (HGX B200: BF16/FP16 4.5 and TF32 2.2 PFLOPS per GPU with sparsity, "
-        "half dense; NVLink 5 1.8 TB/s per GPU, both directions)",
+        "half dense; HBM3e 8 TB/s; NVLink 5 1.8 TB/s per GPU)",
+        "assumed: 148 SMs (two dies of 74, as reported for B200; not on the datasheet)",
     ),
-    "a100": DeviceSpec(
-        "A100 SXM4",
-        {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0},
-        300.0,
-        25e-6,
-        4e-6,
-        f"{_NVIDIA}/a100/ (datasheet: BF16/FP16 312 and TF32 156 TFLOPS dense; NVLink 600 GB/s, "
-        "both directions)",
+    "a100": _gpu(
+        "A100 SXM4", {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0}, 108, 2039.0, 300.0,
+        f"{_NVIDIA}/a100/ (datasheet: BF16/FP16 312 and TF32 156 TFLOPS dense; HBM2e 2039 GB/s "
+        "(80 GB); NVLink 600 GB/s)",
+        "https://developer.nvidia.com/blog/nvidia-ampere-architecture-in-depth/ (A100: 108 SMs)",
     ),
-}
+}  # fmt: skip
 
 
 # On a CPU, "the link" is a copy through shared memory (symm) or gloo's loopback TCP, and the
@@ -130,27 +220,28 @@ def _timed_s(fn, reps: int) -> float:
 @functools.cache
 def measure_cpu() -> DeviceSpec:
     """This machine's CPU as a :class:`DeviceSpec`, measured once per process (~0.1 s): matmul
-    GFLOP/s per dtype at 256x256x256 and the bandwidth of one 32 MB copy, best of 3. The
-    efficiencies are 1 (these are measured rates, not peaks); copies and matmuls share the cores,
-    so the overlap the model assumes is optimistic here, which is why ``auto`` also times."""
+    GFLOP/s per dtype at 256x256x256 and the bandwidth of one 32 MB copy, best of 3, standing for
+    both the link and memory. The efficiencies are 1 (these are measured rates, not peaks); a
+    GEMM is not tiled (``sms=None``); copies and matmuls share the cores, so overlap is
+    optimistic here, which is why ``auto`` also times."""
     n = 256
     peak = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
         x = torch.randn(n, n).to(dtype)
         peak[name] = 2 * n**3 / _timed_s(lambda x=x: x @ x, 3) / 1e12
     src, dst = torch.empty(8 << 20), torch.empty(8 << 20)
-    link_gb_s = src.nbytes / _timed_s(lambda: dst.copy_(src), 3) / 1e9
+    copy_gb_s = src.nbytes / _timed_s(lambda: dst.copy_(src), 3) / 1e9
+    measured = "measured by tp_kernels.cost.measure_cpu (matmul and copy rates)"
+    estimated = "estimated: gloo send/receive pair and host-polled signal on the test machine"
+    sources = {f.name: "not used on a CPU" for f in dataclasses.fields(DeviceSpec)}
+    sources.update(peak_tflops=measured, hbm_gb_s=measured, link_gb_s=measured)
+    sources.update(copy_latency_s=estimated, nccl_latency_s=estimated, barrier_s=estimated)
     return DeviceSpec(
-        "this CPU (measured)",
-        peak,
-        link_gb_s,
-        _CPU_GLOO_LATENCY_S,
-        _CPU_SIGNAL_LATENCY_S,
-        "measured by tp_kernels.cost.measure_cpu (matmul and copy rates); latencies estimated",
-        mma_efficiency=1.0,
-        link_efficiency=1.0,
-        nccl_sm_share=0.0,
-    )
+        "this CPU (measured)", peak, None, copy_gb_s, copy_gb_s, sources,
+        gemm_efficiency=1.0, tile_overhead_s=0.0, link_efficiency=1.0, nccl_efficiency=1.0,
+        hbm_efficiency=1.0, copy_latency_s=_CPU_SIGNAL_LATENCY_S,
+        nccl_latency_s=_CPU_GLOO_LATENCY_S, barrier_s=_CPU_SIGNAL_LATENCY_S, nccl_sms=0,
+    )  # fmt: skip
 
 
 def device_spec(device: torch.device) -> DeviceSpec | None:
@@ -166,66 +257,687 @@ def device_spec(device: torch.device) -> DeviceSpec | None:
     return None
 
 
-def pipeline_time(compute_s: float, comm_s: float, steps: int, *, gather: bool) -> float:
-    """The overlapped schedule of one call with ``steps`` peer blocks (``W-1``).
+# --------------------------------------------------------------------------------------------
+# The GPU's parts: GEMM tiles, a timeline of streams over SMs and the copy engine, a shared link.
 
-    All-gather (``gather``): block 0 (own) computes at once; block k (k = 1..steps) lands at
-    ``k * comm/steps`` and computes after it has landed and block k-1 is done. Reduce-scatter:
-    blocks compute back to back (the peers' first, own last); block k's transfer starts once it
-    is computed and the link is free. Returns when the last block is computed (AG) or the last
-    transfer has landed and the own block is done (RS).
-    """
-    if steps == 0:
-        return compute_s
-    blocks = steps + 1
-    c, t = compute_s / blocks, comm_s / steps
-    if gather:
-        done = c  # own block
-        for k in range(1, blocks):
-            done = max(done, k * t) + c
-        return done
-    link_free, computed = 0.0, 0.0
-    for _ in range(steps):
-        computed += c
-        link_free = max(link_free, computed) + t
-    return max(link_free, computed + c)
+
+@dataclass(frozen=True)
+class Problem:
+    """One call: ``m`` rows per rank, ``k``, the right-hand widths ``ns``, ``w`` ranks, ``e``
+    bytes per element, on ``dev``."""
+
+    m: int
+    k: int
+    ns: tuple[int, ...]
+    w: int
+    dtype: str
+    dev: DeviceSpec
+
+    @property
+    def e(self) -> int:
+        return _ELEMENT_BYTES[self.dtype]
+
+    @property
+    def n(self) -> int:
+        return sum(self.ns)
+
+    def link_s(self, nbytes: float) -> float:
+        """Seconds of ``nbytes`` over the link at the copy engine's (or the SMs') best rate."""
+        return nbytes / (self.dev.link_gb_s * 1e9 * self.dev.link_efficiency)
+
+    def hbm_s(self, nbytes: float) -> float:
+        """Seconds of a pass over memory that reads and writes ``nbytes`` in all."""
+        return _hbm_s(self.dev, nbytes)
+
+    def nccl_s(self, nbytes: float) -> float:
+        """One NCCL message or collective that moves ``nbytes`` over this rank's link."""
+        return self.dev.nccl_latency_s + nbytes / (
+            self.dev.link_gb_s * 1e9 * self.dev.nccl_efficiency
+        )
+
+
+@dataclass(frozen=True)
+class _Gemm:
+    """``tiles`` tiles of ``tile_s`` seconds each (CPU: one piece of work), then ``tail_s``
+    (split-K's reduction)."""
+
+    tiles: int
+    tile_s: float
+    tail_s: float = 0.0
+
+
+def _tile_s(dev: DeviceSpec, dtype: str, bm: int, bn: int, k: int, rel: float) -> float:
+    per_sm = dev.peak_tflops[dtype] * 1e12 / dev.sms * dev.gemm_efficiency * rel
+    return dev.tile_overhead_s + 2.0 * bm * bn * k / per_sm
+
+
+# cuBLAS splits K when a GEMM has too few tiles to fill the SMs; the Triton kernels never do.
+_SPLIT_K = (1, 2, 4, 8)
+
+
+def _gemm(
+    dev: DeviceSpec, dtype: str, rows: int, k: int, n: int, *, cublas: bool, tile=None
+) -> _Gemm:
+    """The tiles of one ``rows x k x n`` GEMM: of shape ``tile`` (an entry of :data:`TILES`), or
+    of the menu's shape (and, for cuBLAS, split of K: each of ``s`` slices computes a partial
+    tile, then a memory pass over the ``s`` fp32 partials) that finishes soonest alone, which is
+    what cuBLAS's heuristics and the Triton autotuner aim for. On a CPU: one piece of work at
+    the measured rate."""
+    if dev.sms is None:
+        return _Gemm(1, 2.0 * rows * k * n / (dev.peak_tflops[dtype] * 1e12 * dev.gemm_efficiency))
+    best = None
+    for bm, bn, rel in [tile] if tile is not None else TILES:
+        tiles = math.ceil(rows / bm) * math.ceil(n / bn)
+        for split in _SPLIT_K if cublas else (1,):
+            if split > 1 and (tiles * split > dev.sms or k // split < 256):
+                break
+            tail = 0.0 if split == 1 else _hbm_s(dev, (split + 1) * rows * n * 4)
+            g = _Gemm(tiles * split, _tile_s(dev, dtype, bm, bn, k / split, rel), tail)
+            if best is None or _alone_s(g, dev.sms) < _alone_s(best, dev.sms):
+                best = g
+    return best
+
+
+def _alone_s(g: _Gemm, sms: int | None) -> float:
+    return math.ceil(g.tiles / (sms or 1)) * g.tile_s + g.tail_s
+
+
+def _hbm_s(dev: DeviceSpec, nbytes: float) -> float:
+    return nbytes / (dev.hbm_gb_s * 1e9 * dev.hbm_efficiency)
+
+
+def gemm_s(rows: int, k: int, n: int, dtype: str, device: DeviceSpec, *, cublas: bool) -> float:
+    """Seconds of one ``rows x k x n`` GEMM alone on ``device`` (cuBLAS, or one of the Triton
+    kernels' launches without waits): its waves of tiles, and split-K's reduction."""
+    return _alone_s(_gemm(device, dtype, rows, k, n, cublas=cublas), device.sms)
+
+
+class _Timeline:
+    """Streams of work on one GPU. ``gemm`` places a launch's tiles on the SMs that free first
+    (from ``ready`` on); ``copy`` queues on the copy engine, one copy at a time; both return when
+    the work is done. Callers issue work in the order it becomes ready, so a later launch takes
+    the SMs an earlier one leaves (as the hardware dispatches blocks in launch order)."""
+
+    def __init__(self, dev: DeviceSpec, sms: int | None = None) -> None:
+        self._sms = [0.0] * (sms or dev.sms or 1)
+        self._engine_free = 0.0
+
+    def gemm(self, ready: float, g: _Gemm) -> float:
+        done = ready
+        for _ in range(g.tiles):
+            start = max(heapq.heappop(self._sms), ready)
+            heapq.heappush(self._sms, start + g.tile_s)
+            done = max(done, start + g.tile_s)
+        return done + g.tail_s
+
+    def copy(self, ready: float, seconds: float) -> float:
+        self._engine_free = max(self._engine_free, ready) + seconds
+        return self._engine_free
+
+
+def _run_streams(streams: list[list[tuple]], timeline: _Timeline) -> float:
+    """Run ``streams`` (lists of ``(kind, what, after)`` steps: ``"gemm"`` with a :class:`_Gemm`,
+    ``"copy"`` or ``"delay"`` with seconds; ``after``: names of steps it waits for, on other
+    streams) in the order their steps become ready; returns when the last step is done. Each
+    step is named ``(stream, index)``."""
+    done: dict[tuple[int, int], float] = {}
+    heads = [0] * len(streams)
+    while True:
+        ready = []
+        for s, steps in enumerate(streams):
+            i = heads[s]
+            if i == len(steps) or any(d not in done for d in steps[i][2]):
+                continue
+            before = done[(s, i - 1)] if i else 0.0
+            ready.append((max([before, *(done[d] for d in steps[i][2])]), s))
+        if not ready:
+            break
+        at, s = min(ready)
+        kind, what, _ = streams[s][heads[s]]
+        if kind == "gemm":
+            end = timeline.gemm(at, what)
+        elif kind == "copy":
+            end = timeline.copy(at, what)
+        else:
+            end = at + what
+        done[(s, heads[s])] = end
+        heads[s] += 1
+    if any(h != len(steps) for h, steps in zip(heads, streams)):
+        raise AssertionError("a step waits for one that never runs")
+    return max(done.values(), default=0.0)
+
+
+class _SharedLink:
+    """Transfers sharing the link: each of the ``n`` in flight moves at ``min(cap, rate / n)``
+    bytes/s (processor sharing; ``cap`` is one SM's remote rate). All in flight move at one
+    speed, so the link counts the bytes each has been served since it started (``served``) and
+    a transfer ends when that count has grown by its size: a heap of those end counts."""
+
+    def __init__(self, rate: float, cap: float) -> None:
+        self.rate, self.cap = rate, cap
+        self.served = 0.0
+        self._ends: list[tuple[float, int]] = []  # (served when it ends, key)
+
+    def busy(self) -> bool:
+        return bool(self._ends)
+
+    def speed(self) -> float:
+        return min(self.cap, self.rate / len(self._ends)) if self._ends else 0.0
+
+    def start(self, key: int, nbytes: float) -> None:
+        heapq.heappush(self._ends, (self.served + nbytes, key))
+
+    def next_done(self, now: float) -> tuple[float, int] | None:
+        """When the first transfer in flight ends at today's speed, and its key."""
+        if not self._ends:
+            return None
+        end, key = self._ends[0]
+        return now + max(end - self.served, 0.0) / self.speed(), key
+
+    def advance(self, seconds: float) -> None:
+        self.served += self.speed() * seconds
+
+    def finish(self) -> None:
+        """The first transfer (the one :meth:`next_done` names) has ended."""
+        heapq.heappop(self._ends)
+
+
+# --------------------------------------------------------------------------------------------
+# The schedules.
+
+
+def reference_s(p: Problem, op: str) -> float:
+    """``reference``: NCCL's collective, then cuBLAS, nothing overlapped (what DTensor does).
+
+    AG: one all-gather of ``(W-1)*m*K*e`` bytes, then one GEMM ``W*m x K x N_j`` per right-hand
+    matrix. RS: one GEMM ``W*m x K x N``, then NCCL's reduce-scatter of ``(W-1)*m*N*e`` bytes
+    (the reduction runs inside NCCL's kernels at its bus rate)."""
+    width = p.k if op == AG else p.n
+    comm = p.nccl_s((p.w - 1) * p.m * width * p.e)
+    compute = sum(
+        gemm_s(p.w * p.m, p.k, n, p.dtype, p.dev, cublas=True)
+        for n in (p.ns if op == AG else (p.n,))
+    )
+    return comm + compute
+
+
+def torch_symm_mem_s(p: Problem, op: str) -> float:
+    """``torch_symm_mem``: torch 2.13's decomposition in ``torch.distributed._symmetric_memory``.
+
+    AG (``_pipelined_all_gather_and_consume``): a barrier, the own shard copied into the
+    symmetric buffer on the compute stream, a second barrier; the own shard's GEMMs (cuBLAS, one
+    per ``b``); then for step ``k = 1..W-1`` alternately on the backend stream (odd ``k``) and
+    the compute stream: the copy engine pulls peer ``r+k``'s whole shard, then its GEMMs; then
+    the own rows copied into the gathered ``A`` (``return_A``; assumed asked for, as the backward
+    keeps it) and a barrier. The two streams' GEMMs share the SMs, so one step's thin GEMM fills
+    the waves the other leaves. (torch takes other paths for ``W*m <= 2048`` without
+    ``return_A`` on a multicast board, and with ``TORCH_SYMM_MEM_ENABLE_NATIVE_ASYNC_TP``: not
+    modeled.)
+
+    RS (``_pipelined_produce_and_all2all``): for ``k = 1..W-1``, alternately on the backend and
+    the compute stream: the GEMM of the rows owed to ``r+k`` into a local buffer, a barrier, the
+    copy engine pulls ``r-k``'s block for this rank, a barrier; the own rows' GEMM; a barrier;
+    then ``torch.sum`` of the ``[W, m, N]`` partials (a memory pass reading ``W*m*N*e`` and
+    writing ``m*N*e``)."""
+    dev, w, m = p.dev, p.w, p.m
+    streams: list[list[tuple]] = [[], []]  # 0: compute, 1: backend
+    if op == AG:
+        gemms = [_gemm(dev, p.dtype, m, p.k, n, cublas=True) for n in p.ns]
+        shard = dev.copy_latency_s + p.link_s(m * p.k * p.e)
+        streams[0] += [
+            ("delay", dev.barrier_s, ()),
+            ("copy", dev.copy_latency_s + p.hbm_s(2 * m * p.k * p.e), ()),
+            ("delay", dev.barrier_s, ()),
+        ]
+        streams[1].append(("delay", 0.0, ((0, 2),)))
+        streams[0] += [("gemm", g, ()) for g in gemms]
+        for step in range(1, w):
+            s = step % 2
+            streams[s].append(("copy", shard, ()))
+            streams[s] += [("gemm", g, ()) for g in gemms]
+        streams[0].append(("copy", dev.copy_latency_s + p.hbm_s(2 * m * p.k * p.e), ()))
+        streams[0].append(("delay", dev.barrier_s, ((1, len(streams[1]) - 1),)))
+        return _run_streams(streams, _Timeline(dev))
+    g = _gemm(dev, p.dtype, m, p.k, p.n, cublas=True)
+    block = dev.copy_latency_s + p.link_s(m * p.n * p.e)
+    streams[0].append(("delay", dev.barrier_s, ()))
+    streams[1].append(("delay", 0.0, ((0, 0),)))
+    for step in range(1, w):
+        streams[step % 2] += [
+            ("gemm", g, ()),
+            ("delay", dev.barrier_s, ()),
+            ("copy", block, ()),
+            ("delay", dev.barrier_s, ()),
+        ]
+    streams[0].append(("gemm", g, ()))
+    streams[0].append(("delay", dev.barrier_s, ((1, len(streams[1]) - 1),)))
+    return _run_streams(streams, _Timeline(dev)) + p.hbm_s((w + 1) * m * p.n * p.e)
+
+
+def pipelined_s(p: Problem, op: str) -> float:
+    """``pipelined``: :mod:`tp_kernels.backends.schedule`'s order with NCCL point-to-point blocks.
+
+    Each peer's block is split into row blocks (``pipelined.chunks_for``: one per MiB, at most
+    4, or the count set), one NCCL batch each, run one after another on NCCL's stream while
+    NCCL's kernels hold ``nccl_sms`` SMs (the GEMMs get the rest). AG: every transfer posted up
+    front; the own shard's GEMMs (one per row block and ``b``), then each peer's row block's
+    GEMMs once it has landed, peers in the order ``r+1, r+2, ...``. RS: the row blocks owed to
+    ``r+1, ..., r-1`` computed one by one, each sent as soon as it is computed, the own block
+    last; then the ``W`` partials summed in fp32 in rank order (``sum_in_rank_order``: a
+    conversion pass and ``W-1`` additions of an fp32 accumulator). On a CPU the "link" is
+    gloo's."""
+    from tp_kernels.backends.pipelined import chunks_for  # (it imports the ops layer)
+
+    dev, w, m = p.dev, p.w, p.m
+    chunks = chunks_for(m, (p.k if op == AG else p.n) * p.e)
+    bounds = [m * i // chunks for i in range(chunks + 1)]
+    rows = [b - a for a, b in zip(bounds, bounds[1:])]
+    compute_sms = dev.sms - dev.nccl_sms if dev.sms else None
+    timeline = _Timeline(dev, compute_sms)
+    compute: list[tuple] = []
+    transfers: list[tuple] = []
+    if op == AG:
+        for r in rows * (w - 1):
+            transfers.append(("copy", p.nccl_s(r * p.k * p.e), ()))
+        for r in rows:
+            compute += [("gemm", _gemm(dev, p.dtype, r, p.k, n, cublas=True), ()) for n in p.ns]
+        for i, r in enumerate(rows * (w - 1)):
+            compute += [
+                ("gemm", _gemm(dev, p.dtype, r, p.k, n, cublas=True), ((1, i),)) for n in p.ns
+            ]
+        return _run_streams([compute, transfers], timeline)
+    for r in rows * (w - 1):
+        compute.append(("gemm", _gemm(dev, p.dtype, r, p.k, p.n, cublas=True), ()))
+        transfers.append(("copy", p.nccl_s(r * p.n * p.e), ((0, len(compute) - 1),)))
+    compute.append(("gemm", _gemm(dev, p.dtype, m, p.k, p.n, cublas=True), ()))
+    sum_bytes = m * p.n * ((p.e + 4) + (w - 1) * (4 + p.e + 4) + (4 + p.e))
+    compute.append(("delay", p.hbm_s(sum_bytes), ((1, len(transfers) - 1),)))
+    return _run_streams([compute, transfers], timeline)
+
+
+def _shard_order_tiles(p: Problem, n: int, bm: int, bn: int) -> list[tuple[int, int, int]]:
+    """``(shard step, M tile in the shard, column tile)`` of every tile of an ``n``-wide launch in
+    the kernels' order (:func:`tp_kernels.kernels._shared._tile_coords`): shard by shard from
+    this rank's own (step 0), and inside a shard in groups of :data:`GROUP_M` M tiles that walk
+    the column tiles together, column tile 0 of every M tile of the group first."""
+    m_tiles, n_tiles = math.ceil(p.m / bm), math.ceil(n / bn)
+    order = []
+    for step in range(p.w):
+        for first in range(0, m_tiles, GROUP_M):
+            group = range(first, min(first + GROUP_M, m_tiles))
+            order += [(step, mt, col) for col in range(n_tiles) for mt in group]
+    return order
+
+
+def _persistent(ready: Sequence[float], tile_s: float, programs: int, start: float) -> list[float]:
+    """A persistent launch of ``programs`` programs from ``start``, each taking the next tile
+    when it frees (by ticket, or strided: equal tiles make them the same), tile ``i`` not before
+    ``ready[i]``; returns when each tile is done."""
+    free = [start] * programs
+    done = []
+    for at in ready:
+        begin = max(heapq.heappop(free), at)
+        heapq.heappush(free, begin + tile_s)
+        done.append(begin + tile_s)
+    return done
+
+
+def _launch_tile(p: Problem, n: int) -> tuple[int, int, float]:
+    """The consumer's tile for an ``n``-wide launch: the menu's fastest alone (autotuned)."""
+    bm, bn, rel = min(
+        TILES,
+        key=lambda t: _alone_s(
+            _gemm(p.dev, p.dtype, p.w * p.m, p.k, n, cublas=False, tile=t), p.dev.sms
+        ),
+    )
+    return bm, bn, rel
+
+
+def symm_puller_s(p: Problem) -> float:
+    """``symm``'s all-gather as built today (``kernels/ag_matmul.py``, ``backends/symm.py``).
+
+    The own shard is copied into the symmetric buffer (a memory pass) and the ready signals
+    sent. The first launch (``bs[0]``) is persistent, ``min(tiles, SMs)`` programs drawing tiles
+    by ticket in the kernels' order (:func:`_shard_order_tiles`). Column tile 0 of each M tile
+    is its puller: for a peer's shard it reads its ``BM x K`` rows from the peer while it
+    computes, at one SM's remote rate, the pullers in flight sharing the link
+    (:class:`_SharedLink`), and it takes ``max(its compute, its transfer)``; for the own shard it
+    reads local memory. Every other column tile of that M tile spins on its SM from the moment it
+    draws its ticket until the puller's flag, then computes. The further launches (``bs[1:]``)
+    read the local ``A`` only: strided persistent tiles, back to back."""
+    dev = p.dev
+    start = dev.copy_latency_s + p.hbm_s(2 * p.m * p.k * p.e)
+    bm, bn, rel = _launch_tile(p, p.ns[0])
+    tile_s = _tile_s(dev, p.dtype, bm, bn, p.k, rel)
+    order = _shard_order_tiles(p, p.ns[0], bm, bn)
+    programs = min(len(order), dev.sms)
+    link = _SharedLink(dev.link_gb_s * 1e9 * dev.link_efficiency, dev.sm_remote_gb_s() * 1e9)
+    free = [(start, i) for i in range(programs)]  # (time the program draws a ticket, program)
+    heapq.heapify(free)
+    pulled: dict[tuple[int, int], float] = {}  # (step, M tile) -> its flag's release
+    blocked: dict[tuple[int, int], list[int]] = {}  # waiters spinning on a flag
+    pulling: dict[int, tuple[tuple[int, int], float]] = {}  # program -> (M tile, compute done)
+    now, ticket = start, 0
+
+    def release(key: tuple[int, int], at: float, program: int) -> None:
+        pulled[key] = at
+        heapq.heappush(free, (at, program))
+        for waiter in blocked.pop(key, []):
+            heapq.heappush(free, (at + tile_s, waiter))
+
+    while ticket < len(order) or link.busy():
+        drawn = free[0][0] if free and ticket < len(order) else math.inf
+        landed = link.next_done(now)
+        if landed is not None and landed[0] < drawn:
+            link.advance(landed[0] - now)
+            now, program = landed
+            link.finish()
+            key, computed = pulling.pop(program)
+            release(key, max(now, computed), program)
+            continue
+        link.advance(drawn - now)
+        now, program = heapq.heappop(free)
+        step, mt, col = order[ticket]
+        ticket += 1
+        key = (step, mt)
+        if col == 0 and step > 0:
+            rows = min(bm, p.m - mt * bm)
+            link.start(program, rows * p.k * p.e)
+            pulling[program] = (key, now + tile_s)
+        elif col == 0:
+            release(key, now + tile_s, program)
+        elif key in pulled:
+            heapq.heappush(free, (max(now, pulled[key]) + tile_s, program))
+        else:
+            blocked.setdefault(key, []).append(program)
+    return max(t for t, _ in free) + sum(
+        gemm_s(p.w * p.m, p.k, n, p.dtype, dev, cublas=False) for n in p.ns[1:]
+    )
+
+
+def copy_engine_chunks(p: Problem) -> int:
+    """Chunks per peer shard of the copy-engine all-gather: the fewest (each a whole number of the
+    consumer's M tiles) whose first chunk's copy, after the barrier, lands before the own shard's
+    tiles of the first launch are done; more chunks only add per-copy latency."""
+    dev = p.dev
+    bm, bn, rel = _launch_tile(p, p.ns[0])
+    own = math.ceil(math.ceil(p.m / bm) * math.ceil(p.ns[0] / bn) / dev.sms)
+    own_s = own * _tile_s(dev, p.dtype, bm, bn, p.k, rel)
+    m_tiles = math.ceil(p.m / bm)
+    for chunks in range(1, m_tiles + 1):
+        rows = math.ceil(m_tiles / chunks) * bm
+        first = dev.barrier_s + dev.copy_latency_s + p.link_s(min(rows, p.m) * p.k * p.e)
+        if first <= own_s:
+            return chunks
+    return m_tiles
+
+
+def symm_copy_engine_s(p: Problem) -> float:
+    """``symm``'s all-gather with the copy-engine producer (issue 20's design; being built).
+
+    After the own shard's copy into the symmetric buffer, a barrier; on a side stream the copy
+    engine copies each peer's shard (``r+1, r+2, ...``) in :func:`copy_engine_chunks` chunks
+    into the local gathered ``A``, each copy paying ``copy_latency_s`` (its launch and the
+    progress word's stream write); then the own rows into ``A`` (the consumer reads them from
+    the symmetric buffer). The consumer of ``bs[0]`` is
+    persistent over every SM, its tiles in the kernels' order, each tile of a peer's chunk not
+    before that chunk's word; it reads only local memory (TMA), so no SM moves bytes and none
+    waits for a tile that is not running. The further launches (``bs[1:]``) read ``A`` after
+    it: back-to-back waves."""
+    dev = p.dev
+    start = dev.copy_latency_s + p.hbm_s(2 * p.m * p.k * p.e)
+    bm, bn, rel = _launch_tile(p, p.ns[0])
+    chunks = copy_engine_chunks(p)
+    m_tiles = math.ceil(p.m / bm)
+    per_chunk = math.ceil(m_tiles / chunks)
+    landed = {}  # (step, chunk) -> when its word is written
+    at = start + dev.barrier_s
+    for step in range(1, p.w):
+        for c in range(chunks):
+            rows = max(0, min(per_chunk * bm, p.m - c * per_chunk * bm))
+            at += dev.copy_latency_s + p.link_s(rows * p.k * p.e)
+            landed[(step, c)] = at
+    order = _shard_order_tiles(p, p.ns[0], bm, bn)
+    ready = [landed[(s, mt // per_chunk)] if s else start for s, mt, _ in order]
+    tile_s = _tile_s(dev, p.dtype, bm, bn, p.k, rel)
+    done = max(_persistent(ready, tile_s, min(len(order), dev.sms), start))
+    own_rows = at + dev.copy_latency_s + p.hbm_s(2 * p.m * p.k * p.e)
+    return max(done, own_rows) + sum(
+        gemm_s(p.w * p.m, p.k, n, p.dtype, dev, cublas=False) for n in p.ns[1:]
+    )
+
+
+def symm_ag_schedule(p: Problem) -> str:
+    """The symm all-gather schedule the model predicts faster for this shape."""
+    return "symm[puller]" if symm_puller_s(p) < symm_copy_engine_s(p) else "symm[copy-engine]"
+
+
+def _producer_tile(p: Problem) -> tuple[int, int, float]:
+    """``(BM, BN, seconds)`` of the producer's tile (``matmul_rs._producer_config``)."""
+    bm = 128 if p.m >= 128 else 64
+    bn = 256 if p.n >= 256 else 128 if p.n >= 128 else 64
+    rel = next((r for tm, tn, r in TILES if (tm, tn) == (bm, bn)), TILES[-1][2])
+    return bm, bn, _tile_s(p.dev, p.dtype, bm, bn, p.k, rel)
+
+
+def symm_reduce_scatter_s(p: Problem) -> float:
+    """``symm``'s matmul-reduce-scatter as built (``kernels/matmul_rs.py``).
+
+    The producer is persistent, ``min(tiles, SMs)`` programs, program ``i`` taking tiles ``i,
+    i+P, ...`` (``_producer_config``: 128x256 tiles once ``N >= 256``); the rows owed to ``r+1``
+    come first and the own rows last. After its math a tile stores its ``BM x BN`` partial into
+    the destination's slot: to a peer at one SM's remote rate, the storing SMs sharing the link,
+    then a system-scope release (its fence waits for the stores: one more round trip) before the
+    SM takes its next tile; the own slot's stores are local. Then ``reduce_slots``, on the same
+    stream: a memory pass reading the ``W`` slots (``W*m*N*e``) and writing ``m*N*e``; every
+    peer runs the same schedule, so their slots have landed when this rank's producer is done."""
+    dev = p.dev
+    bm, bn, tile_s = _producer_tile(p)
+    m_tiles, n_tiles = math.ceil(p.m / bm), math.ceil(p.n / bn)
+    tiles = [(step, mt) for step in range(p.w) for mt in range(m_tiles) for _ in range(n_tiles)]
+    programs = min(len(tiles), dev.sms)
+    link = _SharedLink(dev.link_gb_s * 1e9 * dev.link_efficiency, dev.sm_remote_gb_s() * 1e9)
+    computed = [(tile_s, i) for i in range(programs)]  # (math done, program); tile i first
+    heapq.heapify(computed)
+    nxt = list(range(programs))  # each program's current tile
+    now = finish = 0.0
+    while computed or link.busy():
+        stored = link.next_done(now)
+        if stored is not None and (not computed or stored[0] < computed[0][0]):
+            link.advance(stored[0] - now)
+            now, program = stored
+            link.finish()
+            at = now + dev.remote_latency_s
+        else:
+            at, program = heapq.heappop(computed)
+            link.advance(at - now)
+            now = at
+            step, mt = tiles[nxt[program]]
+            if step < p.w - 1:  # a peer's slot
+                rows = min(bm, p.m - mt * bm)
+                link.start(program, rows * min(bn, p.n) * p.e)
+                continue
+        finish = max(finish, at)
+        nxt[program] += programs
+        if nxt[program] < len(tiles):
+            heapq.heappush(computed, (at + tile_s, program))
+    return finish + dev.copy_latency_s + p.hbm_s((p.w + 1) * p.m * p.n * p.e)
+
+
+def symm_rs_copy_engine_s(p: Problem) -> float:
+    """A proposed ``symm`` reduce-scatter (not built): the producer's tiles, in the same order,
+    store their partials into a local staging slot per destination (local stores, no fence
+    over the link); once a destination's tiles are done, a side stream's copy engine pushes its
+    ``m x N`` block into the destination's slot and writes its progress word there (the
+    mirror of the copy-engine all-gather); then ``reduce_slots`` as built."""
+    dev = p.dev
+    bm, bn, tile_s = _producer_tile(p)
+    per_slot = math.ceil(p.m / bm) * math.ceil(p.n / bn)
+    done = _persistent([0.0] * (p.w * per_slot), tile_s, min(p.w * per_slot, dev.sms), 0.0)
+    pushed = 0.0
+    for step in range(p.w - 1):
+        block_done = max(done[step * per_slot : (step + 1) * per_slot])
+        pushed = max(pushed, block_done) + dev.copy_latency_s + p.link_s(p.m * p.n * p.e)
+    finish = max(max(done), pushed)
+    return finish + dev.copy_latency_s + p.hbm_s((p.w + 1) * p.m * p.n * p.e)
+
+
+def symm_cpu_s(p: Problem, op: str) -> float:
+    """``symm``'s torch path on a CPU (``backends/schedule.py`` over shared memory, one thread).
+
+    AG: the own shard copied into the shared buffer; then, shard by shard from the own, a copy
+    into the gathered ``A`` (peers' after their signal) and its matmuls, all in sequence. RS:
+    each block's matmul written straight into the destination's slot (zero copy), a signal per
+    peer, then the fp32 sum of the ``W`` slots."""
+    dev, w, m = p.dev, p.w, p.m
+    compute = 2.0 * w * m * p.k * p.n / (dev.peak_tflops[p.dtype] * 1e12 * dev.gemm_efficiency)
+    if op == AG:
+        return compute + p.hbm_s((w + 1) * m * p.k * p.e) + (w - 1) * dev.barrier_s
+    sum_bytes = m * p.n * ((p.e + 4) + (w - 1) * (4 + p.e + 4) + (4 + p.e))
+    return compute + (w - 1) * dev.barrier_s + p.hbm_s(sum_bytes)
 
 
 @dataclass(frozen=True)
 class OpCost:
-    """The model's times (seconds) for one call: see the module docstring."""
+    """The model's times (seconds) for one call: the module docstring's compute, comm and speed
+    of light; ``schedules_s`` every schedule of :data:`SCHEDULES` for the op (a CPU: the three
+    that run there); ``backends_s`` per backend (``symm``: its faster schedule)."""
 
     compute_s: float
     comm_s: float
     speed_of_light_s: float
     sequential_s: float
     backends_s: dict[str, float]
+    schedules_s: dict[str, float] = field(default_factory=dict)
 
 
 def op_cost(
-    op: str, m: int, k: int, n: int, world_size: int, dtype: str, device: DeviceSpec
+    op: str,
+    m: int,
+    k: int,
+    n: int,
+    world_size: int,
+    dtype: str,
+    device: DeviceSpec,
+    *,
+    ns: Sequence[int] | None = None,
 ) -> OpCost:
     """The model for ``op`` ("all_gather_matmul" or "matmul_reduce_scatter") with ``m`` rows per
-    rank, ``k`` the reduction dim and ``n`` the output columns, on ``world_size`` GPUs."""
-    if op not in ("all_gather_matmul", "matmul_reduce_scatter"):
+    rank, ``k`` the reduction dim and ``n`` the output columns, on ``world_size`` ranks;
+    ``ns``: the right-hand matrices' widths of an all-gather-matmul (summing to ``n``; default:
+    one of ``n``)."""
+    if op not in (AG, RS):
         raise ValueError(f"op: got {op!r}, expected all_gather_matmul or matmul_reduce_scatter")
     if dtype not in _ELEMENT_BYTES:
         raise ValueError(f"dtype: got {dtype!r}, expected one of {sorted(_ELEMENT_BYTES)}")
     if min(m, k, n, world_size) < 1:
         raise ValueError(f"m, k, n, world_size: got {(m, k, n, world_size)}, expected >= 1")
-    gather = op == "all_gather_matmul"
-    steps = world_size - 1
+    widths = tuple(ns) if ns is not None else (n,)
+    if sum(widths) != n or min(widths) < 1 or (op == RS and len(widths) != 1):
+        raise ValueError(f"ns: got {widths}, expected positive widths summing to n={n} (RS: one)")
+    p = Problem(m, k, widths, world_size, dtype, device)
     flops = 2.0 * world_size * m * k * n
-    compute = flops / (device.peak_tflops[dtype] * 1e12 * device.mma_efficiency)
-    moved = steps * m * (k if gather else n) * _ELEMENT_BYTES[dtype]
-    wire = moved / (device.link_gb_s * 1e9 * device.link_efficiency)
-    nccl_comm = wire + steps * device.nccl_latency_s
-    comm = wire + steps * device.signal_latency_s  # the cheapest way to move the same bytes
-    shared_sms = compute / (1.0 - device.nccl_sm_share)
-    backends = {
-        "reference": compute + nccl_comm,
-        "pipelined": pipeline_time(shared_sms, nccl_comm, steps, gather=gather),
-        "symm": pipeline_time(compute, comm, steps, gather=gather),
+    compute = flops / (device.peak_tflops[dtype] * 1e12 * device.gemm_efficiency)
+    comm = p.link_s((world_size - 1) * m * (k if op == AG else n) * p.e)
+    sol = max(compute, comm)
+    if world_size == 1:  # nothing to overlap: every backend runs the GEMM alone
+        only = reference_s(p, op)
+        backends = dict.fromkeys(("reference", "pipelined", "symm", "torch_symm_mem"), only)
+        return OpCost(compute, 0.0, compute, compute, backends, {"reference": only})
+    schedules = {"reference": reference_s(p, op), "pipelined": pipelined_s(p, op)}
+    if device.sms is None:
+        schedules["symm"] = symm_cpu_s(p, op)
+    elif op == AG:
+        schedules["torch_symm_mem"] = torch_symm_mem_s(p, op)
+        schedules["symm[puller]"] = symm_puller_s(p)
+        schedules["symm[copy-engine]"] = symm_copy_engine_s(p)
+    else:
+        schedules["torch_symm_mem"] = torch_symm_mem_s(p, op)
+        schedules["symm"] = symm_reduce_scatter_s(p)
+        schedules["symm[ce-push, proposed]"] = symm_rs_copy_engine_s(p)
+    backends = {b: t for b, t in schedules.items() if "[" not in b}
+    if "symm" not in backends:
+        backends["symm"] = min(schedules["symm[puller]"], schedules["symm[copy-engine]"])
+    if "torch_symm_mem" not in backends:
+        backends["torch_symm_mem"] = backends["symm"]  # not on a CPU: never a candidate there
+    return OpCost(compute, comm, sol, compute + comm, backends, schedules)
+
+
+# --------------------------------------------------------------------------------------------
+# Calibration: the figures a GPU's own timings give (tp_kernels.bench.gpu_check measures them).
+
+
+def fit_line(xs: Sequence[float], ys: Sequence[float], *, argument: str) -> tuple[float, float]:
+    """Least squares ``y = a + b * x`` through the points: ``(a, b)``; ``argument`` names the
+    samples in the error raised when fewer than two distinct ``x`` leave the line undefined."""
+    if len(xs) != len(ys) or len(set(xs)) < 2:
+        raise ValueError(
+            f"{argument}: got {len(xs)} samples at {len(set(xs))} distinct sizes, expected at "
+            "least two sizes to fit a rate and a fixed cost"
+        )
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - b * mx, b
+
+
+def fit_copies(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """``(GB/s, latency s)`` of copies timed as ``(bytes, seconds)``: ``seconds = latency +
+    bytes / rate``."""
+    latency, per_byte = fit_line(
+        [b for b, _ in samples], [t for _, t in samples], argument="copy samples"
+    )
+    if per_byte <= 0:
+        raise ValueError(f"copy samples: time does not grow with size ({samples})")
+    return 1 / per_byte / 1e9, max(latency, 0.0)
+
+
+def fit_tiles(
+    samples: Sequence[tuple[int, int, int, float]], device: DeviceSpec, dtype: str = "bf16"
+) -> tuple[float, float]:
+    """``(gemm_efficiency, tile_overhead_s)`` from GEMMs timed as ``(rows, k, n, seconds)``.
+
+    Each GEMM is taken as 128x256 tiles (the model's largest) in ``ceil(tiles / SMs)`` waves,
+    so ``seconds / waves = tile_overhead_s + 2*128*256*k / (peak per SM * gemm_efficiency)``:
+    a line in the tile's flops whose slope gives the efficiency and whose intercept the
+    overhead; the shapes need at least two ``k``."""
+    if device.sms is None:
+        raise ValueError(f"device: {device.name} has no SMs, so no tiles to fit")
+    flops, per_wave = [], []
+    for rows, k, n, seconds in samples:
+        waves = math.ceil(math.ceil(rows / 128) * math.ceil(n / 256) / device.sms)
+        flops.append(2.0 * 128 * 256 * k)
+        per_wave.append(seconds / waves)
+    overhead, per_flop = fit_line(flops, per_wave, argument="GEMM samples")
+    if per_flop <= 0:
+        raise ValueError(f"GEMM samples: time does not grow with K ({samples})")
+    per_sm = device.peak_tflops[dtype] * 1e12 / device.sms
+    return 1 / per_flop / per_sm, max(overhead, 0.0)
+
+
+def calibrated(
+    device: DeviceSpec,
+    copies: Sequence[tuple[int, float]],
+    gemms: Sequence[tuple[int, int, int, float]],
+    dtype: str = "bf16",
+) -> tuple[DeviceSpec, float]:
+    """``device`` with ``gemm_efficiency``, ``tile_overhead_s`` (:func:`fit_tiles`) and
+    ``copy_latency_s`` (:func:`fit_copies`) fitted from one GPU's timings, each source saying
+    so, and the copies' fitted rate (GB/s: a copy within one GPU, an upper bound of a copy over
+    the link, so ``link_gb_s`` stays the datasheet's)."""
+    efficiency, overhead = fit_tiles(gemms, device, dtype)
+    rate, latency = fit_copies(copies)
+    where = "fitted by tp_kernels.bench.gpu_check on this GPU"
+    sources = {
+        **device.sources,
+        "gemm_efficiency": f"{where} (plain matmuls at the Llama shapes)",
+        "tile_overhead_s": f"{where} (plain matmuls at the Llama shapes)",
+        "copy_latency_s": f"{where} (device-to-device copies of chunk sizes)",
     }
-    backends["torch_symm_mem"] = backends["symm"]
-    return OpCost(compute, comm, max(compute, comm), compute + comm, backends)
+    fitted = dataclasses.replace(
+        device,
+        gemm_efficiency=efficiency,
+        tile_overhead_s=overhead,
+        copy_latency_s=latency,
+        sources=sources,
+    )
+    return fitted, rate

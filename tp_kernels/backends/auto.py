@@ -12,7 +12,8 @@ For one call of an op (shapes as in ``backends/base.py``) on a group of ``W`` ra
 3. **Timed choice** (eager, ``W > 1``, two candidates or more): on the first call of a shape
    class, the ranks agree on the largest of their predictions from :mod:`tp_kernels.cost` for this
    device and rule out every candidate predicted over :data:`RULE_OUT` times the best (the
-   model's efficiencies are assumptions, so only a wide margin rules out); then every rank runs
+   model's efficiencies are assumptions, so only a wide margin rules out) and, on CUDA, every
+   fused one when the model predicts none of them faster than ``reference``; then every rank runs
    each remaining candidate :data:`WARMUP` + :data:`ROUNDS` times, interleaved round by
    round, without autograd; each rank takes its median per candidate; one all-reduce (max) gives
    the slowest rank's median, so all ranks see the same numbers and pick the same winner: the
@@ -165,8 +166,23 @@ def _ruled_out_by_model(shape: Shape, group: dist.ProcessGroup, found: Candidate
     )
     best = min(predicted.values())
     names, ruled_out = [], dict(found.ruled_out)
+    # On CUDA the model simulates the schedules as built: where no fused one beats the unfused
+    # one, fusion is ruled out (on a CPU its latencies are estimates, so the timing decides).
+    unfused = predicted.get("reference")
+    fused = [predicted[n] for n in found.names if n != "reference"]
+    no_fusion = (
+        shape.device.type == "cuda"
+        and unfused is not None
+        and bool(fused)
+        and min(fused) >= unfused
+    )
     for name in found.names:
-        if predicted[name] > RULE_OUT * best:
+        if no_fusion and name != "reference":
+            ruled_out[name] = (
+                f"the model predicts {predicted[name] * 1e3:.3g} ms, no fused backend beating "
+                f"reference's {unfused * 1e3:.3g} ms"
+            )
+        elif predicted[name] > RULE_OUT * best:
             ruled_out[name] = (
                 f"the model predicts {predicted[name] * 1e3:.3g} ms, over {RULE_OUT}x the best "
                 f"{best * 1e3:.3g} ms"
@@ -181,7 +197,11 @@ def _predicted_s(shape: Shape, world: int) -> dict[str, float]:
     dtype = cost.DTYPE_NAMES.get(shape.dtype)
     if spec is None or dtype is None:
         return {}
-    return cost.op_cost(shape.op, shape.m, shape.k, shape.n, world, dtype, spec).backends_s
+    # The right-hand widths are not part of the shape: split N evenly over the matrices.
+    ns = [shape.n // shape.num_bs + (j < shape.n % shape.num_bs) for j in range(shape.num_bs)]
+    if shape.op != "all_gather_matmul" or min(ns) < 1:
+        ns = None
+    return cost.op_cost(shape.op, shape.m, shape.k, shape.n, world, dtype, spec, ns=ns).backends_s
 
 
 def cached_choice(shape: Shape, group: dist.ProcessGroup) -> str | None:

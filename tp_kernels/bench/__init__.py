@@ -5,8 +5,9 @@ Usage::
     python -m tp_kernels.bench [ag_matmul|matmul_rs|all ...] [--world-size 2] [--M 4096 --K 2048
         --N 2048] [--dtype fp32|fp16|bf16] [--rounds R] [--warmup N] [--providers P ...]
         [--threads T] [--out PATH]
-    python -m tp_kernels.bench model [--gpu h100] [--tp 8] [--model llama3-70b]   (the cost
-        model's plan of a whole model, see tp_kernels.bench.model)
+    python -m tp_kernels.bench model [--gpu h100] [--tp 8] [--tokens 2048 8192]
+        [--model llama3-70b] [--param NAME=VALUE]   (the cost model's schedules for Llama-3's
+        fused ops, or with --model its plan of a whole model; see tp_kernels.bench.model)
     python -m tp_kernels.bench overhead [--world-sizes 1 2]   (the host's microseconds per fused
         call and TP Linear, see tp_kernels.bench.overhead)
 

@@ -30,6 +30,11 @@ What runs (``--device cuda``, the default, on a machine with one GPU):
    consecutive calls per world (36 with ``--quick``), alternating its two buffer halves.
 3. The tile-GEMM timing: :func:`tp_kernels.bench.gpu_kernels.main` at M=8192 N=3584 K=8192 bf16,
    in this process once the worlds are gone (``--skip-timing`` leaves it out).
+4. The cost model's calibration (:func:`calibrate_cost_model`, ~1 s; ``--skip-timing`` leaves it
+   out too): device-to-device copies of chunk sizes and bf16 ``torch.mm`` at the Llama shapes,
+   timed, and :func:`tp_kernels.cost.calibrated`'s fit of ``gemm_efficiency``,
+   ``tile_overhead_s`` and ``copy_latency_s`` printed beside the assumed figures, with the
+   ``bench model`` command that uses them.
 
 What is checked, on every rank ``r`` of ``W``, for every call: the whole problem is drawn from a
 seed (on the CPU, in fp32, rounded once to the dtype), so each rank rebuilds every rank's shards.
@@ -114,9 +119,12 @@ __all__ = [
     "TORCH_SYMM_MEM_FLOOR",
     "AGCase",
     "RSCase",
+    "calibrate_cost_model",
+    "calibration_report",
     "error_ratio",
     "floors_for",
     "main",
+    "measure_calibration",
     "parse_args",
 ]
 
@@ -739,6 +747,104 @@ def time_gemms(quick: bool) -> bool:
     return status == 0
 
 
+# ---------------------------------------------------------------------------------------------
+# The cost model's calibration (issue 20): one GPU's copy and GEMM rates, fitted to the model's
+# figures by tp_kernels.cost and printed beside the assumed ones.
+
+# Device-to-device copies the size of the copy-engine all-gather's chunks (MiB): a Llama shard is
+# 4-32 MiB at 8192 tokens and TP=8 (m=1024 rows of K=2048..16384 bf16), cut into a few chunks.
+CALIBRATION_CHUNK_MIB = (1, 2, 4, 8, 16, 32)
+# The consumer's GEMMs at the Llama-3 shapes, 8192 tokens, TP=8: W*m x K x N_j of 8B's w1,
+# 70B's w1, 70B's w2 and 405B's w1 (four K, so the fit separates the rate from the overhead).
+CALIBRATION_GEMMS = (
+    (8192, 4096, 1792),
+    (8192, 8192, 3584),
+    (8192, 3584, 8192),
+    (8192, 16384, 6656),
+)
+
+
+def _cuda_seconds(fn, reps: int) -> float:
+    """Median seconds of ``fn`` on the current stream over ``reps`` runs after two, by events."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def measure_calibration(quick: bool) -> tuple[list[tuple[int, float]], list[tuple]]:
+    """On ``cuda:0``: ``(copies, gemms)``, each copy ``(bytes, seconds)`` of a device-to-device
+    ``copy_`` per size of :data:`CALIBRATION_CHUNK_MIB`, each GEMM ``(rows, k, n, seconds)`` of a
+    bf16 ``torch.mm`` per shape of :data:`CALIBRATION_GEMMS` (medians; ~1 s in all)."""
+    reps = 5 if quick else 20
+    device = torch.device("cuda", 0)
+    src = torch.empty(max(CALIBRATION_CHUNK_MIB) << 20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    copies = [
+        (mib << 20, _cuda_seconds(lambda n=mib << 20: dst[:n].copy_(src[:n]), reps))
+        for mib in CALIBRATION_CHUNK_MIB
+    ]
+    gemms = []
+    for rows, k, n in CALIBRATION_GEMMS:
+        a = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+        b = torch.randn(k, n, device=device, dtype=torch.bfloat16)
+        out = torch.empty(rows, n, device=device, dtype=torch.bfloat16)
+        seconds = _cuda_seconds(lambda a=a, b=b, out=out: torch.mm(a, b, out=out), reps)
+        gemms.append((rows, k, n, seconds))
+    return copies, gemms
+
+
+def calibration_report(device, copies: Sequence[tuple[int, float]], gemms: Sequence[tuple]) -> str:
+    """The fitted figures beside the assumed ones (:func:`tp_kernels.cost.calibrated`), the
+    samples they come from, and the ``bench model`` command that uses them."""
+    from tp_kernels import cost
+
+    fitted, copy_gb_s = cost.calibrated(device, copies, gemms)
+    link = device.link_gb_s * device.link_efficiency
+    rows = [
+        (name, f"{getattr(device, name):.3g}", f"{getattr(fitted, name):.3g}")
+        for name in ("gemm_efficiency", "tile_overhead_s", "copy_latency_s")
+    ]
+    rows.append(("copy rate GB/s", f"{link:.0f} (NVLink)", f"{copy_gb_s:.0f} (within one GPU)"))
+    lines = [render_table(("figure", f"assumed ({device.name})", "fitted here"), rows, left=1)]
+    lines.append("copies: " + ", ".join(f"{b >> 20} MiB {t * 1e6:.1f} us" for b, t in copies))
+    lines.append(
+        "bf16 GEMMs: "
+        + ", ".join(
+            f"{r}x{k}x{n} {t * 1e3:.3f} ms ({2 * r * k * n / t / 1e12:.0f} TFLOP/s)"
+            for r, k, n, t in gemms
+        )  # fmt: skip
+    )
+    params = " ".join(f"--param {name}={getattr(fitted, name):.3g}" for name, *_ in rows[:3])
+    lines.append(f"the model with these: python -m tp_kernels.bench model {params}")
+    return "\n".join(lines)
+
+
+def calibrate_cost_model(quick: bool) -> bool:
+    """Measure (:func:`measure_calibration`) and print :func:`calibration_report`; True unless
+    it raised (reported, not a crash)."""
+    from tp_kernels import cost
+
+    print("\n== the cost model's figures, fitted on this GPU (tp_kernels.cost.calibrated)")
+    device = cost.device_spec(torch.device("cuda", 0))
+    if device is None:
+        device = cost.DEVICES["h100"]
+        print(f"{torch.cuda.get_device_name(0)} is not in tp_kernels.cost: beside the H100's")
+    try:
+        print(calibration_report(device, *measure_calibration(quick)), flush=True)
+    except Exception as exc:
+        print(f"FAIL: the calibration raised {type(exc).__name__}: {exc}", flush=True)
+        return False
+    return True
+
+
 def _versions(device: str) -> str:
     try:
         triton_version = importlib.metadata.version("triton")
@@ -884,6 +990,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\ncuBLAS timing skipped (--skip-timing)")
     elif not time_gemms(args.quick):
         failed.append("tile GEMM timing (gpu_kernels)")
+    if args.device == "cuda" and not args.skip_timing and not calibrate_cost_model(args.quick):
+        failed.append("cost-model calibration")
     if failed:
         print(f"\nFAIL: {len(failed)} failed or skipped: " + "; ".join(failed))
         return 1

@@ -1,28 +1,56 @@
-"""``python -m tp_kernels.bench model``: the cost model's plan for a whole model's TP layout.
+"""``python -m tp_kernels.bench model``: the cost model's schedules and a whole model's TP plan.
 
-For every Linear of the sequence-parallel TP plan of a Llama-3 model (the layout of
-:func:`tp_kernels.models.plans.llama_tp_plan`: one fused all-gather-matmul for wq/wk/wv and one for
-w1/w3, a fused matmul-reduce-scatter for wo and for w2, the output projection gathered once), on
-``--tp`` GPUs of ``--gpu``, with ``--batch`` x ``--seq`` tokens: the predicted compute and
-communication, the speed of light, the unfused time (``reference``: collective, then matmul) and
-the best fused backend's, per forward op and per backward (the input gradient goes through the
-other fused op; the weight gradient is a local GEMM). Then a block's and the model's totals.
-Nothing runs on a GPU: these are :mod:`tp_kernels.cost`'s predictions.
+Without ``--model``: the schedule table. For every fused op of the forward pass of Llama-3
+8B/70B/405B's sequence-parallel TP plan (the all-gather-matmuls of wq/wk/wv and w1/w3, the
+matmul-reduce-scatters of wo and w2), at ``--tp`` GPUs of ``--gpu`` and each of ``--tokens``,
+every schedule of :data:`tp_kernels.cost.SCHEDULES` with its predicted time and share of the
+speed of light; rows where no fused schedule that exists beats the unfused one (``reference``)
+are marked: there ``auto`` rules fusion out.
+
+With ``--model``: the plan. For every Linear of that model's TP layout (the layout of
+:func:`tp_kernels.models.plans.llama_tp_plan`: one fused all-gather-matmul for wq/wk/wv and one
+for w1/w3, a fused matmul-reduce-scatter for wo and for w2, the output projection gathered once),
+with ``--batch`` x ``--seq`` tokens: the predicted compute and communication, the speed of
+light, the unfused time and the best fused backend's, per forward op and per backward (the input
+gradient goes through the other fused op; the weight gradient is a local GEMM). Then a block's
+and the model's totals.
+
+``--param NAME=VALUE`` replaces a figure of the device (a field of
+:class:`tp_kernels.cost.DeviceSpec`, e.g. the ones ``gpu_check`` fits). Nothing runs on a GPU:
+these are :mod:`tp_kernels.cost`'s predictions.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tp_kernels.bench.protocol import render_table
-from tp_kernels.cost import DEVICES, DeviceSpec, op_cost
+from tp_kernels.cost import DEVICES, SCHEDULES, DeviceSpec, op_cost
 
-__all__ = ["MODELS", "Row", "block_prediction", "linear_rows", "main", "plan_rows"]
+__all__ = [
+    "MODELS",
+    "Row",
+    "block_prediction",
+    "linear_rows",
+    "main",
+    "plan_rows",
+    "render_schedules",
+    "schedule_rows",
+    "with_params",
+]
 
 AG, RS = "all_gather_matmul", "matmul_reduce_scatter"
 FUSED = ("pipelined", "symm", "torch_symm_mem")
+TOKENS = (2048, 8192)
+# The device's single figures, by field name: "int" or "float" (sms is None on a CPU only).
+_NUMERIC = {
+    f.name: "int" if f.type.startswith("int") else "float"
+    for f in dataclasses.fields(DeviceSpec)
+    if f.type in ("float", "int", "int | None")
+}
 _HF = "https://huggingface.co/meta-llama"
 
 # dim, heads, kv heads, FFN hidden, vocabulary, layers: the models' config.json files.
@@ -57,36 +85,45 @@ class Row:
     backends_s: dict[str, float]
 
 
-def _linears(cfg: dict, tp: int) -> list[tuple[str, int, int, int]]:
-    """``(name, K, N per rank, calls per model)`` of the column-parallel (AG) Linears; the
-    row-parallel ones are listed as their input K per rank and N."""
+def _linears(cfg: dict, tp: int) -> list[tuple[str, int, tuple[int, ...], int]]:
+    """``(name, K, widths per rank, calls per model)`` of the Linears: a column-parallel (AG)
+    Linear's right-hand matrices' widths (wq, wk, wv; w1, w3), a row-parallel one's (wo, w2)
+    input K per rank and its one output width N."""
     hd = cfg["dim"] // cfg["heads"]
-    qkv = (cfg["heads"] + 2 * cfg["kv_heads"]) * hd
     for what, size in (("heads", cfg["heads"]), ("kv heads", cfg["kv_heads"]),
                        ("FFN", cfg["ffn"]), ("vocabulary", cfg["vocab"])):  # fmt: skip
         if size % tp:
             raise ValueError(f"--tp {tp}: the model's {what} ({size}) do not divide by it")
-    layers = cfg["layers"]
+    layers, kv = cfg["layers"], cfg["kv_heads"] * hd // tp
     return [
-        ("attention.wq/wk/wv", cfg["dim"], qkv // tp, layers),
-        ("attention.wo", cfg["heads"] * hd // tp, cfg["dim"], layers),
-        ("feed_forward.w1/w3", cfg["dim"], 2 * cfg["ffn"] // tp, layers),
-        ("feed_forward.w2", cfg["ffn"] // tp, cfg["dim"], layers),
-        ("output", cfg["dim"], cfg["vocab"] // tp, 1),
+        ("attention.wq/wk/wv", cfg["dim"], (cfg["heads"] * hd // tp, kv, kv), layers),
+        ("attention.wo", cfg["heads"] * hd // tp, (cfg["dim"],), layers),
+        ("feed_forward.w1/w3", cfg["dim"], (cfg["ffn"] // tp,) * 2, layers),
+        ("feed_forward.w2", cfg["ffn"] // tp, (cfg["dim"],), layers),
+        ("output", cfg["dim"], (cfg["vocab"] // tp,), 1),
     ]
 
 
+_ROWWISE = ("attention.wo", "feed_forward.w2")
+
+
 def linear_rows(
-    linears: Sequence[tuple[str, int, int, int]], m: int, tp: int, dtype: str, device: DeviceSpec
+    linears: Sequence[tuple[str, int, tuple[int, ...], int]],
+    m: int,
+    tp: int,
+    dtype: str,
+    device: DeviceSpec,
 ) -> list[Row]:
-    """The forward and backward fused ops of ``linears`` (``(name, K, N per rank, calls per
+    """The forward and backward fused ops of ``linears`` (``(name, K, widths per rank, calls per
     model)``; ``attention.wo`` and ``feed_forward.w2`` are row-parallel), ``m`` rows per rank."""
     rows = []
-    for name, k, n, per_model in linears:
-        forward = RS if name in ("attention.wo", "feed_forward.w2") else AG
+    for name, k, widths, per_model in linears:
+        n = sum(widths)
+        forward = RS if name in _ROWWISE else AG
         backward = AG if forward == RS else RS
         for phase, op, (kk, nn) in (("forward", forward, (k, n)), ("backward", backward, (n, k))):
-            cost = op_cost(op, m, kk, nn, tp, dtype, device)
+            ns = widths if phase == "forward" and op == AG else None
+            cost = op_cost(op, m, kk, nn, tp, dtype, device, ns=ns)
             best = min(FUSED, key=lambda b: cost.backends_s[b])
             rows.append(
                 Row(
@@ -132,6 +169,62 @@ def block_prediction(
     return times
 
 
+def schedule_rows(
+    device: DeviceSpec, tp: int, tokens: Sequence[int] = TOKENS, dtype: str = "bf16"
+) -> dict[str, list[tuple]]:
+    """Per op, one row per (model, tokens, forward fused op): ``(model, tokens, linear,
+    "m x K x N", speed of light s, {schedule: s}, verdict)``; the verdict names the fastest
+    fused schedule that exists, or says that none beats ``reference``."""
+    table: dict[str, list[tuple]] = {AG: [], RS: []}
+    for name, cfg in MODELS.items():
+        for count in tokens:
+            if count % tp:
+                raise ValueError(f"{count} tokens do not divide by --tp {tp}")
+            m = count // tp
+            for linear, k, widths, _ in _linears(cfg, tp)[:4]:
+                op = RS if linear in _ROWWISE else AG
+                n = sum(widths)
+                cost = op_cost(op, m, k, n, tp, dtype, device, ns=widths if op == AG else None)
+                built = {s: t for s, t in cost.schedules_s.items() if "proposed" not in s}
+                fused = min((s for s in built if s != "reference"), key=built.__getitem__)
+                verdict = (
+                    fused
+                    if built[fused] < built["reference"]
+                    else "NONE beats reference: auto rules fusion out"
+                )
+                table[op].append(
+                    (name, count, linear, f"{m}x{k}x{n}", cost.speed_of_light_s,
+                     cost.schedules_s, verdict)
+                )  # fmt: skip
+    return table
+
+
+def render_schedules(table: dict[str, list[tuple]], device: DeviceSpec, tp: int) -> str:
+    """The schedule table: per op, each schedule's ms and its share of the speed of light."""
+    out = [
+        f"cost model: every schedule of the forward fused ops of Llama-3 TP={tp} on {device.name},"
+        " bf16; ms per call (share of the speed of light); nothing measured"
+    ]
+    for op, rows in table.items():
+        header = ("model", "tokens", "linear", "m x K x N /rank", "SoL ms", *SCHEDULES[op],
+                  "fastest fused")  # fmt: skip
+        cells = [
+            (model, str(count), linear, shape, _ms(sol),
+             *(f"{_ms(times[s])} ({sol / times[s]:.0%})" for s in SCHEDULES[op]), verdict)
+            for model, count, linear, shape, sol, times, verdict in rows
+        ]  # fmt: skip
+        out += ["", f"{op}:", render_table(header, cells, left=4)]
+    out.append("")
+    out.append(f"device: {device.name}; its figures and their sources:")
+    out.append(f"  peak_tflops = {device.peak_tflops}: {device.sources['peak_tflops']}")
+    for name in _NUMERIC:
+        out.append(f"  {name} = {getattr(device, name):g}: {device.sources[name]}")
+    out.append(f"  one SM's remote rate = {device.sm_remote_gb_s():.1f} GB/s (bytes in flight / "
+               "round trip)")  # fmt: skip
+    out.append("models: " + ", ".join(cfg["source"] for cfg in MODELS.values()))
+    return "\n".join(out)
+
+
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f}"
 
@@ -174,23 +267,59 @@ def render(rows: Sequence[Row], model: str, device: DeviceSpec, tp: int, tokens:
     return "\n".join(out)
 
 
+def _param(text: str) -> tuple[str, float]:
+    name, sep, value = text.partition("=")
+    if not sep or name not in _NUMERIC:
+        raise argparse.ArgumentTypeError(
+            f"expected NAME=VALUE with NAME one of {list(_NUMERIC)}, got {text!r}"
+        )
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{name}: expected a number, got {value!r}") from None
+    if not number > 0:
+        raise argparse.ArgumentTypeError(f"{name}: expected a positive number, got {value!r}")
+    return name, number
+
+
+def with_params(device: DeviceSpec, params: Sequence[tuple[str, float]]) -> DeviceSpec:
+    """``device`` with the figures of ``params`` replaced, each marked as given on the command
+    line in ``sources``."""
+    if not params:
+        return device
+    values = {n: int(v) if _NUMERIC[n] == "int" else v for n, v in params}
+    sources = {**device.sources, **{n: "given with --param" for n in values}}
+    return dataclasses.replace(device, **values, sources=sources)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m tp_kernels.bench model``."""
     p = argparse.ArgumentParser(
         prog="python -m tp_kernels.bench model",
-        description="Print the cost model's plan for a Llama-3 model's TP layout on a GPU.",
+        description="Print the cost model's schedules for Llama-3's fused ops, or with --model "
+        "its plan for one model's TP layout on a GPU.",
     )
     p.add_argument("--gpu", choices=sorted(DEVICES), default="h100")
     p.add_argument("--tp", type=int, default=8, help="tensor-parallel degree (GPUs)")
-    p.add_argument("--model", choices=sorted(MODELS), default="llama3-70b")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--seq", type=int, default=8192)
+    p.add_argument("--model", choices=sorted(MODELS), default=None, help="print this plan")
+    p.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS),
+                   help="tokens per step of the schedule table (default: 2048 8192)")  # fmt: skip
+    p.add_argument("--batch", type=int, default=1, help="with --model")
+    p.add_argument("--seq", type=int, default=8192, help="with --model")
+    p.add_argument("--param", type=_param, action="append", default=[], metavar="NAME=VALUE",
+                   help="replace a figure of the device, repeatable")  # fmt: skip
     args = p.parse_args(argv)
-    if args.tp < 1 or args.batch < 1 or args.seq < 1:
-        p.error(f"--tp, --batch, --seq: got {args.tp}, {args.batch}, {args.seq}; expected >= 1")
-    device = DEVICES[args.gpu]
-    tokens = args.batch * args.seq
+    if min(args.tp, args.batch, args.seq, *args.tokens) < 1:
+        p.error(
+            f"--tp, --batch, --seq, --tokens: got {args.tp}, {args.batch}, {args.seq}, "
+            f"{args.tokens}; expected >= 1"
+        )
+    device = with_params(DEVICES[args.gpu], args.param)
     try:
+        if args.model is None:
+            print(render_schedules(schedule_rows(device, args.tp, args.tokens), device, args.tp))
+            return 0
+        tokens = args.batch * args.seq
         rows = plan_rows(args.model, device, args.tp, tokens)
     except ValueError as exc:
         p.error(str(exc))
