@@ -235,7 +235,7 @@ def _launched_twice(lag_rank: int, lag_s: float):
     while its second launch still waits on this call's signals."""
     from tp_kernels import kernels
 
-    names = ("ag_matmul_consumer", "matmul_rs_producer", "reduce_slots")
+    names = ("wait_ready", "ag_matmul_consumer", "matmul_rs_producer", "reduce_slots")
     originals = {name: getattr(kernels, name) for name in names}
 
     def twice(launch):

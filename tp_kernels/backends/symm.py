@@ -87,7 +87,7 @@ import torch
 import torch.distributed as dist
 
 from tp_kernels import config, symmetric_memory
-from tp_kernels.backends import schedule
+from tp_kernels.backends import schedule, symm_gather
 from tp_kernels.backends.base import Backend
 
 _CTL_TAG = "tp_kernels.backends.symm.ctl"
@@ -144,8 +144,9 @@ def _grown_size(need_half: int) -> int:
 
 class _GroupState:
     """Per (group, device): the control workspace, the data workspace, the call counter and,
-    for the kernels, the address tables of the data halves, the timeout status and the producer's
-    tile counters (each made once, not per call)."""
+    for the kernels, the address tables of the data halves, the timeout status, the
+    reduce-scatter producer's tile counters, and the all-gather's copier and progress words (each
+    made once, not per call)."""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
         self.ctl = symmetric_memory.get_workspace(group, _CTL_BYTES, device, tag=_CTL_TAG)
@@ -153,8 +154,8 @@ class _GroupState:
         self.half_ptrs: tuple[torch.Tensor, torch.Tensor] | None = None
         self.status: torch.Tensor | None = None
         self.counters: torch.Tensor | None = None
-        self.sched: torch.Tensor | None = None
-        self.flags: torch.Tensor | None = None
+        self.copier: symm_gather.Copier | None = None
+        self.progress: torch.Tensor | None = None
         self.seq = 0
         self.broken: str | None = None
 
@@ -166,26 +167,22 @@ class _GroupState:
         ptrs = data.buffer_ptrs()
         self.half_ptrs = (ptrs.clone(), ptrs + data.nbytes // 2)
 
-    def kernel_state(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(status, counters, sched)`` of the kernels, made on first use."""
-        if self.status is None or self.counters is None or self.sched is None:
+    def kernel_state(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(status, counters)`` of the kernels, made on first use."""
+        if self.status is None or self.counters is None:
             from tp_kernels import kernels
 
             world, device = self.ctl.world_size, self.ctl.device
             self.status = kernels.new_status(world, device)
             self.counters = kernels.new_counters(world, device)
-            self.sched = kernels.new_sched(device)
-        return self.status, self.counters, self.sched
+        return self.status, self.counters
 
-    def flags_for(self, m: int) -> torch.Tensor:
-        """The all-gather's local-arrival flags, enough for ``m`` rows per rank (grown, never
-        reset: each call waits for its own epoch)."""
-        from tp_kernels import kernels
-
-        world = self.ctl.world_size
-        if self.flags is None or self.flags.numel() < kernels.ag_matmul.flag_words(world, m):
-            self.flags = kernels.new_flags(world, m, self.ctl.device)
-        return self.flags
+    def gather_state(self) -> tuple[symm_gather.Copier, torch.Tensor]:
+        """``(copier, progress)`` of the all-gather, made on first use."""
+        if self.copier is None or self.progress is None:
+            self.copier = symm_gather.Copier(self.ctl.device)
+            self.progress = symm_gather.new_progress(self.ctl.world_size, self.ctl.device)
+        return self.copier, self.progress
 
     def headers(self, rank: int) -> torch.Tensor:
         """``rank``'s two headers, int64 [2, _HEADER_WORDS]."""
@@ -591,28 +588,43 @@ def _ag_triton(
     outs: list[torch.Tensor],
     a: torch.Tensor,
 ) -> None:
-    """The all-gather-matmul of :class:`SymmBackend` by :func:`kernels.ag_matmul_consumer`,
-    which gathers into ``a`` (each peer's rows read once) and multiplies from it."""
+    """The all-gather-matmul of :class:`SymmBackend` on the copy-engine protocol
+    (:mod:`tp_kernels.backends.symm_gather`): publish the shard, signal, barrier, then the copies
+    into ``a`` beside :func:`kernels.ag_matmul_consumer`, which waits on their progress words."""
     from tp_kernels import kernels
 
-    state = round_.state
+    state, rank = round_.state, round_.rank
     m, k = a_shard.shape
-    half.view(round_.rank, (m, k), a_shard.dtype).copy_(a_shard)
+    half.view(rank, (m, k), a_shard.dtype).copy_(a_shard)
+    a[rank * m : (rank + 1) * m].copy_(a_shard)
     pads = state.ctl.signal_pad_ptrs()
-    status, _, sched = state.kernel_state()
-    kernels.signal_ready(pads, **_kernel_args(round_))
-    kernels.ag_matmul_consumer(
-        half.addresses(),
-        pads,
-        bs,
-        outs,
-        a_local=a,
-        flags=state.flags_for(m),
-        sched=sched,
-        status=status,
-        timeout_s=symmetric_memory.get_timeout(),
-        **_kernel_args(round_),
+    status, _ = state.kernel_state()
+    copier, progress = state.gather_state()
+    args = _kernel_args(round_)
+    timeout_s = symmetric_memory.get_timeout()
+    kernels.signal_ready(pads, **args)
+    kernels.wait_ready(pads, status=status, timeout_s=timeout_s, **args)
+    rows = symm_gather.chunk_rows(
+        m, k, sum(b.shape[1] for b in bs), a.element_size(), interpret=kernels.INTERPRET
     )
+    words = progress[round_.parity]
+    sources = [(s, half.view(s, (m, k), a_shard.dtype)) for s in round_.peers()]
+    copies = copier.start(sources, a, rows, words, args["epoch"])
+    try:
+        kernels.ag_matmul_consumer(
+            a,
+            bs,
+            outs,
+            progress=words,
+            chunk_rows=rows,
+            status=status,
+            rank=rank,
+            world_size=round_.world,
+            epoch=args["epoch"],
+            timeout_s=timeout_s,
+        )
+    finally:
+        copies.join()
     if a_shard.device.type == "cpu":  # the kernels have finished: no reason to wait for later
         _raise_recorded_timeout(state, round_.group, _OP_NAMES[_AG])
 
@@ -626,7 +638,7 @@ def _rs_triton(
 
     state = round_.state
     pads = state.ctl.signal_pad_ptrs()
-    status, counters, _ = state.kernel_state()
+    status, counters = state.kernel_state()
     out = a.new_empty((m, n))
     kernels.matmul_rs_producer(
         a, b, half.addresses(), pads, counters=counters, **_kernel_args(round_)
