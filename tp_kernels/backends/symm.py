@@ -4,11 +4,13 @@ On rank ``r`` of ``W`` ranks (shapes as in ``backends/base.py``), every call use
 data workspace that every rank of the group maps (see "Buffer reuse" below):
 
 * all-gather -> matmul: ``r`` copies ``a_shard [m, K]`` into its own buffer and signals every
-  peer; it multiplies its own shard first, then, for ``s = r+1, r+2, ...`` (mod W), waits for
-  ``s``'s signal, reads ``s``'s rows from ``s``'s buffer once, into the local gathered ``A``
-  [W*m, K], and multiplies them from there: ``outs[j][s*m:(s+1)*m] = A_s @ bs[j]``. Every
-  remote byte crosses the link once, however many ``bs`` and column tiles there are; ``A`` is
-  what ``return_a`` returns.
+  peer; it multiplies its own shard first, then, for ``s = r+1, r+2, ...`` (mod W), once ``s``'s
+  rows have arrived, ``outs[j][s*m:(s+1)*m] = A_s @ bs[j]``. On the Triton path a barrier waits
+  for every peer's signal, a copier (:mod:`tp_kernels.backends.symm_gather`: the copy engine on
+  CUDA, a host thread on CPU) copies each peer's rows once, in chunks, into the local gathered
+  ``A`` [W*m, K] with a progress word per chunk, and the consumer GEMM waits on those words and
+  reads ``A`` only. Every remote byte crosses the link once, however many ``bs`` and column
+  tiles there are; ``A`` is what ``return_a`` returns.
 * matmul -> reduce-scatter: each rank's buffer is viewed as ``slots [W, m, N]``. ``r`` computes
   ``(a @ b + addend)[d*m:(d+1)*m]`` straight into slot ``r`` of rank ``d``'s buffer for
   ``d = r+1, ..., r`` (own last), signalling ``d`` after each, then waits for its ``W-1`` incoming
@@ -26,9 +28,12 @@ Two paths run this protocol:
   ``TRITON_INTERPRET=1``, since the interpreter is slow and serves to test the kernels'
   signalling across processes): the launchers of :mod:`tp_kernels.kernels`, whose epoch signals
   alternate between the channels :data:`_KERNEL_CHANNELS` by call parity (see the protocol in
-  :mod:`tp_kernels.kernels`; never shared with the 0/1 signals). The host does exactly the same
-  on CPU and CUDA: no handshake of its own, nothing that synchronizes with the device, tables
-  built once per buffer, the weight read through its strides. It covers fp32, fp16 and bf16;
+  :mod:`tp_kernels.kernels`; never shared with the 0/1 signals), and for the all-gather the
+  copier of :mod:`tp_kernels.backends.symm_gather`, whose progress words alternate between two
+  rows by the same parity. The host does exactly the same on CPU and CUDA (but that the CPU's
+  copier is a thread, the GPU's a side stream): no handshake of its own, nothing that
+  synchronizes with the device, tables, progress words and the side stream made once, the weight
+  read through its strides. It covers fp32, fp16 and bf16;
   other dtypes, and a reduce-scatter with an ``addend`` (the producer kernel has no addend
   input), take the torch path.
 
@@ -488,7 +493,7 @@ class SymmBackend(Backend):
         )
         # The gathered A: each peer's rows are read from its memory once, into here, and every
         # matmul reads them from here (it is also what return_a gives). The Triton path always
-        # gathers: its column tiles would otherwise each read the peer's rows.
+        # gathers: the copier fills it and the consumer reads local memory only.
         a = a_shard.new_empty((world * m, k))
         outs = [a_shard.new_empty((world * m, b.shape[1])) for b in bs]
         half.ensure()
