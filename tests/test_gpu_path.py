@@ -120,7 +120,7 @@ def _recorded_timeout_raises_at_next_call() -> dict:
         symm_backend.BACKEND.all_gather_matmul(a, bs, group, return_a=False)  # sets up
         dist.barrier()
         if rank == 0:
-            status, _, _ = symm_backend._state(group, torch.device("cpu")).kernel_state()
+            status, _ = symm_backend._state(group, torch.device("cpu")).kernel_state()
             status[1] = 7  # what a kernel stores when its wait for rank 1's epoch 7 timed out
             report["unraised"] = symm_backend.unraised_timeouts()
             try:
