@@ -575,3 +575,55 @@ def test_unavailable_reason(worlds, monkeypatch):
     assert BACKEND.unavailable_reason(None, torch.device("cpu")) is None
     monkeypatch.setattr(kernels, "INTERPRET", False)
     assert "set TRITON_INTERPRET=1" in BACKEND.unavailable_reason(None, torch.device("cpu"))
+
+
+# ---------------------------------------------------------------- the copier's rules
+
+
+def test_chunks_hide_the_first_copy_behind_the_own_shard():
+    """One chunk where the own shard's tiles outlast a whole shard's copy (Llama-70B's w1/w3 at
+    TP=8), two where the copy takes about twice as long (its QKV), at most MAX_CHUNKS for
+    narrow outputs; boundaries on whole 256-row tiles (16 in the interpreter)."""
+    from tp_kernels.backends import symm_gather
+
+    assert symm_gather.chunk_rows(1024, 8192, 7168, 2, interpret=False) == 1024
+    assert symm_gather.chunk_rows(1024, 8192, 1280, 2, interpret=False) == 512
+    assert symm_gather.chunk_rows(1024, 8192, 64, 2, interpret=False) == 256
+    assert symm_gather.chunk_rows(40, 16, 5, 2, interpret=True) == 16
+    for m in (1, 5, 255, 256, 257, 1000, 4096, 5000):
+        for n in (1, 100, 1000, 10000):
+            rows = symm_gather.chunk_rows(m, 64, n, 2, interpret=False)
+            assert rows % 256 == 0 and -(-m // rows) <= symm_gather.MAX_CHUNKS, (m, n, rows)
+
+
+def test_progress_falls_back_to_a_memset_without_stream_memory_operations(monkeypatch):
+    """A driver without stream memory operations refuses cuStreamWriteValue32 ("operation not
+    supported"): from then on the words are written by memset32 (stream-ordered after the
+    copy). Any other error is raised."""
+    from tp_kernels.backends import symm_gather
+
+    calls = []
+
+    def refused(words, word, value):
+        calls.append(("stream_write", word, value))
+        raise RuntimeError("CUDA driver error: operation not supported")
+
+    def memset(words, word, value, count):
+        calls.append(("memset", word, value, count))
+        words[word] = value
+
+    monkeypatch.setattr(torch.ops.symm_mem, "stream_write_value32_", refused)
+    monkeypatch.setattr(torch.ops.symm_mem, "memset32_", memset)
+    write = symm_gather._StreamWriter()
+    progress = torch.zeros(4, dtype=torch.int32)
+    write(progress, 1, 7)
+    write(progress, 2, 7)
+    assert calls == [("stream_write", 1, 7), ("memset", 1, 7, 1), ("memset", 2, 7, 1)]
+    assert progress.tolist() == [0, 7, 7, 0]
+
+    def broken(words, word, value):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch.ops.symm_mem, "stream_write_value32_", broken)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        symm_gather._StreamWriter()(progress, 0, 8)

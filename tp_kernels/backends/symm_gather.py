@@ -100,16 +100,19 @@ class Copies:
     """One call's copies in flight; :meth:`join` makes the caller's work follow them."""
 
     def __init__(
-        self, event: torch.cuda.Event | None = None, thread: threading.Thread | None = None
+        self,
+        event: torch.cuda.Event | None = None,
+        device: torch.device | None = None,
+        thread: threading.Thread | None = None,
     ) -> None:
-        self._event, self._thread = event, thread
+        self._event, self._device, self._thread = event, device, thread
         self.error: BaseException | None = None
 
     def join(self) -> None:
         """CUDA: the current stream waits for the copies (no host sync). CPU: the thread ends;
         an error it raised is raised here."""
         if self._event is not None:
-            torch.cuda.current_stream(self._event.device).wait_event(self._event)
+            torch.cuda.current_stream(self._device).wait_event(self._event)
             self._event = None
         if self._thread is not None:
             self._thread.join()
@@ -156,7 +159,7 @@ class Copier:
             self._stream.wait_stream(current)  # after the barrier and the own rows
             with torch.cuda.stream(self._stream):
                 copy_all()
-                return Copies(event=self._stream.record_event())
+                return Copies(event=self._stream.record_event(), device=self.device)
         copies = Copies()
 
         def run() -> None:
