@@ -596,10 +596,10 @@ def test_chunks_hide_the_first_copy_behind_the_own_shard():
             assert rows % 256 == 0 and -(-m // rows) <= symm_gather.MAX_CHUNKS, (m, n, rows)
 
 
-def test_progress_falls_back_to_a_memset_without_stream_memory_operations(monkeypatch):
+def test_progress_falls_back_to_a_copy_without_stream_memory_operations(monkeypatch):
     """A driver without stream memory operations refuses cuStreamWriteValue32 ("operation not
-    supported"): from then on the words are written by memset32 (stream-ordered after the
-    copy). Any other error is raised."""
+    supported"): from then on each word is copied from (pinned) host memory, after the chunk.
+    Any other error is raised."""
     from tp_kernels.backends import symm_gather
 
     calls = []
@@ -608,17 +608,17 @@ def test_progress_falls_back_to_a_memset_without_stream_memory_operations(monkey
         calls.append(("stream_write", word, value))
         raise RuntimeError("CUDA driver error: operation not supported")
 
-    def memset(words, word, value, count):
-        calls.append(("memset", word, value, count))
-        words[word] = value
+    def host_word(value):
+        calls.append(("copy", value))
+        return torch.tensor([value], dtype=torch.int32)  # pinned on a CUDA build
 
     monkeypatch.setattr(torch.ops.symm_mem, "stream_write_value32_", refused)
-    monkeypatch.setattr(torch.ops.symm_mem, "memset32_", memset)
+    monkeypatch.setattr(symm_gather, "_pinned_word", host_word)
     write = symm_gather._StreamWriter()
     progress = torch.zeros(4, dtype=torch.int32)
     write(progress, 1, 7)
     write(progress, 2, 7)
-    assert calls == [("stream_write", 1, 7), ("memset", 1, 7, 1), ("memset", 2, 7, 1)]
+    assert calls == [("stream_write", 1, 7), ("copy", 7), ("copy", 7)]
     assert progress.tolist() == [0, 7, 7, 0]
 
     def broken(words, word, value):

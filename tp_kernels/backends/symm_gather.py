@@ -13,11 +13,12 @@ side). Each remote byte is read once, by a copy; the copies of a call run one af
   after the barrier), and each progress word is written by a stream memory operation,
   ``torch.ops.symm_mem.stream_write_value32_`` (``cuStreamWriteValue32``, which fences at system
   scope before the write; in every torch this package supports, >= 2.7). A driver without stream
-  memory operations (``NVreg_EnableStreamMemOPs`` off: "operation not supported") gets
-  ``torch.ops.symm_mem.memset32_`` instead, as torch does under graph capture: stream order puts
-  it after the copy. A kernel would not do: it needs an SM, and the persistent consumer may hold
-  every SM while it waits for the word. The current stream waits for the side stream before the
-  call returns, so the call's results (and its A) include the copies.
+  memory operations (``NVreg_EnableStreamMemOPs`` off: "operation not supported") gets a 4-byte
+  copy of the epoch from pinned host memory instead, which stream order puts after the chunk's
+  copy. Neither needs an SM; a kernel (or a memset, which the driver may run as one) could not
+  be trusted to, since the persistent consumer may hold every SM while it waits for the word.
+  The current stream waits for the side stream before the call returns, so the call's results
+  (and its A) include the copies.
 * CPU: the same copies (``copy_`` from the peer's mapping) on a host thread while the consumer
   runs in Triton's interpreter on the calling thread, each word a release store
   (``tp_kernels._C.store_release``); the thread is joined before the call returns.
@@ -70,24 +71,29 @@ def new_progress(world_size: int, device: torch.device) -> torch.Tensor:
     return torch.zeros((2, world_size * MAX_CHUNKS), dtype=torch.int32, device=device)
 
 
+def _pinned_word(value: int) -> torch.Tensor:
+    """``value`` as int32 [1] in pinned host memory (torch's host allocator keeps the block
+    until the copies reading it have run)."""
+    return torch.tensor([value], dtype=torch.int32).pin_memory()
+
+
 class _StreamWriter:
-    """Progress words on CUDA: a fenced stream write, or a memset where the driver has none."""
+    """Progress words on CUDA: a fenced stream write, or, where the driver has none, a copy of
+    the word from pinned host memory (the copy engine again, ordered after the chunk's copy)."""
 
     def __init__(self) -> None:
         self._stream_ops = True
 
     def __call__(self, progress: torch.Tensor, word: int, epoch: int) -> None:
-        words = progress.view(torch.uint32)
-        ops = torch.ops.symm_mem
         if self._stream_ops:
             try:
-                ops.stream_write_value32_(words, word, epoch)
+                torch.ops.symm_mem.stream_write_value32_(progress.view(torch.uint32), word, epoch)
                 return
             except RuntimeError as exc:
                 if "not supported" not in str(exc):
                     raise
-                self._stream_ops = False  # NVreg_EnableStreamMemOPs=0: once, then memsets
-        ops.memset32_(words, word, epoch, 1)
+                self._stream_ops = False  # NVreg_EnableStreamMemOPs=0: once, then copies
+        progress[word : word + 1].copy_(_pinned_word(epoch), non_blocking=True)
 
 
 def _store_release(progress: torch.Tensor, word: int, epoch: int) -> None:
