@@ -133,7 +133,7 @@ def gemm_configs(pre_hook=None) -> list[triton.Config]:
 
 
 # Programs of a persistent launch in the interpreter: more than one, so that the tile loops and
-# the ticket's hand-over between programs run in the CPU tests too.
+# their striding over programs run in the CPU tests too.
 _INTERPRETER_PROGRAMS = 2
 
 
@@ -237,7 +237,7 @@ def check_tensor(
     *,
     argument: str,
 ) -> None:
-    """A scratch tensor a launcher is given (flags, ticket, counters) must have exactly this shape,
+    """A scratch tensor a launcher is given (the producer's counters) must have exactly this shape,
     dtype and device, and be contiguous."""
     if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != device:
         raise ValueError(
