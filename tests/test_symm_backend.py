@@ -627,3 +627,26 @@ def test_progress_falls_back_to_a_copy_without_stream_memory_operations(monkeypa
     monkeypatch.setattr(torch.ops.symm_mem, "stream_write_value32_", broken)
     with pytest.raises(RuntimeError, match="illegal memory access"):
         symm_gather._StreamWriter()(progress, 0, 8)
+
+
+def test_cuda_copies_are_joined_on_their_devices_current_stream(monkeypatch):
+    """The current stream of the copies' own device (not the current device's) waits for their
+    event, once, without synchronizing the host. (A CUDA event does not know its device: the
+    copier passes it.)"""
+    from tp_kernels.backends import symm_gather
+
+    waited = []
+
+    class Stream:
+        def __init__(self, device):
+            self.device = device
+
+        def wait_event(self, event):
+            waited.append((self.device, event))
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(device))
+    event = object()  # a torch.cuda.Event has no device attribute either
+    copies = symm_gather.Copies(event=event, device=torch.device("cuda", 1))
+    copies.join()
+    copies.join()
+    assert waited == [(torch.device("cuda", 1), event)]
