@@ -255,6 +255,10 @@ void ShmHeap::barrier(std::size_t channel, double timeout_s, const std::string& 
   }
 }
 
+void store_release(std::uint32_t* word, std::uint32_t value) {
+  __atomic_store_n(word, value, __ATOMIC_RELEASE);
+}
+
 std::uint32_t ShmHeap::load_signal(int rank, std::size_t word) const {
   check_word(word);
   return __atomic_load_n(signal_pad(rank) + word, __ATOMIC_ACQUIRE);

@@ -35,6 +35,10 @@ class SignalTimeout : public std::runtime_error {
 // (the Python binding uses it to deliver KeyboardInterrupt).
 using PollFn = std::function<void()>;
 
+// Release store of a 32-bit word in this process's memory: the CPU copier's progress words
+// (a chunk's copy, then its word), which the consumer kernel reads with acquire loads.
+void store_release(std::uint32_t* word, std::uint32_t value);
+
 class ShmHeap {
  public:
   // name_prefix: "/<something unique to this allocation>_"; rank r's segment is

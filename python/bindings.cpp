@@ -44,6 +44,14 @@ PYBIND11_MODULE(_C, m) {
     }
   });
 
+  m.def(
+      "store_release",
+      [](std::uintptr_t address, std::uint32_t value) {
+        tpk::store_release(reinterpret_cast<std::uint32_t*>(address), value);
+      },
+      py::arg("address"), py::arg("value"),
+      "Release store of the 32-bit word at address (memory of this process).");
+
   py::class_<Region>(m, "Region", py::buffer_protocol())
       .def_buffer([](Region& r) {
         return py::buffer_info(r.ptr, 1, py::format_descriptor<std::uint8_t>::format(), 1,

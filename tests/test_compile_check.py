@@ -30,9 +30,10 @@ def test_check_ptx_names_what_is_missing():
 
 
 def test_waiting_and_signalling_kernels_compile_for_sm_90(tmp_path):
-    """The signal, the reduction (waits) and one 16-bit all-gather GEMM (waits, wgmma) compile
-    for sm_90 and pass their checks; every PTX file is written."""
-    only = ("signal_ready", "reduce_slots[bf16,1024,w4]", "ag_matmul[bf16,B=nk,64x64x32")
+    """The signal, the barrier and the reduction (waits), and a 16-bit all-gather consumer whose
+    B goes through pointers (its first launch waits on progress words; both read A with TMA)
+    compile for sm_90 and pass their checks; every PTX file is written."""
+    only = ("signal_ready", "wait_ready", "reduce_slots[bf16,1024,w4]", "ag_matmul[bf16,B=ptr")
     args = ["--out", str(tmp_path), "--jobs", "1"] + [x for o in only for x in ("--only", o)]
     done = run_without_interpreter(
         f"""
@@ -41,14 +42,22 @@ def test_waiting_and_signalling_kernels_compile_for_sm_90(tmp_path):
         """
     )
     assert done.returncode == 0, (done.stdout, done.stderr)
-    assert "all 4 variants ok for sm_90" in done.stdout, done.stdout
+    assert "all 5 variants ok for sm_90" in done.stdout, done.stdout
     # Resources from Triton's own ptxas, per variant: registers per thread and spilled bytes.
     usage = re.findall(r"regs +(\d+) +spills +(\d+) B", done.stdout)
-    assert len(usage) == 4 and all(int(regs) > 0 for regs, _ in usage), done.stdout
+    assert len(usage) == 5 and all(int(regs) > 0 for regs, _ in usage), done.stdout
     written = sorted(p.name for p in Path(tmp_path, "sm_90").iterdir())
-    assert "signal_ready.ptx" in written and len(written) == 4, written
+    assert "signal_ready.ptx" in written and len(written) == 5, written
     ptx = Path(tmp_path, "sm_90", "signal_ready.ptx").read_text()
     assert "atom.global.sys.release.exch" in ptx
+    # B is read through pointers, so the TMA copies are A's; the waiting launch fences the
+    # async proxy after its acquire, the other launch neither waits nor fences.
+    consumers = {p.name: p.read_text() for p in Path(tmp_path, "sm_90").glob("ag_matmul*")}
+    (waiting,) = [ptx for name, ptx in consumers.items() if ",wait" in name]
+    (reading,) = [ptx for name, ptx in consumers.items() if ",wait" not in name]
+    assert "cp.async.bulk.tensor" in waiting and "cp.async.bulk.tensor" in reading
+    assert "ld.acquire.sys" in waiting and "fence.proxy.async.global" in waiting
+    assert "ld.acquire.sys" not in reading and "fence.proxy.async.global" not in reading
 
 
 def test_a_variant_that_lacks_a_pattern_fails_by_name(tmp_path):

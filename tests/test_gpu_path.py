@@ -48,8 +48,9 @@ def test_call_varying_scalars_are_never_specialized():
         """
         from tp_kernels import kernels
         from tp_kernels.kernels import ag_matmul, matmul_rs
-        kernels_ = [ag_matmul._signal_ready_kernel, ag_matmul._ag_matmul_kernel.fn,
-                    matmul_rs._matmul_rs_kernel, matmul_rs._reduce_slots_kernel.fn]
+        kernels_ = [ag_matmul._signal_ready_kernel, ag_matmul._wait_ready_kernel,
+                    ag_matmul._ag_matmul_kernel.fn, matmul_rs._matmul_rs_kernel,
+                    matmul_rs._reduce_slots_kernel.fn]
         for k in kernels_:
             for p in k.params:
                 if p.name in kernels.VARYING_ARGS:
@@ -59,7 +60,8 @@ def test_call_varying_scalars_are_never_specialized():
     assert done.returncode == 0, done.stderr
     lines = done.stdout.split("\n")
     seen = [line for line in lines if line]
-    assert len(seen) == 3 + 5 + 3 + 5, seen  # every varying argument of every kernel
+    # Every varying argument of every kernel (the consumer waits on local words: no channel).
+    assert len(seen) == 3 + 5 + 4 + 3 + 5, seen
     assert all(line.endswith(" True") for line in seen), seen
 
 
@@ -118,7 +120,7 @@ def _recorded_timeout_raises_at_next_call() -> dict:
         symm_backend.BACKEND.all_gather_matmul(a, bs, group, return_a=False)  # sets up
         dist.barrier()
         if rank == 0:
-            status, _, _ = symm_backend._state(group, torch.device("cpu")).kernel_state()
+            status, _ = symm_backend._state(group, torch.device("cpu")).kernel_state()
             status[1] = 7  # what a kernel stores when its wait for rank 1's epoch 7 timed out
             report["unraised"] = symm_backend.unraised_timeouts()
             try:
@@ -169,17 +171,16 @@ def _launch_arguments() -> list[dict]:
     seen = []
     launch = kernels.ag_matmul_consumer
 
-    def record(a_ptrs, signal_ptrs, bs, outs, **kwargs):
+    def record(a, bs, outs, **kwargs):
         seen.append(
             {
-                "table": a_ptrs.data_ptr(),
+                "progress": kwargs["progress"].data_ptr(),
                 "status": kwargs["status"].data_ptr(),
                 "b_is_w_t": [b.stride() == (1, b.shape[0]) for b in bs],
                 "b_is_the_weight": [b.data_ptr() == w.data_ptr() for b, w in zip(bs, weights)],
-                "channel": kwargs["channel"],
             }
         )
-        launch(a_ptrs, signal_ptrs, bs, outs, **kwargs)
+        launch(a, bs, outs, **kwargs)
 
     weights = [torch.randn(6, 8), torch.randn(3, 8)]  # [N, K] each, as Linear weights
     config.SYMM_TRITON.set(True)
@@ -196,14 +197,14 @@ def _launch_arguments() -> list[dict]:
 
 
 def test_triton_path_makes_no_per_call_tables_or_weight_copies(worlds):
-    """The host side of a call builds nothing on the device: the peers' address table of each
-    buffer half and the status are made once and reused; the weight goes in as it is (its
-    strides), not copied; consecutive calls alternate the two channels."""
+    """The host side of a call builds nothing on the device: the progress words of each call
+    parity and the status are made once and reused (consecutive calls alternate the two rows of
+    words, as the signals alternate channels); the weight goes in as it is (its strides), not
+    copied."""
     for seen in worlds(2).run(_launch_arguments):
         assert len(seen) == 4
-        assert seen[0]["table"] == seen[2]["table"] != seen[1]["table"] == seen[3]["table"]
+        words = [s["progress"] for s in seen]
+        assert words[0] == words[2] != words[1] == words[3], words
         assert len({s["status"] for s in seen}) == 1
         assert all(s["b_is_w_t"] == [True, True] for s in seen), seen
         assert all(s["b_is_the_weight"] == [True, True] for s in seen), seen
-        channels = [s["channel"] for s in seen]
-        assert channels[0] == channels[2] != channels[1] == channels[3], channels

@@ -15,6 +15,7 @@ import os
 # module to unpickle their functions).
 os.environ["TRITON_INTERPRET"] = "1"
 
+import threading  # noqa: E402
 import time  # noqa: E402
 
 import pytest  # noqa: E402
@@ -22,6 +23,7 @@ import torch  # noqa: E402
 from _numerics import check_close  # noqa: E402
 
 from tp_kernels import kernels  # noqa: E402
+from tp_kernels.backends import symm_gather  # noqa: E402
 
 
 def _require_interpreter() -> None:
@@ -48,10 +50,27 @@ def _pads(world_size: int, channels: int = 2) -> tuple[list[torch.Tensor], torch
     return pads, _addresses(pads)
 
 
-def _gather_scratch(world_size: int, m: int) -> dict[str, torch.Tensor]:
-    """The consumer's local-arrival flags and tile ticket, fresh (zero)."""
-    cpu = torch.device("cpu")
-    return {"flags": kernels.new_flags(world_size, m, cpu), "sched": kernels.new_sched(cpu)}
+def _progress(world_size: int) -> torch.Tensor:
+    """The consumer's progress words for one call, fresh (zero)."""
+    return symm_gather.new_progress(world_size, torch.device("cpu"))[0]
+
+
+def _copy_in(shards, a_out, rank, rows, progress, epoch, delay_s=0.0) -> threading.Thread:
+    """The copier as the symm backend runs it: rank's own rows first (before the consumer), then
+    on a host thread, after ``delay_s`` (so that the consumer's tiles wait), every peer's rows in
+    chunks of ``rows``, each chunk's progress word after it. Join the returned thread."""
+    world_size, m = len(shards), shards[0].shape[0]
+    a_out[rank * m : (rank + 1) * m].copy_(shards[rank])
+    peers = [(rank + k) % world_size for k in range(1, world_size)]
+    copier = symm_gather.Copier(torch.device("cpu"))
+
+    def run():
+        time.sleep(delay_s)
+        copier.start([(s, shards[s]) for s in peers], a_out, rows, progress, epoch).join()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
 
 
 def _rotation(start: int, world_size: int) -> list[int]:
@@ -94,9 +113,14 @@ def _fixed_order_sum(slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
-    ("world_size", "rank", "m", "k", "ns"), [(3, 1, 12, 40, (24, 17)), (4, 3, 8, 16, (33,))]
+    ("world_size", "rank", "m", "k", "ns", "rows"),
+    [(3, 1, 40, 40, (24, 17), 16), (4, 3, 8, 16, (33,), 8), (2, 0, 5, 24, (7,), 2)],
 )
-def test_ag_matmul_consumer(dtype, world_size, rank, m, k, ns):
+def test_ag_matmul_consumer(dtype, world_size, rank, m, k, ns, rows):
+    """The barrier, then a copier thread that starts late (the consumer's tiles of peer rows
+    wait on its progress words) beside the consumer: chunks of 16 rows (several per shard, tiles
+    on their boundaries), of 8 rows (shards smaller than a tile) and of 2 rows (a tile spans
+    chunks and waits for its last row's)."""
     gen = torch.Generator().manual_seed(world_size * 100 + m)
     a = torch.randn(world_size * m, k, generator=gen).to(dtype)
     shards = [a[s * m : (s + 1) * m].clone() for s in range(world_size)]
@@ -105,35 +129,40 @@ def test_ag_matmul_consumer(dtype, world_size, rank, m, k, ns):
     for s in range(world_size):
         kernels.signal_ready(signal_ptrs, rank=s, world_size=world_size, channel=CHANNEL, epoch=7)
     assert all(p.view(-1, world_size)[CHANNEL].eq(7).all() for p in pads)
+    status = kernels.new_status(world_size, torch.device("cpu"))
+    kernels.wait_ready(
+        signal_ptrs, status=status, rank=rank, world_size=world_size, channel=CHANNEL, epoch=7
+    )
 
     outs = [torch.full((world_size * m, n), NAN, dtype=dtype) for n in ns]
     a_out = torch.full((world_size * m, k), NAN, dtype=dtype)
     order = torch.empty(world_size, dtype=torch.int64)
-    status = kernels.new_status(world_size, torch.device("cpu"))
-    scratch = _gather_scratch(world_size, m)
+    progress = _progress(world_size)
+    copier = _copy_in(shards, a_out, rank, rows, progress, epoch=7, delay_s=0.3)
     kernels.ag_matmul_consumer(
-        _addresses(shards),
-        signal_ptrs,
+        a_out,
         bs,
         outs,
+        progress=progress,
+        chunk_rows=rows,
         status=status,
         rank=rank,
         world_size=world_size,
-        channel=CHANNEL,
         epoch=7,
-        a_local=a_out,
-        **scratch,
         order_out=order,
     )
+    copier.join()
     assert status.tolist() == [0] * world_size
-    # The persistent programs (2 here) drew every tile's ticket and the last drawer zeroed it.
-    assert scratch["sched"].tolist() == [0]
     assert order.tolist() == _rotation(rank, world_size)
     assert torch.equal(a_out, a)
+    chunks = -(-m // rows)
+    # One word per chunk of every peer, none for the own rows (in place before the launch).
+    want = [0 if s == rank else 7 for s in range(world_size) for _ in range(chunks)]
+    assert progress[: world_size * chunks].tolist() == want
     for j, (b, c) in enumerate(zip(bs, outs, strict=True)):
         reference = _ag_reference(a, b)
         assert (problem := check_close(f"outs[{j}]", c, *reference)) is None, problem
-    # Waiting does not consume: the words still hold the epoch for the next tile or kernel.
+    # Waiting does not consume: the words still hold the epoch.
     assert all(p.view(-1, world_size)[CHANNEL].eq(7).all() for p in pads)
 
 
@@ -205,7 +234,7 @@ def test_tma_layout_follows_strides_and_alignment():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gemms_read_each_layout_of_their_operands(dtype, monkeypatch):
     """B transposed (TMA over the weight), B with rows no multiple of 16 bytes and B off a
-    16-byte boundary (pointer loads), in one all-gather call with a later launch reading the
+    16-byte boundary (pointer loads), in one all-gather call whose launches all read the
     gathered A with TMA; then the producer with a transposed A and each B. Results against
     torch's matmul; the layouts the launchers chose are recorded."""
     gen = torch.Generator().manual_seed(5)
@@ -231,26 +260,24 @@ def test_gemms_read_each_layout_of_their_operands(dtype, monkeypatch):
         _misaligned(k, 24, dtype),
     ]
     _, signal_ptrs = _pads(world_size)
-    for s in range(world_size):
-        kernels.signal_ready(signal_ptrs, rank=s, world_size=world_size, channel=CHANNEL, epoch=2)
     outs = [torch.full((world_size * m, b.shape[1]), NAN, dtype=dtype) for b in bs]
     a_out = torch.full((world_size * m, k), NAN, dtype=dtype)
     status = kernels.new_status(world_size, torch.device("cpu"))
+    progress = _progress(world_size)
+    _copy_in(shards, a_out, rank, 16, progress, epoch=2).join()
     kernels.ag_matmul_consumer(
-        _addresses(shards),
-        signal_ptrs,
+        a_out,
         bs,
         outs,
+        progress=progress,
+        chunk_rows=16,
         status=status,
         rank=rank,
         world_size=world_size,
-        channel=CHANNEL,
         epoch=2,
-        a_local=a_out,
-        **_gather_scratch(world_size, m),
     )
-    # Per launch: B, then a_local (the pulling launch reads peers through pointers).
-    assert chosen == ["cr", "pointer", "pointer", "rc", "pointer", "rc"], chosen
+    # The gathered A once (TMA in every launch), then each launch's B.
+    assert chosen == ["rc", "cr", "pointer", "pointer"], chosen
     assert torch.equal(a_out, a) and status.tolist() == [0] * world_size
     for j, (b, c) in enumerate(zip(bs, outs, strict=True)):
         assert (problem := check_close(f"outs[{j}]", c, *_ag_reference(a, b))) is None, problem
@@ -290,9 +317,10 @@ def test_reduce_slots_casts_to_out_dtype():
 
 
 def test_stale_or_missing_signal_times_out():
-    """A word left at an older epoch (the previous call) or never set must not satisfy a wait;
-    the kernel records the epoch it waited for, and the host raises from that record alone."""
-    world_size, m, k, n = 3, 12, 20, 18
+    """A word left at an older epoch (the previous call) or never set must not satisfy a wait:
+    neither a peer's ready word (the barrier) nor a progress word (the consumer). Each records
+    the epoch it waited for, and the host raises from that record alone."""
+    world_size, m, k, n = 3, 32, 20, 18
     gen = torch.Generator().manual_seed(5)
     shards = [torch.randn(m, k, generator=gen) for _ in range(world_size)]
     b = torch.randn(k, n, generator=gen)
@@ -301,16 +329,10 @@ def test_stale_or_missing_signal_times_out():
         kernels.signal_ready(
             signal_ptrs, rank=s, world_size=world_size, channel=CHANNEL, epoch=epoch
         )
-    out = torch.full((world_size * m, n), NAN)
     status = kernels.new_status(world_size, torch.device("cpu"))
     started = time.monotonic()
-    kernels.ag_matmul_consumer(
-        _addresses(shards),
+    kernels.wait_ready(
         signal_ptrs,
-        [b],
-        [out],
-        a_local=torch.full((world_size * m, k), NAN),
-        **_gather_scratch(world_size, m),
         status=status,
         rank=0,
         world_size=world_size,
@@ -318,8 +340,32 @@ def test_stale_or_missing_signal_times_out():
         epoch=2,
         timeout_s=0.2,
     )
+    assert 0.2 <= time.monotonic() - started < 5.0
+    assert status.tolist() == [0, 0, 2]
+
+    # The consumer: rank 1's two chunks copied (epoch 2), rank 2's words left at epoch 1.
+    a_out = torch.full((world_size * m, k), NAN)
+    a_out[: 2 * m] = torch.cat(shards[:2])
+    progress = _progress(world_size)
+    progress[2:4] = 2
+    progress[4:6] = 1
+    out = torch.full((world_size * m, n), NAN)
+    status = kernels.new_status(world_size, torch.device("cpu"))
+    started = time.monotonic()
+    kernels.ag_matmul_consumer(
+        a_out,
+        [b],
+        [out],
+        progress=progress,
+        chunk_rows=16,
+        status=status,
+        rank=0,
+        world_size=world_size,
+        epoch=2,
+        timeout_s=0.2,
+    )
     # Rank 2's first tile waits 0.2 s; its later tiles see the record and give up at once.
-    assert time.monotonic() - started < 5.0
+    assert 0.2 <= time.monotonic() - started < 5.0
     assert status.tolist() == [0, 0, 2]
     message = (
         r"ag_matmul_consumer on rank 0 of group 'tp': waited 0.2 s for the signal of "
@@ -363,20 +409,31 @@ def test_stale_or_missing_signal_times_out():
 def _bad_ag(**change):
     world_size, m, k = 2, 4, 8
     args = dict(
-        a_ptrs=torch.zeros(world_size, dtype=torch.int64),
-        signal_ptrs=torch.zeros(world_size, dtype=torch.int64),
+        a=torch.ones(world_size * m, k),
         bs=[torch.ones(k, 5)],
         outs=[torch.ones(world_size * m, 5)],
-        a_local=torch.ones(world_size * m, k),
-        **_gather_scratch(world_size, m),
+        progress=_progress(world_size),
+        chunk_rows=2,
         status=kernels.new_status(world_size, torch.device("cpu")),
         rank=0,
         world_size=world_size,
-        channel=0,
         epoch=1,
     )
     args.update(change)
     kernels.ag_matmul_consumer(**args)
+
+
+def _bad_wait(**change):
+    args = dict(
+        signal_ptrs=torch.zeros(3, dtype=torch.int64),
+        status=kernels.new_status(2, torch.device("cpu")),
+        rank=0,
+        world_size=2,
+        channel=0,
+        epoch=1,
+    )
+    args.update(change)
+    kernels.wait_ready(**args)
 
 
 def _bad_rs(**change):
@@ -417,21 +474,18 @@ def _bad_reduce(**change):
     ("call", "change", "message"),
     [
         (
-            _bad_ag,
-            dict(a_ptrs=torch.zeros(2, dtype=torch.int32)),
-            r"a_ptrs: got a torch.int32 tensor of shape \(2,\), expected int64 of shape \(2,\)",
-        ),
-        (
-            _bad_ag,
-            dict(signal_ptrs=torch.zeros(3, dtype=torch.int64)),
+            _bad_wait,
+            {},
             r"signal_ptrs: .* shape \(3,\), expected int64 of shape \(2,\)",
         ),
-        (_bad_ag, dict(bs=[torch.ones(8, 5, dtype=torch.int32)]), r"bs\[0\]: dtype torch.int32"),
+        (_bad_ag, dict(a=torch.ones(8, 8, dtype=torch.int32)), r"a: dtype torch.int32"),
         (
             _bad_ag,
-            dict(flags=torch.zeros(1, dtype=torch.int32)),
-            r"flags: got torch.int32 of shape \(1,\), expected int32 with at least 2 words",
+            dict(progress=torch.zeros(3, dtype=torch.int32)),
+            r"progress: got torch.int32 of shape \(3,\) on cpu, expected a contiguous int32 "
+            r"vector of at least 4 words",
         ),
+        (_bad_ag, dict(chunk_rows=0), r"chunk_rows: got 0, expected a positive int"),
         (
             _bad_ag,
             dict(status=torch.zeros(3, dtype=torch.int32)),
@@ -440,11 +494,6 @@ def _bad_reduce(**change):
         (_bad_ag, dict(epoch=0), r"epoch: got 0, expected 1 <= epoch"),
         (_bad_ag, dict(rank=2), r"rank: got 2, expected 0 <= rank < world_size=2"),
         (_bad_ag, dict(timeout_s=0.0), r"timeout_s: got 0.0"),
-        (
-            _bad_ag,
-            dict(sched=torch.zeros(2, dtype=torch.int32)),
-            r"sched: got torch.int32 of shape \(2,\) on cpu, expected torch.int32 of shape \(1,\)",
-        ),
         (
             _bad_rs,
             dict(slot_ptrs=torch.zeros(1, dtype=torch.int64)),
@@ -516,7 +565,9 @@ def _rank_ag(m: int, k: int, ns: tuple[int, ...]) -> list[str]:
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     tag = "test_kernels.ag"
-    ws, a_ptrs, signal_ptrs = _workspace(tag, m * k * 4)
+    ws, _, signal_ptrs = _workspace(tag, m * k * 4)
+    copier = symm_gather.Copier(torch.device("cpu"))
+    progress = _progress(world_size)
     problems = []
     for call, (dtype, late) in enumerate(_CALLS):
         gen = torch.Generator().manual_seed(call)
@@ -534,23 +585,36 @@ def _rank_ag(m: int, k: int, ns: tuple[int, ...]) -> list[str]:
         )
         outs = [torch.full((world_size * m, n), NAN, dtype=dtype) for n in ns]
         a_out = torch.full((world_size * m, k), NAN, dtype=dtype)
+        a_out[rank * m : (rank + 1) * m].copy_(mine)
         order = torch.empty(world_size, dtype=torch.int64)
         status = kernels.new_status(world_size, torch.device("cpu"))
-        kernels.ag_matmul_consumer(
-            a_ptrs,
+        # The barrier, then the copier from the peers' mappings beside the consumer.
+        kernels.wait_ready(
             signal_ptrs,
-            bs,
-            outs,
             status=status,
             rank=rank,
             world_size=world_size,
             channel=CHANNEL,
             epoch=epoch,
-            a_local=a_out,
-            **_gather_scratch(world_size, m),
+            timeout_s=60.0,
+        )
+        peers = [(rank + j) % world_size for j in range(1, world_size)]
+        sources = [(s, ws.buffer(s, (m, k), dtype)) for s in peers]
+        copies = copier.start(sources, a_out, 16, progress, epoch)
+        kernels.ag_matmul_consumer(
+            a_out,
+            bs,
+            outs,
+            progress=progress,
+            chunk_rows=16,
+            status=status,
+            rank=rank,
+            world_size=world_size,
+            epoch=epoch,
             timeout_s=60.0,
             order_out=order,
         )
+        copies.join()
         where = f"call {call} ({dtype}, late rank {_late(world_size, late)})"
         if status.any():
             problems.append(f"{where}: a wait timed out: {status.tolist()}")
@@ -625,7 +689,7 @@ def _rank_rs(m: int, k: int, n: int) -> list[str]:
     return problems
 
 
-@pytest.mark.parametrize(("world_size", "m", "k", "ns"), [(2, 12, 40, (24, 17)), (3, 8, 20, (18,))])
+@pytest.mark.parametrize(("world_size", "m", "k", "ns"), [(2, 36, 40, (24, 17)), (3, 8, 20, (18,))])
 def test_ag_matmul_across_ranks(worlds, world_size, m, k, ns):
     results = worlds(world_size).run(_rank_ag, m, k, ns)
     assert results == [[]] * world_size, results

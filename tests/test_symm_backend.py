@@ -14,6 +14,7 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"
 
 import contextlib  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import signal  # noqa: E402
 import time  # noqa: E402
@@ -219,6 +220,71 @@ def test_triton_path_across_processes(worlds, world_size):
         }, (rank, result["launches"])
 
 
+def _fused_ops_on_the_triton_path(cases) -> dict:
+    """The public fused ops with backend="symm" on the Triton path, forward and backward (so the
+    backward's reduce-scatter of the input grad and gather of the saved shard run too), against
+    the reference backend: float64 truth, the same in the dtype, and the terms' magnitude."""
+    import tp_kernels as tpk
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD
+    problems = []
+
+    def ag(backend, shard, ws, grads, grad_a, cast):
+        a_shard = cast(shard).requires_grad_()
+        bs = [cast(w).t().requires_grad_() for w in ws]
+        a, outs = tpk.all_gather_matmul(a_shard, bs, 0, group, backend=backend, return_a=True)
+        loss = sum((o * cast(g)).sum() for o, g in zip(outs, grads, strict=True))
+        (loss + (a * cast(grad_a)).sum()).backward()
+        return [a, *outs, a_shard.grad, *(b.grad for b in bs)]
+
+    def rs(backend, x_full, w, grad, cast):
+        x, wt = cast(x_full).requires_grad_(), cast(w).t().requires_grad_()
+        y = tpk.matmul_reduce_scatter(x, wt, 0, group, backend=backend)
+        (y * cast(grad)).sum().backward()
+        return [y, x.grad, wt.grad]
+
+    with _triton_path() as counts:
+        for i, (m, k, ns, dtype) in enumerate(cases):
+            where = f"case {i} (m={m} k={k} ns={ns} {dtype})"
+            g = _inputs(i, rank, {"shard": (m, k), "grad_a": (world * m, k)}, torch.float64)
+            ws = [_inputs(i + 50, rank, {"w": (n, k)}, torch.float64)["w"] for n in ns]
+            grads = [_inputs(i + 90, rank, {"g": (world * m, n)}, torch.float64)["g"] for n in ns]
+            runs = {
+                "all_gather_matmul": (ag, (g["shard"], ws, grads, g["grad_a"])),
+                "matmul_reduce_scatter": (rs, (g["grad_a"], ws[0], grads[0][:m])),
+            }
+            for op, (run, args) in runs.items():
+                got = run("symm", *args, functools.partial(torch.Tensor.to, dtype=dtype))
+                truth = run("reference", *args, torch.Tensor.clone)
+                same = run("reference", *args, functools.partial(torch.Tensor.to, dtype=dtype))
+                mag = run("reference", *args, torch.Tensor.abs)
+                for j, (x, *refs) in enumerate(zip(got, truth, same, mag, strict=True)):
+                    if problem := check_close(f"{where} {op} result {j}", x, *refs):
+                        problems.append(problem)
+    return {"problems": problems, "launches": counts}
+
+
+# Tiny, uneven (no multiple of the interpreter's 16-row tiles) and several chunks per shard.
+FUSED_CASES = [
+    (1, 1, (1,), torch.float32),
+    (3, 5, (7, 2), torch.float32),
+    (17, 24, (9, 4), torch.bfloat16),
+    (40, 16, (5,), torch.float16),
+]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_fused_ops_on_the_triton_path(worlds, world_size):
+    results = worlds(world_size).run(_fused_ops_on_the_triton_path, FUSED_CASES)
+    for rank, result in enumerate(results):
+        assert result["problems"] == [], (rank, result["problems"])
+        # World 1 multiplies locally; otherwise every case gathers through the kernels twice:
+        # the all-gather's forward and the reduce-scatter's backward (all_gather(dy) @ w^T).
+        want = 0 if world_size == 1 else 2 * len(FUSED_CASES)
+        assert result["launches"]["ag_matmul_consumer"] == want, (rank, result["launches"])
+
+
 # ---------------------------------------------------------------- run-ahead (one protocol)
 
 # How long the lagging rank sleeps between the two launches of each kernel: long enough for its
@@ -235,7 +301,7 @@ def _launched_twice(lag_rank: int, lag_s: float):
     while its second launch still waits on this call's signals."""
     from tp_kernels import kernels
 
-    names = ("ag_matmul_consumer", "matmul_rs_producer", "reduce_slots")
+    names = ("wait_ready", "ag_matmul_consumer", "matmul_rs_producer", "reduce_slots")
     originals = {name: getattr(kernels, name) for name in names}
 
     def twice(launch):
@@ -440,6 +506,54 @@ def test_killed_peer_fails_survivors_at_the_deadline(tmp_path):
         assert leftovers == [], leftovers
 
 
+def _killed_mid_copy(out_dir: str) -> None:
+    """The last rank dies while its copier is between two chunks of a peer's shard (after the
+    barrier: every rank has its shard). The survivors finish that call with the right values
+    (they need nothing more from it); their next call's barrier waits for it to its deadline and
+    raises, naming it; the call after that is refused."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD
+    m, k, ns = 40, 8, (6,)  # 16-row chunks: 3 per shard
+    config.SYMM_TRITON.set(True)
+    shards, bs = _ag_problem(0, world, m, k, ns, torch.float32)
+    BACKEND.all_gather_matmul(shards[rank], bs, group, return_a=False)  # buffers set up
+    symmetric_memory.set_timeout(2.0)
+    victim = world - 1
+    copier = symm_backend._state(group, torch.device("cpu")).copier
+    if rank == victim:
+        # Its first progress word: the first chunk is copied, the next ones never are.
+        copier._write = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
+    report: dict = {}
+    shards, bs = _ag_problem(1, world, m, k, ns, torch.float32)
+    a, outs = BACKEND.all_gather_matmul(shards[rank], bs, group, return_a=True)
+    report["problems"] = _ag_check("the call the victim died in", a, outs, shards, bs)
+    start = time.monotonic()
+    try:
+        BACKEND.all_gather_matmul(shards[rank], bs, group, return_a=False)
+    except symmetric_memory.SymmTimeoutError as exc:
+        report |= {"error": str(exc), "peer": exc.peer}
+    report["waited"] = time.monotonic() - start
+    try:
+        BACKEND.all_gather_matmul(shards[rank], bs, group, return_a=False)
+    except RuntimeError as exc:
+        report["next_call"] = str(exc)
+    config.SYMM_TRITON.reset()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
+
+
+def test_peer_killed_mid_copy_is_named_at_the_deadline(tmp_path):
+    with LocalWorld(3, timeout_s=60.0) as world:
+        with pytest.raises(RankError, match=r"ranks \[2\] exited without answering"):
+            world.run(_killed_mid_copy, str(tmp_path))
+    for rank in (0, 1):
+        report = json.loads(Path(tmp_path, f"rank{rank}.json").read_text())
+        assert report["problems"] == [], report
+        assert report["peer"] == 2, report
+        assert "waited 2 s for the signal of rank(s) [2]" in report["error"], report["error"]
+        assert 2.0 <= report["waited"] < 30.0, report
+        assert "cannot use the symm backend any more" in report["next_call"], report
+
+
 # ---------------------------------------------------------------- availability
 
 
@@ -461,3 +575,78 @@ def test_unavailable_reason(worlds, monkeypatch):
     assert BACKEND.unavailable_reason(None, torch.device("cpu")) is None
     monkeypatch.setattr(kernels, "INTERPRET", False)
     assert "set TRITON_INTERPRET=1" in BACKEND.unavailable_reason(None, torch.device("cpu"))
+
+
+# ---------------------------------------------------------------- the copier's rules
+
+
+def test_chunks_hide_the_first_copy_behind_the_own_shard():
+    """One chunk where the own shard's tiles outlast a whole shard's copy (Llama-70B's w1/w3 at
+    TP=8), two where the copy takes about twice as long (its QKV), at most MAX_CHUNKS for
+    narrow outputs; boundaries on whole 256-row tiles (16 in the interpreter)."""
+    from tp_kernels.backends import symm_gather
+
+    assert symm_gather.chunk_rows(1024, 8192, 7168, 2, interpret=False) == 1024
+    assert symm_gather.chunk_rows(1024, 8192, 1280, 2, interpret=False) == 512
+    assert symm_gather.chunk_rows(1024, 8192, 64, 2, interpret=False) == 256
+    assert symm_gather.chunk_rows(40, 16, 5, 2, interpret=True) == 16
+    for m in (1, 5, 255, 256, 257, 1000, 4096, 5000):
+        for n in (1, 100, 1000, 10000):
+            rows = symm_gather.chunk_rows(m, 64, n, 2, interpret=False)
+            assert rows % 256 == 0 and -(-m // rows) <= symm_gather.MAX_CHUNKS, (m, n, rows)
+
+
+def test_progress_falls_back_to_a_copy_without_stream_memory_operations(monkeypatch):
+    """A driver without stream memory operations refuses cuStreamWriteValue32 ("operation not
+    supported"): from then on each word is copied from (pinned) host memory, after the chunk.
+    Any other error is raised."""
+    from tp_kernels.backends import symm_gather
+
+    calls = []
+
+    def refused(words, word, value):
+        calls.append(("stream_write", word, value))
+        raise RuntimeError("CUDA driver error: operation not supported")
+
+    def host_word(value):
+        calls.append(("copy", value))
+        return torch.tensor([value], dtype=torch.int32)  # pinned on a CUDA build
+
+    monkeypatch.setattr(torch.ops.symm_mem, "stream_write_value32_", refused)
+    monkeypatch.setattr(symm_gather, "_pinned_word", host_word)
+    write = symm_gather._StreamWriter()
+    progress = torch.zeros(4, dtype=torch.int32)
+    write(progress, 1, 7)
+    write(progress, 2, 7)
+    assert calls == [("stream_write", 1, 7), ("copy", 7), ("copy", 7)]
+    assert progress.tolist() == [0, 7, 7, 0]
+
+    def broken(words, word, value):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch.ops.symm_mem, "stream_write_value32_", broken)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        symm_gather._StreamWriter()(progress, 0, 8)
+
+
+def test_cuda_copies_are_joined_on_their_devices_current_stream(monkeypatch):
+    """The current stream of the copies' own device (not the current device's) waits for their
+    event, once, without synchronizing the host. (A CUDA event does not know its device: the
+    copier passes it.)"""
+    from tp_kernels.backends import symm_gather
+
+    waited = []
+
+    class Stream:
+        def __init__(self, device):
+            self.device = device
+
+        def wait_event(self, event):
+            waited.append((self.device, event))
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(device))
+    event = object()  # a torch.cuda.Event has no device attribute either
+    copies = symm_gather.Copies(event=event, device=torch.device("cuda", 1))
+    copies.join()
+    copies.join()
+    assert waited == [(torch.device("cuda", 1), event)]

@@ -4,11 +4,13 @@ On rank ``r`` of ``W`` ranks (shapes as in ``backends/base.py``), every call use
 data workspace that every rank of the group maps (see "Buffer reuse" below):
 
 * all-gather -> matmul: ``r`` copies ``a_shard [m, K]`` into its own buffer and signals every
-  peer; it multiplies its own shard first, then, for ``s = r+1, r+2, ...`` (mod W), waits for
-  ``s``'s signal, reads ``s``'s rows from ``s``'s buffer once, into the local gathered ``A``
-  [W*m, K], and multiplies them from there: ``outs[j][s*m:(s+1)*m] = A_s @ bs[j]``. Every
-  remote byte crosses the link once, however many ``bs`` and column tiles there are; ``A`` is
-  what ``return_a`` returns.
+  peer; it multiplies its own shard first, then, for ``s = r+1, r+2, ...`` (mod W), once ``s``'s
+  rows have arrived, ``outs[j][s*m:(s+1)*m] = A_s @ bs[j]``. On the Triton path a barrier waits
+  for every peer's signal, a copier (:mod:`tp_kernels.backends.symm_gather`: the copy engine on
+  CUDA, a host thread on CPU) copies each peer's rows once, in chunks, into the local gathered
+  ``A`` [W*m, K] with a progress word per chunk, and the consumer GEMM waits on those words and
+  reads ``A`` only. Every remote byte crosses the link once, however many ``bs`` and column
+  tiles there are; ``A`` is what ``return_a`` returns.
 * matmul -> reduce-scatter: each rank's buffer is viewed as ``slots [W, m, N]``. ``r`` computes
   ``(a @ b + addend)[d*m:(d+1)*m]`` straight into slot ``r`` of rank ``d``'s buffer for
   ``d = r+1, ..., r`` (own last), signalling ``d`` after each, then waits for its ``W-1`` incoming
@@ -26,9 +28,12 @@ Two paths run this protocol:
   ``TRITON_INTERPRET=1``, since the interpreter is slow and serves to test the kernels'
   signalling across processes): the launchers of :mod:`tp_kernels.kernels`, whose epoch signals
   alternate between the channels :data:`_KERNEL_CHANNELS` by call parity (see the protocol in
-  :mod:`tp_kernels.kernels`; never shared with the 0/1 signals). The host does exactly the same
-  on CPU and CUDA: no handshake of its own, nothing that synchronizes with the device, tables
-  built once per buffer, the weight read through its strides. It covers fp32, fp16 and bf16;
+  :mod:`tp_kernels.kernels`; never shared with the 0/1 signals), and for the all-gather the
+  copier of :mod:`tp_kernels.backends.symm_gather`, whose progress words alternate between two
+  rows by the same parity. The host does exactly the same on CPU and CUDA (but that the CPU's
+  copier is a thread, the GPU's a side stream): no handshake of its own, nothing that
+  synchronizes with the device, tables, progress words and the side stream made once, the weight
+  read through its strides. It covers fp32, fp16 and bf16;
   other dtypes, and a reduce-scatter with an ``addend`` (the producer kernel has no addend
   input), take the torch path.
 
@@ -87,7 +92,7 @@ import torch
 import torch.distributed as dist
 
 from tp_kernels import config, symmetric_memory
-from tp_kernels.backends import schedule
+from tp_kernels.backends import schedule, symm_gather
 from tp_kernels.backends.base import Backend
 
 _CTL_TAG = "tp_kernels.backends.symm.ctl"
@@ -144,8 +149,9 @@ def _grown_size(need_half: int) -> int:
 
 class _GroupState:
     """Per (group, device): the control workspace, the data workspace, the call counter and,
-    for the kernels, the address tables of the data halves, the timeout status and the producer's
-    tile counters (each made once, not per call)."""
+    for the kernels, the address tables of the data halves, the timeout status, the
+    reduce-scatter producer's tile counters, and the all-gather's copier and progress words (each
+    made once, not per call)."""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
         self.ctl = symmetric_memory.get_workspace(group, _CTL_BYTES, device, tag=_CTL_TAG)
@@ -153,8 +159,8 @@ class _GroupState:
         self.half_ptrs: tuple[torch.Tensor, torch.Tensor] | None = None
         self.status: torch.Tensor | None = None
         self.counters: torch.Tensor | None = None
-        self.sched: torch.Tensor | None = None
-        self.flags: torch.Tensor | None = None
+        self.copier: symm_gather.Copier | None = None
+        self.progress: torch.Tensor | None = None
         self.seq = 0
         self.broken: str | None = None
 
@@ -166,26 +172,22 @@ class _GroupState:
         ptrs = data.buffer_ptrs()
         self.half_ptrs = (ptrs.clone(), ptrs + data.nbytes // 2)
 
-    def kernel_state(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(status, counters, sched)`` of the kernels, made on first use."""
-        if self.status is None or self.counters is None or self.sched is None:
+    def kernel_state(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(status, counters)`` of the kernels, made on first use."""
+        if self.status is None or self.counters is None:
             from tp_kernels import kernels
 
             world, device = self.ctl.world_size, self.ctl.device
             self.status = kernels.new_status(world, device)
             self.counters = kernels.new_counters(world, device)
-            self.sched = kernels.new_sched(device)
-        return self.status, self.counters, self.sched
+        return self.status, self.counters
 
-    def flags_for(self, m: int) -> torch.Tensor:
-        """The all-gather's local-arrival flags, enough for ``m`` rows per rank (grown, never
-        reset: each call waits for its own epoch)."""
-        from tp_kernels import kernels
-
-        world = self.ctl.world_size
-        if self.flags is None or self.flags.numel() < kernels.ag_matmul.flag_words(world, m):
-            self.flags = kernels.new_flags(world, m, self.ctl.device)
-        return self.flags
+    def gather_state(self) -> tuple[symm_gather.Copier, torch.Tensor]:
+        """``(copier, progress)`` of the all-gather, made on first use."""
+        if self.copier is None or self.progress is None:
+            self.copier = symm_gather.Copier(self.ctl.device)
+            self.progress = symm_gather.new_progress(self.ctl.world_size, self.ctl.device)
+        return self.copier, self.progress
 
     def headers(self, rank: int) -> torch.Tensor:
         """``rank``'s two headers, int64 [2, _HEADER_WORDS]."""
@@ -491,7 +493,7 @@ class SymmBackend(Backend):
         )
         # The gathered A: each peer's rows are read from its memory once, into here, and every
         # matmul reads them from here (it is also what return_a gives). The Triton path always
-        # gathers: its column tiles would otherwise each read the peer's rows.
+        # gathers: the copier fills it and the consumer reads local memory only.
         a = a_shard.new_empty((world * m, k))
         outs = [a_shard.new_empty((world * m, b.shape[1])) for b in bs]
         half.ensure()
@@ -591,28 +593,43 @@ def _ag_triton(
     outs: list[torch.Tensor],
     a: torch.Tensor,
 ) -> None:
-    """The all-gather-matmul of :class:`SymmBackend` by :func:`kernels.ag_matmul_consumer`,
-    which gathers into ``a`` (each peer's rows read once) and multiplies from it."""
+    """The all-gather-matmul of :class:`SymmBackend` on the copy-engine protocol
+    (:mod:`tp_kernels.backends.symm_gather`): publish the shard, signal, barrier, then the copies
+    into ``a`` beside :func:`kernels.ag_matmul_consumer`, which waits on their progress words."""
     from tp_kernels import kernels
 
-    state = round_.state
+    state, rank = round_.state, round_.rank
     m, k = a_shard.shape
-    half.view(round_.rank, (m, k), a_shard.dtype).copy_(a_shard)
+    half.view(rank, (m, k), a_shard.dtype).copy_(a_shard)
+    a[rank * m : (rank + 1) * m].copy_(a_shard)
     pads = state.ctl.signal_pad_ptrs()
-    status, _, sched = state.kernel_state()
-    kernels.signal_ready(pads, **_kernel_args(round_))
-    kernels.ag_matmul_consumer(
-        half.addresses(),
-        pads,
-        bs,
-        outs,
-        a_local=a,
-        flags=state.flags_for(m),
-        sched=sched,
-        status=status,
-        timeout_s=symmetric_memory.get_timeout(),
-        **_kernel_args(round_),
+    status, _ = state.kernel_state()
+    copier, progress = state.gather_state()
+    args = _kernel_args(round_)
+    timeout_s = symmetric_memory.get_timeout()
+    kernels.signal_ready(pads, **args)
+    kernels.wait_ready(pads, status=status, timeout_s=timeout_s, **args)
+    rows = symm_gather.chunk_rows(
+        m, k, sum(b.shape[1] for b in bs), a.element_size(), interpret=kernels.INTERPRET
     )
+    words = progress[round_.parity]
+    sources = [(s, half.view(s, (m, k), a_shard.dtype)) for s in round_.peers()]
+    copies = copier.start(sources, a, rows, words, args["epoch"])
+    try:
+        kernels.ag_matmul_consumer(
+            a,
+            bs,
+            outs,
+            progress=words,
+            chunk_rows=rows,
+            status=status,
+            rank=rank,
+            world_size=round_.world,
+            epoch=args["epoch"],
+            timeout_s=timeout_s,
+        )
+    finally:
+        copies.join()
     if a_shard.device.type == "cpu":  # the kernels have finished: no reason to wait for later
         _raise_recorded_timeout(state, round_.group, _OP_NAMES[_AG])
 
@@ -626,7 +643,7 @@ def _rs_triton(
 
     state = round_.state
     pads = state.ctl.signal_pad_ptrs()
-    status, counters, _ = state.kernel_state()
+    status, counters = state.kernel_state()
     out = a.new_empty((m, n))
     kernels.matmul_rs_producer(
         a, b, half.addresses(), pads, counters=counters, **_kernel_args(round_)

@@ -6,8 +6,8 @@ buffer and signal pad, and each signal a kernel waits for is set before it runs,
 blocks and what is measured is compute, not communication. With ``A [M, K]``, ``B [K, N]``:
 
 * ``signal_ready``: word ``AG_CHANNEL`` of the pad = ``EPOCH`` (what the consumer waits for);
-* ``ag_matmul_consumer``: ``C [M, N] = A @ B``, ``A`` read once through its address table into
-  the gathered copy ``A_local`` by the pulling tiles, which every other tile reads;
+* ``ag_matmul_consumer``: ``C [M, N] = A @ B``, ``A`` the (local) gathered A, read with TMA on
+  sm_90; with one rank every row is the own shard's, so no tile waits for a progress word;
 * ``matmul_rs_producer``: slot 0 of the buffer ``slots [1, M, N]`` = ``A @ B``, then its signal;
 * ``reduce_slots``: ``out [M, N] = float32(slots[0])`` cast back: memory-bound, so its rate
   is in bytes moved (one read and one write of ``out``), not flops;
@@ -192,14 +192,11 @@ class Problem:
         self.slots = torch.empty((1, m, n), dtype=dtype, device=device)
         self.reduced = torch.empty_like(self.want)
         self.pad = torch.zeros(2, dtype=torch.int32, device=device)  # channels x world_size
-        self.a_ptrs = self._table(self.a)
         self.slot_ptrs = self._table(self.slots)
         self.pad_ptrs = self._table(self.pad)
         self.status = kernels_module().new_status(1, device)
         self.counters = kernels_module().new_counters(1, device)
-        self.a_local = torch.empty_like(self.a)
-        self.flags = kernels_module().new_flags(1, m, device)
-        self.sched = kernels_module().new_sched(device)
+        self.progress = torch.zeros(1, dtype=torch.int32, device=device)
         self.flops = 2.0 * m * n * k
         self.out_bytes = 2.0 * self.want.numel() * self.want.element_size()
 
@@ -227,16 +224,7 @@ def launchers(p: Problem) -> dict[str, Callable[[], None]]:
     return {
         "signal_ready": lambda: kernels.signal_ready(p.pad_ptrs, channel=AG_CHANNEL, **one),
         "ag_matmul_consumer": lambda: kernels.ag_matmul_consumer(
-            p.a_ptrs,
-            p.pad_ptrs,
-            [p.b],
-            [p.c],
-            a_local=p.a_local,
-            flags=p.flags,
-            sched=p.sched,
-            channel=AG_CHANNEL,
-            **one,
-            **wait,
+            p.a, [p.b], [p.c], progress=p.progress, chunk_rows=p.a.shape[0], **one, **wait
         ),
         "matmul_rs_producer": lambda: kernels.matmul_rs_producer(
             p.a, p.b, p.slot_ptrs, p.pad_ptrs, counters=p.counters, channel=RS_CHANNEL, **one

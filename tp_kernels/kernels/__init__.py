@@ -47,7 +47,7 @@ in the interpreter):
   dtypes and devices as each docstring states. The ops layer has checked the user's tensors
   (:mod:`tp_kernels.ops._checks`) and the ``symm`` backend allocates the rest from them, so a
   launcher does not check them again. It checks what only the backend makes, cheaply and before
-  launching: rank, channel and epoch, the address tables, the scratch (flags, ticket, counters)
+  launching: rank, channel and epoch, the address tables, the scratch (progress words, counters)
   and the timeout record, whose mistakes would send a kernel to a wrong address or a wrong word.
 """
 
@@ -67,9 +67,8 @@ from tp_kernels.kernels._shared import (
 )
 from tp_kernels.kernels.ag_matmul import (
     ag_matmul_consumer,
-    new_flags,
-    new_sched,
     signal_ready,
+    wait_ready,
 )
 from tp_kernels.kernels.matmul_rs import (
     matmul_rs_producer,
@@ -88,8 +87,6 @@ __all__ = [
     "dot_precision",
     "matmul_rs_producer",
     "new_counters",
-    "new_flags",
-    "new_sched",
     "new_status",
     "on_device",
     "raise_on_timeout",
@@ -97,4 +94,5 @@ __all__ = [
     "signal_ready",
     "tma_layout",
     "triton_unsupported_reason",
+    "wait_ready",
 ]

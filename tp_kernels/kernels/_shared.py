@@ -133,7 +133,7 @@ def gemm_configs(pre_hook=None) -> list[triton.Config]:
 
 
 # Programs of a persistent launch in the interpreter: more than one, so that the tile loops and
-# the ticket's hand-over between programs run in the CPU tests too.
+# their striding over programs run in the CPU tests too.
 _INTERPRETER_PROGRAMS = 2
 
 
@@ -237,7 +237,7 @@ def check_tensor(
     *,
     argument: str,
 ) -> None:
-    """A scratch tensor a launcher is given (flags, ticket, counters) must have exactly this shape,
+    """A scratch tensor a launcher is given (the producer's counters) must have exactly this shape,
     dtype and device, and be contiguous."""
     if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != device:
         raise ValueError(
@@ -342,6 +342,11 @@ if INTERPRET:
                 ok = seen == epoch
         return ok.to(tl.int32)
 
+    @triton.jit
+    def _fence_proxy_async(dependency):
+        """Nothing to order in the interpreter: its descriptor loads are plain loads."""
+        pass
+
 else:
     # Every thread polls on its own (no barrier inside, so no thread can wait for a thread that
     # left): a word already at the epoch costs one load; otherwise read the peer's timeout
@@ -385,6 +390,20 @@ else:
             _POLL_PTX,
             "=r,l,r,l,l",
             [word_ptr, epoch, status_ptr, timeout_ns],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+
+    @triton.jit
+    def _fence_proxy_async(dependency):
+        """``fence.proxy.async.global``: order this thread's earlier generic-proxy accesses (the
+        acquire of a progress word) before its later async-proxy ones (TMA loads of the data the
+        word announces). ``dependency`` only gives the asm an operand."""
+        tl.inline_asm_elementwise(
+            "fence.proxy.async.global; mov.u32 $0, $1;",
+            "=r,r",
+            [dependency],
             dtype=tl.int32,
             is_pure=False,
             pack=1,

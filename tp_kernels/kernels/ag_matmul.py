@@ -1,19 +1,26 @@
-"""All-gather consumer GEMM: ``C = all_gather(A_s, s = 0..W-1) @ B``, each remote byte read once.
+"""All-gather consumer GEMM: ``C = all_gather(A_s, s = 0..W-1) @ B`` from a local gathered ``A``
+that a copy engine fills chunk by chunk.
 
 Rank ``s`` publishes its shard ``A_s [m, K]`` in its symmetric buffer, then calls
 :func:`signal_ready`, which stores the call's epoch into word ``channel * W + s`` of every rank's
-pad (its own included). :func:`ag_matmul_consumer` on rank ``r`` walks its output tiles starting
-with rank ``r``'s rows, then ``r+1``'s, ... (mod W). The first column tile of each M tile is its
-**puller**: it waits on that word of its own pad, reads its rows of ``A_s`` straight from ``s``'s
-buffer, stores them into the local gathered ``A`` as it goes, and once its tile is done releases a
-local flag (the epoch) for that M tile. The other column tiles of the M tile acquire the flag and
-read the rows from the local ``A``: every remote byte crosses the link once, however wide ``C``
-is (peer memory is not cached in this GPU's L2, so reading it once per column tile would cross
-the link ``cdiv(N, BLOCK_N)`` times). The launch is persistent (at most one program per SM, each
-looping over tiles), and tiles are handed out by an atomic ticket in that order, so a puller has
-always been drawn by a running program before the tiles that wait for it: no tile can wait for
-one that is not running. Further right-hand matrices of the same call read the local ``A`` only
-(no waits), their tiles strided over the programs.
+pad (its own included). :func:`wait_ready` is the barrier that follows: it returns once this
+rank's pad holds the epoch from every peer (each wait bounded by the deadline), so from then on
+every peer's shard may be read. A copier outside the kernels (the copy engine on a side stream
+on a GPU, a host thread on a CPU: see :mod:`tp_kernels.backends.symm_gather`) then copies each
+peer's shard, ``r+1, r+2, ...`` (mod W), in chunks of ``chunk_rows`` rows into the local gathered
+``A`` [W*m, K], and after each chunk stores the epoch into a local **progress word** (word
+``s * chunks + j`` for chunk ``j`` of rank ``s``; a system-scope fenced stream write on a GPU, a
+release store on a CPU). The copies of one call run in order, one after another.
+
+:func:`ag_matmul_consumer` on rank ``r`` walks its output tiles starting with rank ``r``'s rows
+(in ``A`` before the launch: stream order), then ``r+1``'s, ... . A tile of rank ``s``'s rows
+first waits (acquire, deadline) for the progress word of the chunk holding its last row (the
+copies run in order, so every earlier chunk is in place too), then reads ``A`` from local memory
+only, with TMA on sm_90. No SM moves bytes between GPUs and no tile waits for another tile: a
+tile waits only for the copy engine, which progresses whatever the SMs do, so the launch may be
+persistent (at most one program per SM, tiles strided over the programs) without a ticket.
+Further right-hand matrices of the same call run after the first on the same stream and read the
+complete ``A`` without waiting.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from tp_kernels.kernels._shared import (
     GROUP_M,
     INTERPRET,
     _accumulate,
+    _fence_proxy_async,
     _note_first_touch,
     _round_to,
     _tile_coords,
@@ -36,7 +44,6 @@ from tp_kernels.kernels._shared import (
     _wait_signal,
     check_ptr_table,
     check_status,
-    check_tensor,
     check_world,
     dot_precision,
     gemm_configs,
@@ -61,26 +68,34 @@ def _signal_ready_kernel(signal_ptrs, rank, world_size, channel, epoch):
     tl.atomic_xchg(pad + channel * world_size + rank, epoch, sem="release", scope="sys")
 
 
+@triton.jit(do_not_specialize=["rank", "channel", "epoch", "status_addr", "timeout_ns"])
+def _wait_ready_kernel(signal_ptrs, status_addr, rank, world_size, channel, epoch, timeout_ns):
+    """Program ``s != rank``: wait until ``pad_rank[channel * W + s] == epoch`` (acquire, sys);
+    past ``timeout_ns`` store ``epoch`` into ``status[s]``."""
+    src = tl.program_id(0)
+    if src != rank:
+        pad = tl.load(signal_ptrs + rank).to(tl.pointer_type(tl.int32))
+        status = status_addr.to(tl.pointer_type(tl.int32))
+        _wait_signal(pad + channel * world_size + src, epoch, timeout_ns, status + src)
+
+
 def _set_block_shapes(nargs: dict) -> None:
     """Autotuner pre-hook: the descriptors' block shapes are those of the config being run."""
-    set_block_shape(nargs["a_local_desc"], nargs["A_LAYOUT"], nargs["BLOCK_M"], nargs["BLOCK_K"])
+    set_block_shape(nargs["a"], nargs["A_LAYOUT"], nargs["BLOCK_M"], nargs["BLOCK_K"])
     set_block_shape(nargs["b"], nargs["B_LAYOUT"], nargs["BLOCK_K"], nargs["BLOCK_N"])
 
 
 @triton.autotune(
     configs=gemm_configs(pre_hook=_set_block_shapes),
-    key=["m", "K", "N", "DTYPE", "PULL", "A_LAYOUT", "B_LAYOUT"],
+    key=["m", "K", "N", "DTYPE", "WAIT", "A_LAYOUT", "B_LAYOUT"],
 )
-@triton.jit(do_not_specialize=["rank", "channel", "epoch", "status_addr", "timeout_ns"])
+@triton.jit(do_not_specialize=["rank", "epoch", "status_addr", "timeout_ns"])
 def _ag_matmul_kernel(
-    a_ptrs,
-    signal_ptrs,
+    a,
     b,
     c_ptr,
-    a_local_ptr,
-    a_local_desc,
-    flags_ptr,
-    sched_ptr,
+    a_ptr,
+    progress_addr,
     trace_ptr,
     status_addr,
     rank,
@@ -90,11 +105,12 @@ def _ag_matmul_kernel(
     N,
     stride_bk,
     stride_bn,
-    channel,
+    chunk_rows,
+    chunks,
     epoch,
     timeout_ns,
     DTYPE: tl.constexpr,
-    PULL: tl.constexpr,
+    WAIT: tl.constexpr,
     A_LAYOUT: tl.constexpr,
     B_LAYOUT: tl.constexpr,
     TRACE: tl.constexpr,
@@ -104,98 +120,63 @@ def _ag_matmul_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """Output tiles: ``C[s*m + i, n] = sum_k A_s[i, k] * B[k, n]`` (fp32 accumulation).
+    """Output tiles: ``C[s*m + i, n] = sum_k A[s*m + i, k] * B[k, n]`` (fp32 accumulation).
 
-    ``a_ptrs[s]``: address of rank s's shard A_s [m, K] in its symmetric buffer (row-major,
-    16-byte aligned); ``a_local`` [W*m, K] is this rank's gathered A (``a_local_ptr``, and
-    ``a_local_desc``: a descriptor over it when ``A_LAYOUT == "rc"``, which only launches without
-    PULL use); ``b`` is B [K, N] as :func:`_load_block` reads it with ``B_LAYOUT`` (strides
-    ``stride_bk``, ``stride_bn`` for ``"pointer"``); C [W*m, N] is row-major. Tile ``t`` covers
-    M tile ``t // (cdiv(m, BLOCK_M) * cdiv(N, BLOCK_N))`` and on (:func:`_tile_coords`), rows of
-    rank ``s = (rank + m_tile // cdiv(m, BLOCK_M)) % W``, so the first tiles use this rank's own
-    rows. PULL (the call's first launch): tiles come from the ticket ``sched[0]``; the first
-    column tile of an M tile waits for ``epoch`` in word ``channel * W + s`` of this rank's pad,
-    reads A_s, stores it into ``a_local`` and then releases ``flags[M tile] = epoch``; the other
-    column tiles acquire that flag and read ``a_local``; the program that draws the last ticket
-    zeroes ``sched`` for the next launch. On a timeout ``status[s] = epoch``. Without PULL every
-    tile reads ``a_local``, complete since the first launch (stream order). Persistent: the grid
-    has at most :func:`~._shared.persistent_programs` programs, each looping over tiles
-    (by ticket with PULL, else strided by the grid size).
+    ``A`` [W*m, K] is the local gathered A, row-major: ``a`` is a descriptor over it when
+    ``A_LAYOUT == "rc"``, else ``a_ptr`` is read through pointers (``a`` is then ``a_ptr``);
+    ``b`` is B [K, N] as :func:`_load_block` reads it with ``B_LAYOUT`` (strides ``stride_bk``,
+    ``stride_bn`` for ``"pointer"``); C [W*m, N] is row-major. Tile ``t`` covers M tile
+    ``t // (cdiv(m, BLOCK_M) * cdiv(N, BLOCK_N))`` and on (:func:`_tile_coords`), rows of rank
+    ``s = (rank + m_tile // cdiv(m, BLOCK_M)) % W``, so the first tiles use this rank's own rows.
+    WAIT (the call's first launch): a tile of a peer's rows first waits for ``epoch`` in progress
+    word ``s * chunks + (last row // chunk_rows)`` (int32 at ``progress_addr``; acquire, system
+    scope); on a timeout ``status[s] = epoch``. Persistent: the grid has at most
+    :func:`~._shared.persistent_programs` programs, each taking every ``num_programs``-th tile.
     """
     n_tiles = tl.cdiv(N, BLOCK_N)
     tiles_per_shard = tl.cdiv(m, BLOCK_M)
     total = world_size * tiles_per_shard * n_tiles
-    programs = tl.num_programs(0)
-    # Persistent: each program computes tiles until none is left (the grid is at most one
-    # program per SM, so no program waits behind another for a place to run).
-    if PULL:
-        tile = tl.atomic_add(sched_ptr, 1, sem="relaxed", scope="gpu")
-    else:
-        tile = tl.program_id(0)
+    tile = tl.program_id(0)
     while tile < total:
         m_tile, col_tile = _tile_coords(tile, tiles_per_shard, n_tiles, GROUP_M)
-        src = (rank + m_tile // tiles_per_shard) % world_size
+        step = m_tile // tiles_per_shard
+        src = (rank + step) % world_size
         row0, rows64, cols64, row_ok, col_ok = _tile_span(
             m_tile, col_tile, tiles_per_shard, m, N, BLOCK_M, BLOCK_N
         )
-        local_rows = a_local_ptr + src.to(tl.int64) * m * K
-        puller = PULL & (col_tile == 0)
-        if PULL:
-            # The puller waits for the peer's data, every other tile for the puller's local copy:
-            # one wait, on the address of one word or the other.
-            pad = tl.load(signal_ptrs + rank)
-            ready_word = pad + (channel * world_size + src).to(tl.int64) * 4
-            flag_word = flags_ptr.to(tl.int64) + m_tile.to(tl.int64) * 4
-            word = tl.where(puller, ready_word, flag_word).to(tl.pointer_type(tl.int32))
-            status = status_addr.to(tl.pointer_type(tl.int32))
-            _wait_signal(word, epoch, timeout_ns, status + src)
-            # Symmetric buffers (and their halves) start on 16-byte multiples; Triton cannot see
-            # that through an address loaded from a table.
-            remote = tl.load(a_ptrs + src)
-            a_base = tl.where(puller, remote, local_rows.to(tl.int64)).to(tl.pointer_type(DTYPE))
-            a_base = tl.multiple_of(a_base, 16)
-        else:
-            a_base = local_rows
+        if WAIT:
+            if step > 0:
+                # Copies run in order: the chunk of the tile's last row completes the tile's rows.
+                last = tl.minimum(row0 + BLOCK_M, m) - 1
+                word = progress_addr.to(tl.pointer_type(tl.int32)) + src * chunks
+                status = status_addr.to(tl.pointer_type(tl.int32))
+                _wait_signal(word + last // chunk_rows, epoch, timeout_ns, status + src)
+                if A_LAYOUT == "rc":
+                    # TMA reads through the async proxy: order it after the acquire.
+                    _fence_proxy_async(epoch)
         if TRACE:
             _note_first_touch(trace_ptr, src, world_size)
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             if A_LAYOUT == "rc":
-                # Rows past this shard's m come from the next shard (or TMA's zero fill): they only
-                # reach output rows that the masked store below drops.
-                a = a_local_desc.load([src * m + row0, k0])
+                # Rows past this shard's m come from the next shard (or TMA's zero fill): they
+                # only reach output rows that the masked store below drops.
+                a_blk = a.load([src * m + row0, k0])
             else:
                 ks = k0 + tl.arange(0, BLOCK_K)
+                a_offsets = (src * m + rows64)[:, None] * K + ks[None, :]
                 a_mask = row_ok[:, None] & (ks < K)[None, :]
-                a_offsets = rows64[:, None] * K + ks[None, :]
-                a = tl.load(a_base + a_offsets, mask=a_mask, other=0.0)
-                if PULL:
-                    tl.store(local_rows + a_offsets, a, mask=a_mask & puller)
+                a_blk = tl.load(a_ptr + a_offsets, mask=a_mask, other=0.0)
             acc = _accumulate(
-                acc, a, b, k0, col_tile * BLOCK_N, K, N, stride_bk, stride_bn, B_LAYOUT, BLOCK_K,
-                BLOCK_N, BF16_BY_HAND, INPUT_PRECISION,
+                acc, a_blk, b, k0, col_tile * BLOCK_N, K, N, stride_bk, stride_bn, B_LAYOUT,
+                BLOCK_K, BLOCK_N, BF16_BY_HAND, INPUT_PRECISION,
             )  # fmt: skip
         c_tile = c_ptr + (src * m + rows64)[:, None] * N + cols64[None, :]
         tl.store(
             c_tile, _round_to(acc, DTYPE, BF16_BY_HAND), mask=row_ok[:, None] & col_ok[None, :]
         )
-
-        if PULL:
-            # Every thread's stores of the local rows precede the flag's release.
-            tl.debug_barrier()
-            if puller:
-                tl.atomic_xchg(flags_ptr + m_tile, epoch, sem="release", scope="gpu")
-        if PULL:
-            tile = tl.atomic_add(sched_ptr, 1, sem="relaxed", scope="gpu")
-        else:
-            tile += programs
-    if PULL:
-        # Every program draws tickets until one is past the last tile, so the launch draws
-        # total + programs of them; whoever draws the last knows no program draws again and
-        # zeroes the ticket for the next launch.
-        if tile == total + programs - 1:
-            tl.atomic_xchg(sched_ptr, 0, sem="relaxed", scope="gpu")
+        tile += tl.num_programs(0)
 
 
 def signal_ready(
@@ -216,65 +197,80 @@ def signal_ready(
         _signal_ready_kernel[(world_size,)](signal_ptrs, rank, world_size, channel, epoch)
 
 
-def flag_words(world_size: int, m: int) -> int:
-    """How many int32 flags :func:`ag_matmul_consumer` needs for ``m`` rows per rank: one per M
-    tile of the smallest tile any config uses."""
-    smallest = min(c.kwargs["BLOCK_M"] for c in gemm_configs())
-    return world_size * triton.cdiv(m, smallest)
-
-
-def new_flags(world_size: int, m: int, device: torch.device) -> torch.Tensor:
-    """Zeroed local-arrival flags of :func:`ag_matmul_consumer` for ``m`` rows per rank."""
-    return torch.zeros(flag_words(world_size, m), dtype=torch.int32, device=device)
-
-
-def new_sched(device: torch.device) -> torch.Tensor:
-    """The zeroed tile ticket of :func:`ag_matmul_consumer` (int32 [1]); the kernel leaves it
-    zeroed, so one tensor serves every launch on one stream."""
-    return torch.zeros(1, dtype=torch.int32, device=device)
-
-
-def ag_matmul_consumer(
-    a_ptrs: torch.Tensor,
+def wait_ready(
     signal_ptrs: torch.Tensor,
-    bs: Sequence[torch.Tensor],
-    outs: Sequence[torch.Tensor],
     *,
-    a_local: torch.Tensor,
-    flags: torch.Tensor,
-    sched: torch.Tensor,
     status: torch.Tensor,
     rank: int,
     world_size: int,
     channel: int,
     epoch: int,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> None:
+    """The barrier after :func:`signal_ready`: wait until word ``channel * W + s`` of this rank's
+    pad holds ``epoch`` for every peer ``s`` (acquire, system scope; one program per peer, each
+    bounded by ``timeout_s``: a wait that passes it stores ``epoch`` into ``status[s]``).
+
+    On a GPU it runs on the current stream: whatever that stream runs next (the copies' start, the
+    consumer) follows every peer's publication. Nothing here synchronizes with the device.
+    """
+    check_world(rank, world_size, channel, epoch)
+    check_ptr_table(signal_ptrs, world_size, signal_ptrs.device, argument="signal_ptrs")
+    check_status(status, world_size)
+    wait_ns = timeout_ns(timeout_s)
+    with on_device(signal_ptrs.device):
+        _wait_ready_kernel[(world_size,)](
+            signal_ptrs, status.data_ptr(), rank, world_size, channel, epoch, wait_ns
+        )
+
+
+def check_progress(progress: torch.Tensor, words: int, device: torch.device) -> None:
+    """``progress`` must be a contiguous int32 (or uint32) vector of at least ``words`` words on
+    ``device``: the call's progress words, one per chunk of each rank's shard."""
+    if (
+        progress.dtype not in (torch.int32, torch.uint32)
+        or progress.dim() != 1
+        or progress.numel() < words
+        or progress.device != device
+        or not progress.is_contiguous()
+    ):
+        raise ValueError(
+            f"progress: got {progress.dtype} of shape {tuple(progress.shape)} on "
+            f"{progress.device}, expected a contiguous int32 vector of at least {words} words "
+            f"(world_size * chunks) on {device}"
+        )
+
+
+def ag_matmul_consumer(
+    a: torch.Tensor,
+    bs: Sequence[torch.Tensor],
+    outs: Sequence[torch.Tensor],
+    *,
+    progress: torch.Tensor,
+    chunk_rows: int,
+    status: torch.Tensor,
+    rank: int,
+    world_size: int,
+    epoch: int,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
     order_out: torch.Tensor | None = None,
 ) -> None:
-    """``A = cat_s A_s`` into ``a_local`` and ``outs[j] = A @ bs[j]`` for every j (one launch per
-    j), each peer's rows read from its memory once.
+    """``outs[j] = A @ bs[j]`` for every j (one launch per j) while a copier fills ``A``.
 
-    Shapes (W = ``world_size``): every A_s is [m, K]; ``a_local`` is [W*m, K], contiguous;
-    ``bs[j]`` is [K, N_j] with any strides (on sm_90 and newer read with TMA when its layout
-    allows, see :func:`tp_kernels.kernels.tma_layout`, else through its strides); ``outs[j]`` is
-    [W*m, N_j], contiguous; all share one dtype (fp32, fp16 or bf16) and device. Rank s's rows
-    are read once its ready word (``channel * W + s`` of this rank's pad) holds ``epoch``; see
-    :func:`signal_ready`. Call this rank's
-    :func:`signal_ready` first (on a GPU, on the same stream): the kernel's tiles hold the device
-    while they wait, so a signal queued behind them would never run. Nothing here synchronizes
-    with the device.
+    Shapes (W = ``world_size``, m rows per rank): ``a`` is the gathered A [W*m, K], contiguous,
+    local; its rows ``[rank*m, (rank+1)*m)`` are in place before the launch (on a GPU: written
+    on the same stream). Rows ``[s*m + j*chunk_rows, s*m + min((j+1)*chunk_rows, m))`` of a peer
+    ``s`` may be read once ``progress[s * chunks + j] == epoch``, with ``chunks = cdiv(m,
+    chunk_rows)``, and the chunks of one call complete in order. ``bs[j]`` is [K, N_j] with any
+    strides (on sm_90 and newer read with TMA when its layout allows, see
+    :func:`tp_kernels.kernels.tma_layout`, else through its strides; so is ``a``); ``outs[j]`` is
+    [W*m, N_j], contiguous; all share one dtype (fp32, fp16 or bf16) and device. Nothing here
+    synchronizes with the device.
 
     Args:
-        a_ptrs: int64 [W], address of rank s's shard A_s (its symmetric buffer) in this process;
-            each a multiple of 16 bytes (symmetric buffers and their halves are).
-        signal_ptrs: int64 [W], address of rank s's signal pad; this rank waits on its own.
-        bs, outs: the right-hand matrices and their outputs (written in place).
-        a_local: receives the gathered A; the GEMMs read the peers' rows from it.
-        flags: int32, at least :func:`flag_words` of them, on the device: "the rows of M tile t
-            are in ``a_local``", as epochs (one buffer per caller, never reset: each call waits for
-            its own epoch).
-        sched: int32 [1], zero, on the device: the tile ticket; the kernel leaves it zeroed, so
-            one serves every launch on one stream.
+        progress: int32 (uint32 on CUDA, as stream writes take it), at least ``W * chunks``
+            words on the device, never reset: each call waits for its own epoch.
+        chunk_rows: rows per chunk of a shard (>= 1).
         status: the timeout record (:func:`tp_kernels.kernels.new_status`): a wait for rank s
             that passes ``timeout_s`` stores ``epoch`` into ``status[s]``; read it with
             :func:`tp_kernels.kernels.raise_on_timeout`.
@@ -282,31 +278,25 @@ def ag_matmul_consumer(
         order_out: optional int [W]; receives the source ranks in the order the kernel first
             touched them (a trace for tests and debugging; adds one atomic per tile).
     """
-    check_world(rank, world_size, channel, epoch)
-    dtype, device = bs[0].dtype, bs[0].device
-    m, K = outs[0].shape[0] // world_size, bs[0].shape[0]
-    need = flag_words(world_size, m)
-    if flags.dtype != torch.int32 or flags.dim() != 1 or flags.numel() < need:
-        raise ValueError(
-            f"flags: got {flags.dtype} of shape {tuple(flags.shape)}, expected int32 with at "
-            f"least {need} words (flag_words({world_size}, {m}))"
-        )
-    check_tensor(flags, tuple(flags.shape), torch.int32, device, argument="flags")
-    check_tensor(sched, (1,), torch.int32, device, argument="sched")
-    check_ptr_table(a_ptrs, world_size, device, argument="a_ptrs")
-    check_ptr_table(signal_ptrs, world_size, device, argument="signal_ptrs")
+    check_world(rank, world_size, 0, epoch)
+    dtype, device = a.dtype, a.device
+    m, K = a.shape[0] // world_size, a.shape[1]
+    if not isinstance(chunk_rows, int) or chunk_rows < 1:
+        raise ValueError(f"chunk_rows: got {chunk_rows!r}, expected a positive int")
+    chunks = triton.cdiv(m, chunk_rows)
+    check_progress(progress, world_size * chunks, device)
     check_status(status, world_size)
     trace = new_trace(order_out, world_size, device)
-    DTYPE = tl_dtype(dtype, argument="bs[0]")
+    DTYPE = tl_dtype(dtype, argument="a")
     wait_ns = timeout_ns(timeout_s)
     tma = tma_supported(device, dtype)
+    a_layout = tma_layout(a) if tma else "pointer"
+    a_arg = tma_operand(a, a_layout)
     programs = persistent_programs(device)
     with on_device(device):
         for j, (b, c) in enumerate(zip(bs, outs)):
             first = j == 0
             n = b.shape[1]
-            # The first launch reads peers' rows and stores them into a_local: pointer loads.
-            a_layout = "pointer" if first or not tma else tma_layout(a_local)
             b_layout = tma_layout(b) if tma else "pointer"
 
             def grid(meta: dict, n: int = n) -> tuple[int]:
@@ -314,15 +304,12 @@ def ag_matmul_consumer(
                 return (min(world_size * tiles, programs),)
 
             _ag_matmul_kernel[grid](
-                a_ptrs,
-                signal_ptrs,
+                a_arg,
                 tma_operand(b, b_layout),
                 c,
-                a_local,
-                tma_operand(a_local, a_layout),
-                flags,
-                sched,
-                trace if first and trace is not None else a_ptrs,
+                a,
+                progress.data_ptr(),
+                trace if first and trace is not None else progress,
                 status.data_ptr(),
                 rank,
                 world_size,
@@ -331,11 +318,12 @@ def ag_matmul_consumer(
                 n,
                 b.stride(0),
                 b.stride(1),
-                channel,
+                chunk_rows,
+                chunks,
                 epoch,
                 wait_ns,
                 DTYPE=DTYPE,
-                PULL=first,
+                WAIT=first,
                 A_LAYOUT=a_layout,
                 B_LAYOUT=b_layout,
                 TRACE=first and trace is not None,

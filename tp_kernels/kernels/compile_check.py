@@ -6,13 +6,19 @@ Every variant the launchers can choose is compiled with Triton's ``ASTSource`` f
 (16-byte aligned pointers, sizes and strides that are multiples of 16) and the autotuner's
 configs. Each PTX file is written to ``--out`` and checked:
 
-* a kernel that waits polls with ``ld.acquire.sys`` and reads ``%globaltimer`` (its deadline);
+* a kernel that waits polls with ``ld.acquire.sys`` and reads ``%globaltimer`` (its deadline):
+  the barrier (``wait_ready``), the reduction, and the all-gather consumer's first launch, which
+  waits for the copy engine's progress words (and, reading A with TMA, fences the async proxy
+  after the acquire);
 * a kernel that signals stores its word with a system-scope release atomic;
 * every GEMM with 16-bit operands uses ``wgmma`` on sm_90 (warpgroup MMA), ``mma.sync`` below;
 * every GEMM feeds its main loop with asynchronous copies (``cp.async`` or TMA's
   ``cp.async.bulk.tensor``): without them its loads are not pipelined behind the math;
 * a GEMM that takes an operand as a tensor descriptor (sm_90) copies it with TMA
-  (``cp.async.bulk.tensor``), and no variant needs more shared memory than the architecture has.
+  (``cp.async.bulk.tensor``): the all-gather consumer takes its (local) A so in every variant
+  whose A rows are 16-byte multiples, and the ``B=ptr`` variants, whose B goes through pointers,
+  show that those TMA copies are A's; no variant needs more shared memory than the architecture
+  has.
 
 Each variant's PTX is also assembled by the ``ptxas`` that comes with Triton (``-v``), and the
 table reports its registers per thread, its spill stores and loads, its shared memory and
@@ -54,6 +60,10 @@ ASYNC_COPY_PATTERNS = (
 )
 TMA_PATTERN = r"cp\.async\.bulk\.tensor"
 TMA_PATTERNS = ((TMA_PATTERN, "TMA copies (cp.async.bulk.tensor) of the descriptor operands"),)
+# A consumer that waits for a progress word and then reads A with TMA orders the two proxies.
+PROXY_FENCE_PATTERNS = (
+    (r"fence\.proxy\.async\.global", "a proxy fence between the acquire and the TMA loads"),
+)
 GEMM16_PATTERNS = {
     90: ((r"wgmma\.mma_async", "wgmma (sm_90 warpgroup MMA) in the 16-bit GEMM"),),
     80: ((r"mma\.sync\.aligned", "mma.sync (tensor cores) in the 16-bit GEMM"),),
@@ -122,12 +132,13 @@ def variants(arch: int) -> list[Variant]:
 
     Not the full cross product, which would take too long to compile three times in CI: every
     GEMM config is compiled for every dtype (and fp32 precision) in the common layout, B=nk (the
-    first, pulling launch of the all-gather GEMM and a later one); the other layouts of B, and
-    A read without TMA, are compiled with one config per dtype, as the layout changes only the
-    loads and not the tile loop. All-gather configs whose stage buffers exceed the architecture's
-    shared memory (fp32 with the large tiles) are left out: the autotuner drops them there (they
-    fail to load). On sm_90 the local operands are tensor descriptors (TMA) where their layout
-    allows (not for fp32 without TF32); below sm_90 the launchers always read through pointers.
+    first launch of the all-gather GEMM, which waits on the progress words, and a later one);
+    the other layouts of B are compiled with one config per dtype, as
+    the layout changes only the loads and not the tile loop. All-gather configs whose stage
+    buffers exceed the architecture's shared memory (fp32 with the large tiles) are left out: the
+    autotuner drops them there (they fail to load). On sm_90 the operands, all local, are tensor
+    descriptors (TMA) where their layout allows (not for fp32 without TF32); below sm_90 the
+    launchers always read through pointers.
     """
     import torch
     import triton.language as tl
@@ -151,7 +162,24 @@ def variants(arch: int) -> list[Variant]:
             ("signal_ptrs",),
             SIGNAL_PATTERNS,
             num_warps=1,
-        )
+        ),
+        _variant(
+            "wait_ready",
+            ag_matmul._wait_ready_kernel,
+            {
+                "signal_ptrs": "*i64",
+                "status_addr": "i64",
+                "rank": i32,
+                "world_size": i32,
+                "channel": i32,
+                "epoch": i32,
+                "timeout_ns": "i64",
+            },  # fmt: skip
+            {},
+            ("signal_ptrs",),
+            WAIT_PATTERNS,
+            num_warps=1,
+        ),
     ]
 
     def layout_of(layout: str, precision: str | None) -> str:
@@ -171,35 +199,36 @@ def variants(arch: int) -> list[Variant]:
         tma_loads = TMA_PATTERNS if {a_layout, b_layout} != {"pointer"} else ()
         return own + ASYNC_COPY_PATTERNS + mma + tma_loads
 
-    def ag_variant(tag, elem, tl_type, precision, mma, config, b_name, pull):
+    def ag_variant(tag, elem, tl_type, precision, mma, config, b_name, wait):
         b_layout, unit, other, other_aligned = _B_LAYOUTS[b_name]
         b_layout = layout_of(b_layout, precision)
-        # B=ptr stands for shapes TMA cannot take: A of a later launch through pointers too.
-        a_layout = "pointer" if pull or b_name == "B=ptr" else layout_of("rc", precision)
+        # A is the local gathered A, [W*m, K] row-major: TMA (but for fp32 without TF32). Rows
+        # that are no multiple of 16 bytes (an odd K) would take neither TMA nor cp.async, for A
+        # or for a weight's B=nk; no Llama shape has them.
+        a_layout = layout_of("rc", precision)
         kw = config.kwargs
         types = {
-            "a_ptrs": "*i64", "signal_ptrs": "*i64",
+            "a": _operand_type(a_layout, elem, kw["BLOCK_M"], kw["BLOCK_K"]),
             "b": _operand_type(b_layout, elem, kw["BLOCK_K"], kw["BLOCK_N"]), "c_ptr": f"*{elem}",
-            "a_local_ptr": f"*{elem}",
-            "a_local_desc": _operand_type(a_layout, elem, kw["BLOCK_M"], kw["BLOCK_K"]),
-            "flags_ptr": "*i32", "sched_ptr": "*i32", "trace_ptr": "*i64", "status_addr": "i64",
-            "rank": i32, "world_size": i32, "m": i32, "K": i32, "N": i32, other: i32,
-            "channel": i32, "epoch": i32, "timeout_ns": "i64",
+            "a_ptr": f"*{elem}", "progress_addr": "i64", "trace_ptr": "*i32",
+            "status_addr": "i64", "rank": i32, "world_size": i32, "m": i32, "K": i32, "N": i32,
+            other: i32, "chunk_rows": i32, "chunks": i32, "epoch": i32, "timeout_ns": "i64",
         }  # fmt: skip
-        aligned = ["a_ptrs", "signal_ptrs", "c_ptr", "a_local_ptr", "flags_ptr", "sched_ptr"]
-        aligned += ["m", "K", "N"] + [other] * other_aligned
-        aligned += [
-            arg for arg, lay in (("b", b_layout), ("a_local_desc", a_layout)) if lay == "pointer"
-        ]
-        # The first launch of a call pulls and waits; later ones read local memory.
-        required = gemm_patterns(WAIT_PATTERNS if pull else (), mma, a_layout, b_layout)
-        a_tag = "" if pull else (",A=tma" if a_layout == "rc" else ",A=ptr")
+        aligned = ["c_ptr", "a_ptr", "trace_ptr", "m", "K", "N", "chunk_rows"]
+        aligned += [other] * other_aligned
+        aligned += [arg for arg, lay in (("b", b_layout), ("a", a_layout)) if lay == "pointer"]
+        # The first launch of a call waits for the progress words; later ones read A as it is.
+        own = WAIT_PATTERNS if wait else ()
+        if wait and a_layout != "pointer":
+            own += PROXY_FENCE_PATTERNS
+        required = gemm_patterns(own, mma, a_layout, b_layout)
+        a_tag = ",A=tma" if a_layout == "rc" else ",A=ptr"
         return _variant(
             f"ag_matmul[{tag},{b_name},{_blocks(kw)},w{config.num_warps}s{config.num_stages}"
-            f"{a_tag}{',pull' if pull else ''}]",
+            f"{a_tag}{',wait' if wait else ''}]",
             ag_matmul._ag_matmul_kernel.fn,
             types,
-            gemm_constants(tl_type, precision, a_layout, b_layout, **{unit: 1}, PULL=pull, **kw),
+            gemm_constants(tl_type, precision, a_layout, b_layout, **{unit: 1}, WAIT=wait, **kw),
             tuple(aligned),
             required,
             num_warps=config.num_warps,
@@ -253,11 +282,11 @@ def variants(arch: int) -> list[Variant]:
             tag = f"{dname}{'-' + precision if precision else ''}"
             args = (tag, elem, tl_type, precision, mma)
             for config in configs:
-                for pull in (True, False):
-                    found.append(ag_variant(*args, config, "B=nk", pull))
+                for wait in (True, False):
+                    found.append(ag_variant(*args, config, "B=nk", wait))
             for b_name in ("B=kn", "B=ptr"):
-                for pull in (True, False):
-                    found.append(ag_variant(*args, configs[-1], b_name, pull))
+                for wait in (True, False):
+                    found.append(ag_variant(*args, configs[-1], b_name, wait))
             for config in producer_configs:
                 found.append(rs_variant(*args, config, "rc", "B=nk"))
             found.append(rs_variant(*args, producer_configs[-1], "rc", "B=kn"))

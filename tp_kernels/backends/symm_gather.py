@@ -1,0 +1,179 @@
+"""The ``symm`` backend's all-gather producer: peers' shards copied into the local gathered A in
+chunks, each chunk followed by a progress word that the consumer GEMM waits on.
+
+Rank ``r`` of ``W``, once the barrier (:func:`tp_kernels.kernels.wait_ready`) has seen every
+peer's shard published in its symmetric buffer: for ``s = r+1, r+2, ...`` (mod W) and chunk
+``j = 0, 1, ...`` of ``s``'s ``m`` rows, copy rows ``[j*c, min((j+1)*c, m))`` of ``s``'s buffer
+into rows ``s*m + ...`` of ``A`` [W*m, K], then store the call's epoch into progress word
+``s * chunks + j`` (:func:`tp_kernels.kernels.ag_matmul_consumer` documents the consumer's
+side). Each remote byte is read once, by a copy; the copies of a call run one after another.
+
+* CUDA: the copies are ``copy_`` of the peer's view (``cudaMemcpyAsync`` device to device: the
+  copy engine, no SM) on a side stream that first waits for the current stream (so it starts
+  after the barrier), and each progress word is written by a stream memory operation,
+  ``torch.ops.symm_mem.stream_write_value32_`` (``cuStreamWriteValue32``, which fences at system
+  scope before the write; in every torch this package supports, >= 2.7). A driver without stream
+  memory operations (``NVreg_EnableStreamMemOPs`` off: "operation not supported") gets a 4-byte
+  copy of the epoch from pinned host memory instead, which stream order puts after the chunk's
+  copy. Neither needs an SM; a kernel (or a memset, which the driver may run as one) could not
+  be trusted to, since the persistent consumer may hold every SM while it waits for the word.
+  The current stream waits for the side stream before the call returns, so the call's results
+  (and its A) include the copies.
+* CPU: the same copies (``copy_`` from the peer's mapping) on a host thread while the consumer
+  runs in Triton's interpreter on the calling thread, each word a release store
+  (``tp_kernels._C.store_release``); the thread is joined before the call returns.
+
+Chunk size (:func:`chunk_rows`): the consumer's first tiles are this rank's own rows, so the
+first chunk's copy is hidden when it takes no longer than the own shard's tiles. Chunks cost a
+copy and a write each on the host, so a shard is split only as far as that needs, and at most
+:data:`MAX_CHUNKS` times.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Sequence
+
+import torch
+
+# Most chunks per shard (each costs a copy and a stream write on the host, a few microseconds).
+MAX_CHUNKS = 4
+# Chunk boundaries are multiples of the largest BLOCK_M (256) on a GPU, so that a consumer tile
+# waits for one chunk; the interpreter's tiles are 16 rows.
+_GPU_ROW_ALIGN = 256
+_INTERPRETER_ROW_ALIGN = 16
+# Assumed, not measured (see tp_kernels/cost.py for the model's sources): an H100's bf16 GEMM
+# at about 75% of its 989 TFLOP/s dense peak, and a copy-engine pull over NVLink at about
+# 300 GB/s. Their ratio is all the chunk rule uses: flops the GEMM does while one byte is copied.
+_ASSUMED_GEMM_FLOPS = 740e12
+_ASSUMED_COPY_BYTES_PER_S = 300e9
+
+
+def chunk_rows(m: int, k: int, n_total: int, itemsize: int, *, interpret: bool) -> int:
+    """Rows per chunk for shards of ``m x k`` feeding GEMMs of ``n_total`` output columns in all.
+
+    Copying the shard takes ``m * k * itemsize / copy_rate``, its tiles ``2 * m * k * n_total /
+    gemm_rate``; splitting the shard into ``ceil(copy / compute)`` chunks (1 to
+    :data:`MAX_CHUNKS`) makes one chunk's copy no longer than the own shard's tiles. Rounded up
+    to whole consumer tiles."""
+    ratio = itemsize * _ASSUMED_GEMM_FLOPS / (2 * max(n_total, 1) * _ASSUMED_COPY_BYTES_PER_S)
+    chunks = min(max(math.ceil(ratio), 1), MAX_CHUNKS)
+    align = _INTERPRETER_ROW_ALIGN if interpret else _GPU_ROW_ALIGN
+    rows = -(-m // chunks)
+    return max(-(-rows // align) * align, 1)
+
+
+def new_progress(world_size: int, device: torch.device) -> torch.Tensor:
+    """Zeroed progress words for both call parities: int32 [2, W * MAX_CHUNKS] on ``device``
+    (never reset; each call waits for its own epoch, in its parity's row, as the signal pads'
+    two channels: a late tile of call c never sees call c+1's value)."""
+    return torch.zeros((2, world_size * MAX_CHUNKS), dtype=torch.int32, device=device)
+
+
+def _pinned_word(value: int) -> torch.Tensor:
+    """``value`` as int32 [1] in pinned host memory (torch's host allocator keeps the block
+    until the copies reading it have run)."""
+    return torch.tensor([value], dtype=torch.int32).pin_memory()
+
+
+class _StreamWriter:
+    """Progress words on CUDA: a fenced stream write, or, where the driver has none, a copy of
+    the word from pinned host memory (the copy engine again, ordered after the chunk's copy)."""
+
+    def __init__(self) -> None:
+        self._stream_ops = True
+
+    def __call__(self, progress: torch.Tensor, word: int, epoch: int) -> None:
+        if self._stream_ops:
+            try:
+                torch.ops.symm_mem.stream_write_value32_(progress.view(torch.uint32), word, epoch)
+                return
+            except RuntimeError as exc:
+                if "not supported" not in str(exc):
+                    raise
+                self._stream_ops = False  # NVreg_EnableStreamMemOPs=0: once, then copies
+        progress[word : word + 1].copy_(_pinned_word(epoch), non_blocking=True)
+
+
+def _store_release(progress: torch.Tensor, word: int, epoch: int) -> None:
+    from tp_kernels import _C
+
+    _C.store_release(progress.data_ptr() + word * progress.element_size(), epoch)
+
+
+class Copies:
+    """One call's copies in flight; :meth:`join` makes the caller's work follow them."""
+
+    def __init__(
+        self,
+        event: torch.cuda.Event | None = None,
+        device: torch.device | None = None,
+        thread: threading.Thread | None = None,
+    ) -> None:
+        self._event, self._device, self._thread = event, device, thread
+        self.error: BaseException | None = None
+
+    def join(self) -> None:
+        """CUDA: the current stream waits for the copies (no host sync). CPU: the thread ends;
+        an error it raised is raised here."""
+        if self._event is not None:
+            torch.cuda.current_stream(self._device).wait_event(self._event)
+            self._event = None
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+            if self.error is not None:
+                raise self.error
+
+
+class Copier:
+    """The producer of one ``(group, device)``: its side stream (CUDA) and progress writer."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        if device.type == "cuda":
+            self._stream = torch.cuda.Stream(device, priority=-1)
+            self._write = _StreamWriter()
+        else:
+            self._stream = None
+            self._write = _store_release
+
+    def start(
+        self,
+        sources: Sequence[tuple[int, torch.Tensor]],
+        a: torch.Tensor,
+        rows: int,
+        progress: torch.Tensor,
+        epoch: int,
+    ) -> Copies:
+        """Copy each ``(s, shard_s)`` of ``sources`` (in order; ``shard_s`` [m, K] a view of rank
+        ``s``'s buffer) into rows ``[s*m, (s+1)*m)`` of ``a`` [W*m, K] in chunks of ``rows``
+        rows, writing ``epoch`` into ``progress[s * chunks + j]`` after chunk ``j``."""
+
+        def copy_all() -> None:
+            for s, shard in sources:
+                m = shard.shape[0]
+                chunks = -(-m // rows)
+                for j in range(chunks):
+                    lo, hi = j * rows, min((j + 1) * rows, m)
+                    a[s * m + lo : s * m + hi].copy_(shard[lo:hi])
+                    self._write(progress, s * chunks + j, epoch)
+
+        if self._stream is not None:
+            current = torch.cuda.current_stream(self.device)
+            self._stream.wait_stream(current)  # after the barrier and the own rows
+            with torch.cuda.stream(self._stream):
+                copy_all()
+                return Copies(event=self._stream.record_event(), device=self.device)
+        copies = Copies()
+
+        def run() -> None:
+            try:
+                copy_all()
+            except BaseException as exc:  # raised again by join, on the calling thread
+                copies.error = exc
+
+        copies._thread = threading.Thread(target=run, name="tp_kernels symm copier", daemon=True)
+        copies._thread.start()
+        return copies
