@@ -33,10 +33,11 @@ Schedules (one function each, its docstring says what it models): ``reference``
 (:func:`reference_s`), ``torch_symm_mem`` (:func:`torch_symm_mem_s`), ``pipelined``
 (:func:`pipelined_s`), and ``symm``'s: the pulling consumer (:func:`symm_puller_s`), the
 copy-engine producer (:func:`symm_copy_engine_s`) and the matmul-reduce-scatter producer with its
-reduction pass (:func:`symm_reduce_scatter_s`). ``symm`` is predicted at the faster of its
-all-gather schedules: the backend chooses by shape (issue 20), and :func:`symm_ag_schedule` says
-which. On a CPU (``sms is None``) a GEMM is one piece of work at the measured rate and ``symm``
-is its torch path (:func:`symm_cpu_s`).
+reduction pass (:func:`symm_reduce_scatter_s`). ``symm``'s all-gather is predicted by its
+copy-engine schedule, the one built; the puller, which the model found faster at no shape where
+another backend was not faster still, was removed from the backend and stays here as the record
+of why (``symm[puller, removed]`` in the schedule table). On a CPU (``sms is None``) a GEMM is
+one piece of work at the measured rate and ``symm`` is its torch path (:func:`symm_cpu_s`).
 
 Every figure of a :class:`DeviceSpec` names its source in ``sources``: a datasheet, or
 "assumed" with the reasoning; :func:`tp_kernels.bench.gpu_check.calibration` fits the GEMM's
@@ -73,7 +74,6 @@ __all__ = [
     "op_cost",
     "pipelined_s",
     "reference_s",
-    "symm_ag_schedule",
     "symm_copy_engine_s",
     "symm_cpu_s",
     "symm_puller_s",
@@ -88,7 +88,7 @@ _ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 # Columns of the schedule table, per op: the symm schedules that exist for it.
 SCHEDULES = {
-    AG: ("reference", "torch_symm_mem", "pipelined", "symm[puller]", "symm[copy-engine]"),
+    AG: ("reference", "torch_symm_mem", "pipelined", "symm[puller, removed]", "symm[copy-engine]"),
     RS: ("reference", "torch_symm_mem", "pipelined", "symm", "symm[ce-push, proposed]"),
 }
 # GEMM tile shapes (BM, BN) and their rate relative to the largest: smaller tiles reuse each
@@ -707,11 +707,6 @@ def symm_copy_engine_s(p: Problem) -> float:
     )
 
 
-def symm_ag_schedule(p: Problem) -> str:
-    """The symm all-gather schedule the model predicts faster for this shape."""
-    return "symm[puller]" if symm_puller_s(p) < symm_copy_engine_s(p) else "symm[copy-engine]"
-
-
 def _producer_tile(p: Problem) -> tuple[int, int, float]:
     """``(BM, BN, seconds)`` of the producer's tile (``matmul_rs._producer_config``)."""
     bm = 128 if p.m >= 128 else 64
@@ -849,7 +844,7 @@ def op_cost(
         schedules["symm"] = symm_cpu_s(p, op)
     elif op == AG:
         schedules["torch_symm_mem"] = torch_symm_mem_s(p, op)
-        schedules["symm[puller]"] = symm_puller_s(p)
+        schedules["symm[puller, removed]"] = symm_puller_s(p)
         schedules["symm[copy-engine]"] = symm_copy_engine_s(p)
     else:
         schedules["torch_symm_mem"] = torch_symm_mem_s(p, op)
@@ -857,7 +852,7 @@ def op_cost(
         schedules["symm[ce-push, proposed]"] = symm_rs_copy_engine_s(p)
     backends = {b: t for b, t in schedules.items() if "[" not in b}
     if "symm" not in backends:
-        backends["symm"] = min(schedules["symm[puller]"], schedules["symm[copy-engine]"])
+        backends["symm"] = schedules["symm[copy-engine]"]
     if "torch_symm_mem" not in backends:
         backends["torch_symm_mem"] = backends["symm"]  # not on a CPU: never a candidate there
     return OpCost(compute, comm, sol, compute + comm, backends, schedules)

@@ -185,7 +185,11 @@ def schedule_rows(
                 op = RS if linear in _ROWWISE else AG
                 n = sum(widths)
                 cost = op_cost(op, m, k, n, tp, dtype, device, ns=widths if op == AG else None)
-                built = {s: t for s, t in cost.schedules_s.items() if "proposed" not in s}
+                built = {
+                    s: t
+                    for s, t in cost.schedules_s.items()
+                    if "proposed" not in s and "removed" not in s
+                }
                 fused = min((s for s in built if s != "reference"), key=built.__getitem__)
                 verdict = (
                     fused
