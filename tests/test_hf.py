@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import re
 
 import pytest
@@ -197,14 +198,19 @@ def test_qwen3_on_four_ranks(worlds):
     assert not failures, "\n".join(failures)
 
 
-def _head_norm_grads() -> tuple[dict[str, tuple], dict[str, float]]:
+def _head_norm_grads(kernelized: bool = False) -> tuple[dict[str, tuple], dict[str, float]]:
     """Qwen3's q_norm/k_norm: placements of weight and grad, and the grad's max abs difference
-    from the unsharded model's."""
+    from the unsharded model's. ``kernelized``: then reset every module's instance ``forward``
+    to its class's, as transformers 5.25's kernelize (kernels 0.19) does after the loader."""
     base = _model("qwen3")
     _, want, _, _ = _loss_and_grads(copy.deepcopy(base))
     model = copy.deepcopy(base)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     tp_kernels.parallelize_module(model, mesh, hf.sequence_parallel_plan(model.config))
+    if kernelized:
+        for module in model.modules():
+            if isinstance(module, transformers.models.qwen3.modeling_qwen3.Qwen3RMSNorm):
+                module.__dict__.pop("forward", None)
     _loss_and_grads(model)
     placements, diffs = {}, {}
     for name, p in model.named_parameters():
@@ -214,8 +220,9 @@ def _head_norm_grads() -> tuple[dict[str, tuple], dict[str, float]]:
     return placements, diffs
 
 
-def test_qwen3_head_norm_grads_are_summed_over_ranks(worlds):
-    placements, diffs = worlds(2).run(_head_norm_grads)[0]
+@pytest.mark.parametrize("kernelized", [False, True])
+def test_qwen3_head_norm_grads_are_summed_over_ranks(worlds, kernelized):
+    placements, diffs = worlds(2).run(_head_norm_grads, kernelized)[0]
     assert len(diffs) == 2 * SIZES["num_hidden_layers"]
     assert set(placements.values()) == {((Replicate(),), (Partial(),))}
     # Each rank's own grad is about half the total: unreduced, it would miss by ~50%.
@@ -321,3 +328,20 @@ def test_plan_errors():
     with pytest.raises(ValueError, match=r"4 ranks: num_key_value_heads=2, seq_len=6 are not"):
         hf.check_tp_compatible(small, 4, seq_len=6)
     hf.check_tp_compatible(_config("qwen3"), 4, seq_len=SEQ)
+
+
+@pytest.mark.parametrize("method", ["shard_param", "install_forward"])
+def test_loader_style_takes_every_argument_the_installed_transformers_passes(method):
+    # transformers' loader calls these on every style by the base class's signature: 5.25 added
+    # config= and mesh_manager= keywords, which a narrower override rejects with a TypeError.
+    from transformers.distributed.tensor_parallel import TensorParallelLayer
+
+    theirs = inspect.signature(getattr(TensorParallelLayer, method)).parameters
+    ours = inspect.signature(getattr(hf._LoaderStyle, method)).parameters
+    assert len(theirs) >= 3, theirs  # self, module, and a parameter name or the mesh
+    missing = [name for name in theirs if name not in ours]
+    assert not missing, (
+        f"_LoaderStyle.{method} lacks {missing} (transformers {transformers.__version__})"
+    )
+    for name, param in theirs.items():
+        assert ours[name].kind == param.kind, (name, ours[name].kind, param.kind)

@@ -5,9 +5,10 @@ Import the styles from here instead of ``torch.distributed.tensor.parallel``; th
 and the results stay the same. See README.md.
 """
 
-from tp_kernels._compat import check_torch_version
+from tp_kernels._compat import check_torch_version, import_before_any_group
 
 check_torch_version()
+import_before_any_group()
 
 from torch.distributed.tensor.parallel import loss_parallel  # noqa: E402
 

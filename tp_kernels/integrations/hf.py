@@ -67,16 +67,14 @@ do the other norms' gradients.
 
 from __future__ import annotations
 
-import contextlib
 import copy
-from collections.abc import Iterator
 from typing import Any, Literal
 
 import torch.distributed.tensor.parallel as torch_tp
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
-from transformers.integrations.tensor_parallel import ALL_PARALLEL_STYLES, TensorParallelLayer
+from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES, TensorParallelLayer
 
 from tp_kernels.api import parallelize_module
 from tp_kernels.models.plans import CheckCompatible, require_divisible, style_classes
@@ -100,6 +98,9 @@ class HeadNormParallel(torch_tp.ParallelStyle):
     its forward runs on their local values, whose gradients come back as ``Partial()`` sums.
 
     Each rank's gradient covers its own heads; the unsharded gradient is their sum over ranks.
+    The swap is done by forward hooks, not by replacing ``module.forward``: transformers 5.25
+    kernelizes the model after its loader applied the plan, and kernels resets the instance
+    ``forward`` of every hub-kernel layer (RMSNorm among them) to its class's.
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -110,32 +111,34 @@ class HeadNormParallel(torch_tp.ParallelStyle):
             module.register_parameter(
                 name, nn.Parameter(replicated, requires_grad=param.requires_grad)
             )
-        forward = module.forward
-
-        def local_forward(*args: Any, **kwargs: Any) -> Any:
-            with _local_parameters(module):
-                return forward(*args, **kwargs)
-
-        module.forward = local_forward
+        swap = _LocalParameters()
+        module.register_forward_pre_hook(swap.enter)
+        # always_call: the DTensor parameters come back even when the forward raises.
+        module.register_forward_hook(swap.exit, always_call=True)
         return module
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
 
-@contextlib.contextmanager
-def _local_parameters(module: nn.Module) -> Iterator[None]:
-    """Swap the module's DTensor parameters for their local values (grads ``Partial``) while its
-    forward runs: the forward is the model's own code, written for plain tensors."""
-    saved = dict(module._parameters)
-    for name, param in saved.items():
-        if param is not None:
-            # Not register_parameter: a to_local() view is not a leaf, so it cannot be a Parameter.
-            module._parameters[name] = param.to_local(grad_placements=(Partial(),))
-    try:
-        yield
-    finally:
-        module._parameters.update(saved)
+class _LocalParameters:
+    """Swaps a module's DTensor parameters for their local values (grads ``Partial``) while its
+    forward runs, and back after: the forward is the model's own code, written for plain
+    tensors."""
+
+    def __init__(self) -> None:
+        self.saved: dict[str, nn.Parameter | None] = {}
+
+    def enter(self, module: nn.Module, args: Any) -> None:
+        self.saved = dict(module._parameters)
+        for name, param in self.saved.items():
+            if param is not None:
+                # Not register_parameter: a to_local() view is not a leaf, so not a Parameter.
+                module._parameters[name] = param.to_local(grad_placements=(Partial(),))
+
+    def exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        module._parameters.update(self.saved)
+        self.saved = {}
 
 
 def check_tp_compatible(config: Any, tp_size: int, *, seq_len: int | None = None) -> None:
@@ -258,16 +261,29 @@ class _LoaderStyle(TensorParallelLayer):
     """A tp_kernels style in transformers' loader: ``apply_tensor_parallelism`` calls
     ``shard_param`` for each of a module's parameters, then ``install_forward`` once, on the
     meta-device model before any weight is read; it then reads each rank's shard of every
-    DTensor parameter by that parameter's placements."""
+    DTensor parameter by that parameter's placements.
+
+    transformers 5.25 passes ``config=`` and ``mesh_manager=`` to both methods (the model's text
+    config, its meshes), 5.23 neither; the plan needs neither, the mesh is the TP mesh in both."""
 
     def __init__(self, style: torch_tp.ParallelStyle) -> None:
         self.style = style
 
-    def shard_param(self, module: nn.Module, param: str, mesh: DeviceMesh) -> None:
+    def shard_param(
+        self,
+        module: nn.Module,
+        param: str,
+        mesh: DeviceMesh,
+        *,
+        config: Any = None,
+        mesh_manager: Any = None,
+    ) -> None:
         # install_forward distributes all of the module's parameters at once, as the style does.
         pass
 
-    def install_forward(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    def install_forward(
+        self, module: nn.Module, mesh: DeviceMesh, *, config: Any = None, mesh_manager: Any = None
+    ) -> nn.Module:
         # Meta tensors: no source rank to scatter from; each rank loads its own shard later.
         return parallelize_module(module, mesh, copy.copy(self.style), src_data_rank=None)
 
