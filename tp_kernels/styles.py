@@ -180,6 +180,15 @@ class _FusableStyle:
         base = super().__repr__()
         return base if self.backend is None else f"{base[:-1]}, backend={self.backend!r})"
 
+    @classmethod
+    def _prepare_output_fn(cls, output_layouts, use_local_output, mod, outputs, device_mesh):
+        # A classmethod so that super() reaches PyTorch's (static) hook; _apply binds it.
+        if not isinstance(outputs, DTensor):
+            return outputs  # the fused Linear returned the local output itself
+        return super()._prepare_output_fn(
+            output_layouts, use_local_output, mod, outputs, device_mesh
+        )
+
     def _has_fused_path(self) -> bool:
         """Whether a call would fuse a collective: colwise with a sequence-sharded input (a
         replicated one is gathered, if at all, by the parent's PrepareModuleInput), rowwise with
@@ -314,14 +323,6 @@ class ColwiseParallel(_FusableStyle, _torch_style.ColwiseParallel):
             input_layouts, desired_input_layouts, mod, inputs, device_mesh
         )
 
-    @staticmethod
-    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
-        if not isinstance(outputs, DTensor):
-            return outputs  # the fused Linear returned the local output itself
-        return _torch_style.ColwiseParallel._prepare_output_fn(
-            output_layouts, use_local_output, mod, outputs, device_mesh
-        )
-
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_module(self, module)
         module = super()._apply(module, device_mesh)
@@ -355,14 +356,6 @@ class RowwiseParallel(_FusableStyle, _torch_style.RowwiseParallel):
             return inputs  # the fused Linear reads it as input_layouts (Shard(-1))
         return _torch_style.RowwiseParallel._prepare_input_fn(
             input_layouts, desired_input_layouts, mod, inputs, device_mesh
-        )
-
-    @staticmethod
-    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
-        if not isinstance(outputs, DTensor):
-            return outputs  # the fused Linear returned the local output itself
-        return _torch_style.RowwiseParallel._prepare_output_fn(
-            output_layouts, use_local_output, mod, outputs, device_mesh
         )
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:

@@ -23,7 +23,8 @@ in :func:`tp_kernels.comm_stats` here, where they run.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,46 @@ def all_gather_matmul(
     """``(A if keep_a else None, [A @ b for b in bs])``."""
     record("forward", "all_gather_matmul", impl.name)
     return impl.all_gather_matmul(a_shard.contiguous(), bs, group, return_a=keep_a)
+
+
+@dataclass(frozen=True)
+class ArrivedGrads:
+    """What an all-gather-matmul's backward received and must compute: ``grad_a`` (``dA`` or
+    None), ``used`` (the indices ``j`` whose ``dC_j`` arrived) with ``grad_outs`` (those
+    ``dC_j``, contiguous) and ``need_b`` (whether each of them needs its weight grad), and
+    ``need_a`` (the input grad, when it is wanted and some grad arrived)."""
+
+    grad_a: torch.Tensor | None
+    used: list[int]
+    grad_outs: list[torch.Tensor]
+    need_b: list[bool]
+    need_a: bool
+
+    @property
+    def nothing_to_do(self) -> bool:
+        return not self.need_a and not any(self.need_b)
+
+
+def arrived_grads(
+    grads: Sequence[torch.Tensor | None],
+    a_out: bool,
+    need_a: bool,
+    need_b: Sequence[bool],
+    flatten: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.contiguous,
+) -> ArrivedGrads:
+    """Sort a backward's incoming ``grads`` (``dA`` first when ``a_out``, then each ``dC_j``,
+    None for an output nobody used) by what forward's ``need_a``/``need_b`` asked;
+    ``flatten`` brings each to the 2-D rows the math takes."""
+    grad_a = grads[0] if a_out else None
+    grad_outs = grads[1:] if a_out else grads
+    used = [j for j, g in enumerate(grad_outs) if g is not None]
+    return ArrivedGrads(
+        None if grad_a is None else flatten(grad_a),
+        used,
+        [flatten(grad_outs[j]) for j in used],
+        [need_b[j] for j in used],
+        need_a and (bool(used) or grad_a is not None),
+    )
 
 
 def all_gather_matmul_backward(

@@ -42,29 +42,24 @@ class AllGatherMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         a, *bs = ctx.saved_tensors
-        grad_a = grads[0] if ctx.a_out else None
-        grad_outs = grads[1:] if ctx.a_out else grads
-        used = [j for j, g in enumerate(grad_outs) if g is not None]
-        need_b = [ctx.need_b[j] for j in used]
-        need_a = ctx.need_a and (bool(used) or grad_a is not None)
+        got = _compute.arrived_grads(grads, ctx.a_out, ctx.need_a, ctx.need_b)
         grad_bs: list[torch.Tensor | None] = [None] * len(ctx.need_b)
-        if need_a or any(need_b):
+        grad_a_shard = None
+        if not got.nothing_to_do:
             with deadline.fused_call(ctx.group, "all_gather_matmul", "backward"):
                 grad_a_shard, used_grads = _compute.all_gather_matmul_backward(
                     ctx.impl,
                     ctx.group,
                     a,
                     ctx.save_a,
-                    [bs[j] for j in used] if need_a else [],
-                    [grad_outs[j].contiguous() for j in used],
-                    grad_a,
-                    need_a,
-                    need_b,
+                    [bs[j] for j in got.used] if got.need_a else [],
+                    got.grad_outs,
+                    got.grad_a,
+                    got.need_a,
+                    got.need_b,
                 )
-            for j, g in zip(used, used_grads):
+            for j, g in zip(got.used, used_grads):
                 grad_bs[j] = g
-        else:
-            grad_a_shard = None
         return None, None, None, None, grad_a_shard, *grad_bs
 
 

@@ -158,29 +158,30 @@ def _all_gather_matmul_setup(ctx, inputs, output):
 
 def _all_gather_matmul_backward(ctx, grads):
     a, *bs = ctx.saved_tensors
-    grad_a = grads[0] if ctx.a_out else None
-    grad_outs = grads[1:] if ctx.a_out else grads
-    used = [j for j, g in enumerate(grad_outs) if g is not None]
-    need_b = [ctx.need_b[j] for j in used]
-    need_a = ctx.need_a and (bool(used) or grad_a is not None)
+    got = _compute.arrived_grads(grads, ctx.a_out, ctx.need_a, ctx.need_b)
     grad_bs: list[torch.Tensor | None] = [None] * ctx.num_bs
-    if not need_a and not any(need_b):
+    if got.nothing_to_do:
         return None, grad_bs, None, None, None, None
-    grad_outs = [grad_outs[j].contiguous() for j in used]
-    if need_a:
-        bs = [bs[j] for j in used]
+    if got.need_a:
         result = iter(
             all_gather_matmul_backward_2d(
-                a, bs, grad_outs, grad_a, ctx.save_a, ctx.group_name, ctx.backend, need_b
+                a,
+                [bs[j] for j in got.used],
+                got.grad_outs,
+                got.grad_a,
+                ctx.save_a,
+                ctx.group_name,
+                ctx.backend,
+                got.need_b,
             )
         )
     else:
-        wanted = [g for g, need in zip(grad_outs, need_b) if need]
+        wanted = [g for g, need in zip(got.grad_outs, got.need_b) if need]
         result = iter(
             all_gather_matmul_weight_grads_2d(a, wanted, ctx.save_a, ctx.group_name, ctx.backend)
         )
-    grad_a_shard = next(result) if need_a else None
-    for j, need in zip(used, need_b):
+    grad_a_shard = next(result) if got.need_a else None
+    for j, need in zip(got.used, got.need_b):
         if need:
             grad_bs[j] = next(result)
     return grad_a_shard, grad_bs, None, None, None, None

@@ -107,34 +107,31 @@ class _Colwise(torch.autograd.Function):
     def backward(ctx, *grads):
         rows, *w_locals = ctx.saved_tensors
         dim, n = ctx.dim, len(ctx.need_w)
-        grad_a = _flat(grads[0], dim) if ctx.return_a and grads[0] is not None else None
-        grad_ys = grads[1:] if ctx.return_a else grads
-        used = [j for j, g in enumerate(grad_ys) if g is not None]
-        grad_outs = [_flat(grad_ys[j], dim) for j in used]
-        need_w = [ctx.need_w[j] for j in used]
-        need_x = ctx.need_x and (bool(used) or grad_a is not None)
+        got = _compute.arrived_grads(
+            grads, ctx.return_a, ctx.need_x, ctx.need_w, lambda g: _flat(g, dim)
+        )
         grad_x = grad_ws = None
-        if need_x or any(need_w):
+        if not got.nothing_to_do:
             with deadline.fused_call(ctx.group, "all_gather_matmul", "backward"):
                 grad_x, grad_ws = _compute.all_gather_matmul_backward(
                     ctx.impl,
                     ctx.group,
                     rows,
                     False,
-                    [w_locals[j].t() for j in used] if need_x else [],
-                    grad_outs,
-                    grad_a,
-                    need_x,
-                    need_w,
+                    [w_locals[j].t() for j in got.used] if got.need_a else [],
+                    got.grad_outs,
+                    got.grad_a,
+                    got.need_a,
+                    got.need_b,
                     as_weights=True,
                 )
         grad_w: list[torch.Tensor | None] = [None] * n
         grad_bias: list[torch.Tensor | None] = [None] * n
-        for i, j in enumerate(used):
+        for i, j in enumerate(got.used):
             if grad_ws is not None:
                 grad_w[j] = grad_ws[i]
             if ctx.need_bias[j]:
-                grad_bias[j] = grad_outs[i].sum(0)
+                grad_bias[j] = got.grad_outs[i].sum(0)
         if grad_x is not None:
             grad_x = _unflat(grad_x, ctx.lead, dim)
         grads = (grad_x, *grad_w, *grad_bias)
