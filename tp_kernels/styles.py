@@ -221,13 +221,18 @@ class _FusableStyle:
         module.forward = forward.__get__(module)
 
 
-def _eager_linear(module: nn.Linear, x: Any) -> bool:
-    """Whether this call of a fused Linear takes ``ops/linear.py``'s single autograd node (eager,
-    no dispatch mode, the output handed on as its local tensor)."""
-    fused: _FusedLinear = module._tpk_fused
-    if not fused.local_output or torch.compiler.is_compiling():
+def _eager(x: Any, weights: list[Any], biases: list[Any]) -> bool:
+    """Whether a fused call on these (DTensor or local) arguments may take ``ops/linear.py``'s
+    single autograd node: not compiling, no dispatch mode, plain local tensors."""
+    if torch.compiler.is_compiling():
         return False
-    return eager_path((local_tensor(x), local_tensor(module.weight), local_tensor(module.bias)))
+    return eager_path((local_tensor(x), *map(local_tensor, weights), *map(local_tensor, biases)))
+
+
+def _eager_linear(module: nn.Linear, x: Any) -> bool:
+    """Whether this call of a fused Linear takes that node (:func:`_eager`, and the output handed
+    on as its local tensor)."""
+    return module._tpk_fused.local_output and _eager(x, [module.weight], [module.bias])
 
 
 def _colwise_forward(self: nn.Linear, x: Any) -> Any:
@@ -545,9 +550,7 @@ class _GatherGroup:
         dim = self.gathered.layout.dim % local.ndim
         backend = children[0]._tpk_fused.backend
         weights, biases = [c.weight for c in children], [c.bias for c in children]
-        eager = not torch.compiler.is_compiling() and eager_path(
-            (local, *map(local_tensor, weights), *map(local_tensor, biases))
-        )
+        eager = _eager(x, weights, biases)
         if eager:
             gathered, ys = colwise_linears(x, weights, biases, dim, self.mesh, backend, True)
         else:

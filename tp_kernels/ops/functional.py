@@ -325,7 +325,7 @@ def all_gather_matmul(
     else:
         if agree:  # never while torch.compile traces: a traced call's plan is new
             with deadline.fused_call(pg, op, "forward"):
-                agree_if_needed(pg, op, plan, agree, a_shard.device)
+                agree_across_ranks(pg, op, plan.text, a_shard.device)
         results = all_gather_matmul_2d(
             a_2d, list(bs), pg.group_name, plan.backend, return_a, save_gathered_a
         )
@@ -374,6 +374,6 @@ def matmul_reduce_scatter(
     else:
         if agree:  # never while torch.compile traces: a traced call's plan is new
             with deadline.fused_call(pg, op, "forward"):
-                agree_if_needed(pg, op, plan, agree, a.device)
+                agree_across_ranks(pg, op, plan.text, a.device)
         out = matmul_reduce_scatter_2d(a_2d, b, bias, pg.group_name, plan.backend, avg)
     return restore_dim(out.view(rows_shape[0] // pg.size(), *rows_shape[1:], b.shape[1]), dim)
