@@ -6,9 +6,9 @@ bytes of each op it takes part in); on the Triton path every load and store that
 interpreter performs is checked against the address ranges of the peers' buffers. Each fused
 call must read exactly one shard from each peer (all-gather: ``m x K``) or write exactly one
 partial block into each peer (reduce-scatter: ``m x N``), and nothing else, whatever the number
-of right-hand matrices, column tiles or launches. (The backward's re-gather of the saved shard,
-made to keep W times less memory, is a collective of the process group, not traffic through
-these buffers.)
+of right-hand matrices, column tiles or launches. The backward's re-gather of a saved shard (for
+the weight grads; backward keeps the shard, W times smaller than A) reads one more shard from
+each peer, through the same copies.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.utils._pytree import tree_flatten  # noqa: E402
 
 import tp_kernels as tpk  # noqa: E402
-from tp_kernels import config  # noqa: E402
+from tp_kernels import config, symmetric_memory  # noqa: E402
 from tp_kernels.backends import symm as symm_backend  # noqa: E402
 
 _traffic: Counter = Counter()  # (peer, "read" | "write") -> bytes, this rank
@@ -67,23 +67,25 @@ class _PeerView(torch.Tensor):
 
 
 @contextlib.contextmanager
-def _watched_torch_path():
-    """Hand out every view of a peer's buffer (``_Half.view``) as a :class:`_PeerView`."""
-    view = symm_backend._Half.view
+def _watched_torch_path(group: dist.ProcessGroup):
+    """Hand out every view of a peer's data or re-gather buffer as a :class:`_PeerView` (the
+    control workspace's headers are the protocol's, not the op's data)."""
+    view = symmetric_memory.SymmWorkspace.buffer
+    rank = group.rank()
 
-    def watched(self, rank, shape, dtype):
-        t = view(self, rank, shape, dtype)
-        if rank == self.round.rank:
+    def watched(self, peer, shape, dtype, *, offset=0):
+        t = view(self, peer, shape, dtype, offset=offset)
+        if peer == rank or self is symm_backend._state(group, torch.device("cpu")).ctl:
             return t
         t = t.as_subclass(_PeerView)
-        t.peer = rank
+        t.peer = peer
         return t
 
-    symm_backend._Half.view = watched
+    symm_backend.symmetric_memory.SymmWorkspace.buffer = watched
     try:
         yield
     finally:
-        symm_backend._Half.view = view
+        symm_backend.symmetric_memory.SymmWorkspace.buffer = view
 
 
 @contextlib.contextmanager
@@ -149,7 +151,7 @@ def _one_call_each(path: str, dtype: torch.dtype) -> list[str]:
     watch = contextlib.ExitStack()
     # Peer views are watched on both paths: the Triton path hands a reduce-scatter with an addend
     # (the backward of a returned A) to the torch path.
-    watch.enter_context(_watched_torch_path())
+    watch.enter_context(_watched_torch_path(group))
     if path == "triton":
         watch.enter_context(_watched_interpreter(group))
     try:
@@ -169,8 +171,17 @@ def _one_call_each(path: str, dtype: torch.dtype) -> list[str]:
             check("all_gather_matmul forward", _expect(peers, "read", m * k * elt))
             (sum(o.float().sum() for o in outs) + a.float().sum()).backward()
             # backward: d a_shard = reduce-scatter of [W*m, sum(N)] @ [sum(N), K]: one [m, K]
-            # partial into each peer.
-            check("all_gather_matmul backward", _expect(peers, "write", m * k * elt))
+            # partial into each peer; the weight grads' re-gather of the saved shard: one [m, K]
+            # shard from each peer.
+            check(
+                "all_gather_matmul backward",
+                _expect(peers, "write", m * k * elt) | _expect(peers, "read", m * k * elt),
+            )
+            # Frozen input: only the re-gather.
+            a, outs = tpk.all_gather_matmul(a_shard.detach(), bs, 0, group, backend="symm")
+            _traffic.clear()
+            sum(o.float().sum() for o in outs).backward()
+            check("all_gather_matmul backward, weights only", _expect(peers, "read", m * k * elt))
 
             x = torch.randn(world * m, k, generator=gen).to(dtype).requires_grad_()
             w = torch.randn(ns[0], k, generator=gen).to(dtype).t().requires_grad_()
@@ -179,6 +190,14 @@ def _one_call_each(path: str, dtype: torch.dtype) -> list[str]:
             y.float().sum().backward()
             # backward: d x = all_gather(d y) @ w^T: one [m, N] shard from each peer.
             check("matmul_reduce_scatter backward", _expect(peers, "read", m * ns[0] * elt))
+            # Frozen input: d w = x^T @ all_gather(d y), gathered by the re-gather alone.
+            y = tpk.matmul_reduce_scatter(x.detach(), w, 0, group, backend="symm")
+            _traffic.clear()
+            y.float().sum().backward()
+            check(
+                "matmul_reduce_scatter backward, weight only",
+                _expect(peers, "read", m * ns[0] * elt),
+            )
     finally:
         dist.destroy_process_group(group)
     return problems

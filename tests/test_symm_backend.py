@@ -230,20 +230,23 @@ def _fused_ops_on_the_triton_path(cases) -> dict:
     group = dist.group.WORLD
     problems = []
 
-    def ag(backend, shard, ws, grads, grad_a, cast):
+    def ag(backend, shard, ws, grads, grad_a, return_a, cast):
         a_shard = cast(shard).requires_grad_()
         bs = [cast(w).t().requires_grad_() for w in ws]
-        a, outs = tpk.all_gather_matmul(a_shard, bs, 0, group, backend=backend, return_a=True)
+        a, outs = tpk.all_gather_matmul(a_shard, bs, 0, group, backend=backend, return_a=return_a)
         loss = sum((o * cast(g)).sum() for o, g in zip(outs, grads, strict=True))
-        (loss + (a * cast(grad_a)).sum()).backward()
-        return [a, *outs, a_shard.grad, *(b.grad for b in bs)]
+        (loss + (0 if a is None else (a * cast(grad_a)).sum())).backward()
+        return [*([] if a is None else [a]), *outs, a_shard.grad, *(b.grad for b in bs)]
 
-    def rs(backend, x_full, w, grad, cast):
-        x, wt = cast(x_full).requires_grad_(), cast(w).t().requires_grad_()
+    def rs(backend, x_full, w, grad, x_grad, cast):
+        # Without an input grad the weight grad gathers dy by all_gather_async alone.
+        x, wt = cast(x_full).requires_grad_(x_grad), cast(w).t().requires_grad_()
         y = tpk.matmul_reduce_scatter(x, wt, 0, group, backend=backend)
         (y * cast(grad)).sum().backward()
-        return [y, x.grad, wt.grad]
+        return [y, *([x.grad] if x_grad else []), wt.grad]
 
+    state = symm_backend._state(group, torch.device("cpu"))
+    regathers_before = state.regather_seq
     with _triton_path() as counts:
         for i, (m, k, ns, dtype) in enumerate(cases):
             where = f"case {i} (m={m} k={k} ns={ns} {dtype})"
@@ -251,8 +254,13 @@ def _fused_ops_on_the_triton_path(cases) -> dict:
             ws = [_inputs(i + 50, rank, {"w": (n, k)}, torch.float64)["w"] for n in ns]
             grads = [_inputs(i + 90, rank, {"g": (world * m, n)}, torch.float64)["g"] for n in ns]
             runs = {
-                "all_gather_matmul": (ag, (g["shard"], ws, grads, g["grad_a"])),
-                "matmul_reduce_scatter": (rs, (g["grad_a"], ws[0], grads[0][:m])),
+                "all_gather_matmul": (ag, (g["shard"], ws, grads, g["grad_a"], True)),
+                "all_gather_matmul re-gathering": (ag, (g["shard"], ws, grads, None, False)),
+                "matmul_reduce_scatter": (rs, (g["grad_a"], ws[0], grads[0][:m], True)),
+                "matmul_reduce_scatter weight only": (
+                    rs,
+                    (g["grad_a"], ws[0], grads[0][:m], False),
+                ),
             }
             for op, (run, args) in runs.items():
                 got = run("symm", *args, functools.partial(torch.Tensor.to, dtype=dtype))
@@ -262,7 +270,11 @@ def _fused_ops_on_the_triton_path(cases) -> dict:
                 for j, (x, *refs) in enumerate(zip(got, truth, same, mag, strict=True)):
                     if problem := check_close(f"{where} {op} result {j}", x, *refs):
                         problems.append(problem)
-    return {"problems": problems, "launches": counts}
+    return {
+        "problems": problems,
+        "launches": counts,
+        "regathers": state.regather_seq - regathers_before,
+    }
 
 
 # Tiny, uneven (no multiple of the interpreter's 16-row tiles) and several chunks per shard.
@@ -279,10 +291,14 @@ def test_fused_ops_on_the_triton_path(worlds, world_size):
     results = worlds(world_size).run(_fused_ops_on_the_triton_path, FUSED_CASES)
     for rank, result in enumerate(results):
         assert result["problems"] == [], (rank, result["problems"])
-        # World 1 multiplies locally; otherwise every case gathers through the kernels twice:
-        # the all-gather's forward and the reduce-scatter's backward (all_gather(dy) @ w^T).
-        want = 0 if world_size == 1 else 2 * len(FUSED_CASES)
+        # World 1 multiplies locally; otherwise every case gathers through the kernels three
+        # times: the all-gather's forward, twice, and the reduce-scatter's backward with an input
+        # grad (all_gather(dy) @ w^T); the re-gathers are copies (test_regather_...).
+        want = 0 if world_size == 1 else 3 * len(FUSED_CASES)
         assert result["launches"]["ag_matmul_consumer"] == want, (rank, result["launches"])
+        # The weight grads' gathers of a saved shard (backward keeps the shard, not A, unless
+        # asked): both all-gather runs and the weight-only reduce-scatter.
+        assert result["regathers"] == (0 if world_size == 1 else 3 * len(FUSED_CASES)), result
 
 
 # ---------------------------------------------------------------- run-ahead (one protocol)
@@ -399,6 +415,78 @@ def test_one_channel_loses_the_lagging_rank(worlds):
     error = reports[0]["error"]
     assert error is not None and "signal of rank(s) [1]" in error, reports[0]
     assert "never came" in error, error
+
+
+# ---------------------------------------------------------------- the backward's re-gather
+
+# The copier of the lagging rank sleeps this long before each chunk it copies: long enough for its
+# peers to finish the re-gather and start the next one (and, with one half, overwrite its source).
+COPY_LAG_S = 0.3
+
+
+class _SlowShard:
+    """A peer's shard whose chunks are handed to the copier only after :data:`COPY_LAG_S`."""
+
+    def __init__(self, shard: torch.Tensor) -> None:
+        self.shard, self.shape = shard, shard.shape
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        time.sleep(COPY_LAG_S)
+        return self.shard[rows]
+
+
+def _regathers_with_a_late_copier(path: str, halves: int, calls: int) -> list[str]:
+    """``calls`` backward re-gathers (``all_gather_async``) of shards that change every call,
+    each overlapped with a matmul-reduce-scatter as in backward (started, the fused call, then
+    waited), the last rank's copier late on every chunk. Returns what came back wrong."""
+    from tp_kernels.backends import symm_gather
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(list(range(world)))
+    start = symm_gather.Copier.start
+    lagging = rank == world - 1
+
+    def late_start(self, sources, *args):
+        return start(self, [(s, _SlowShard(t)) for s, t in sources], *args)
+
+    saved_halves = symm_backend._REGATHER_HALVES
+    symm_backend._REGATHER_HALVES = halves
+    if lagging:
+        symm_gather.Copier.start = late_start
+    problems = []
+    try:
+        with _triton_path() if path == "triton" else contextlib.nullcontext():
+            for i in range(calls):
+                m, k = 3 + i % 2, 5  # uneven growth: the workspace is sized on the first call
+                shards = [_inputs(i, s, {"a": (m, k)}, torch.float32)["a"] for s in range(world)]
+                pending = BACKEND.all_gather_async(shards[rank], group)
+                parts = _rs_problem(i, world, 2, 4, 3, torch.float32, False)
+                BACKEND.matmul_reduce_scatter(parts[rank]["a"], parts[rank]["b"], group)
+                if not torch.equal(pending.wait(), torch.cat(shards)):
+                    problems.append(f"re-gather {i}: the gathered A differs")
+    finally:
+        symm_gather.Copier.start = start
+        symm_backend._REGATHER_HALVES = saved_halves
+        dist.destroy_process_group(group)
+    return problems
+
+
+@pytest.mark.parametrize("path", ["torch", "triton"])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_regather_is_double_buffered_against_a_late_copier(worlds, world_size, path):
+    """Backward's re-gather pulls the peers' shards with the all-gather's copier and is joined
+    only after the fused call it overlaps, so a peer may still be copying a shard when this rank
+    starts the next re-gather: with its two halves every result is right."""
+    results = worlds(world_size).run(_regathers_with_a_late_copier, path, 2, 4)
+    assert results == [[]] * world_size, results
+
+
+def test_one_regather_half_loses_the_late_copier(worlds):
+    """The control: with one half, the fast rank's next re-gather overwrites the shard the late
+    copier has not read yet, and the late rank gathers the next call's rows."""
+    results = worlds(2).run(_regathers_with_a_late_copier, "torch", 1, 2)
+    assert results[0] == [], results
+    assert results[1] and "re-gather 0: the gathered A differs" in results[1][0], results
 
 
 # ---------------------------------------------------------------- mismatched calls

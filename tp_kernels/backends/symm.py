@@ -74,10 +74,12 @@ costs only a second half of memory.
 After a deadline error the group's state is unknown (a peer may be dead or a signal outstanding),
 so every later call on that group raises at once.
 
-``all_gather_async`` (the backward's re-gather of a saved shard) is the base class's collective:
-its result is consumed after the fused call it overlaps with, so serving it from these buffers
-would hold a half busy across calls and break the reuse rule above, while the collective runs on
-the group's own threads (gloo) or stream (NCCL) and overlaps as well.
+``all_gather_async`` (the backward's re-gather of a saved shard, overlapped with the input
+grad's reduce-scatter) runs the all-gather's protocol too: barrier, then the copier pulls each
+peer's shard once (the copy engine on CUDA: no SM and no NCCL kernel). Its result is consumed
+after the fused call it overlaps, so it cannot use the data workspace (a half would stay busy
+across calls and break the reuse rule above): it has a double-buffered workspace of its own,
+numbered by its own count (:func:`_regather`).
 """
 
 from __future__ import annotations
@@ -93,10 +95,13 @@ import torch.distributed as dist
 
 from tp_kernels import config, symmetric_memory
 from tp_kernels.backends import schedule, symm_gather
-from tp_kernels.backends.base import Backend
+from tp_kernels.backends.base import Backend, PendingGather
 
 _CTL_TAG = "tp_kernels.backends.symm.ctl"
 _DATA_TAG = "tp_kernels.backends.symm.data"
+_REGATHER_TAG = "tp_kernels.backends.symm.regather"
+# The re-gather workspace's halves: re-gather g uses half g % 2 (see _regather).
+_REGATHER_HALVES = 2
 # Channel 0 is left to SymmWorkspace.barrier (used when a workspace is set up).
 _READY = 1
 # The kernels' epoch signals: call c uses _KERNEL_CHANNELS[c % 2].
@@ -162,6 +167,9 @@ class _GroupState:
         self.copier: symm_gather.Copier | None = None
         self.progress: torch.Tensor | None = None
         self.seq = 0
+        # The re-gathers (see _regather): their own count, and the copies of the one in flight.
+        self.regather_seq = 0
+        self.regather_copies: symm_gather.Copies | None = None
         self.broken: str | None = None
 
     def grow(self, group: dist.ProcessGroup, nbytes: int) -> None:
@@ -242,6 +250,28 @@ def _use_triton(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cuda" or config.SYMM_TRITON.get()
 
 
+def _usable_state(group: dist.ProcessGroup, device: torch.device, what: str) -> _GroupState:
+    """The group's state, or a refusal before anything is signalled: CUDA graph capture, or a
+    group broken by an earlier deadline (raising a timeout a kernel recorded first)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"symm {what} on group {group.group_name!r}: cannot be captured in a "
+            "CUDA graph (its signals carry call numbers counted on the host, so a replay "
+            "would wait for stale ones); nothing was launched. Inside graphs use "
+            "backend='reference' or 'pipelined', whose NCCL collectives can be captured"
+        )
+    state = _state(group, device)
+    if state.broken is None:
+        _raise_recorded_timeout(state, group, what)
+    if state.broken is not None:
+        raise RuntimeError(
+            f"symm {what} on group {group.group_name!r}: an earlier call on this "
+            f"group failed at its deadline ({state.broken}); the peers' state is unknown, "
+            "so this group cannot use the symm backend any more"
+        )
+    return state
+
+
 def _begin(
     group: dist.ProcessGroup,
     device: torch.device,
@@ -260,22 +290,7 @@ def _begin(
             f"symm {_OP_NAMES[op]}: dtype {dtype} is not supported; expected one of "
             f"{[str(d) for d in _DTYPES]}"
         )
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            f"symm {_OP_NAMES[op]} on group {group.group_name!r}: cannot be captured in a "
-            "CUDA graph (its signals carry call numbers counted on the host, so a replay "
-            "would wait for stale ones); nothing was launched. Inside graphs use "
-            "backend='reference' or 'pipelined', whose NCCL collectives can be captured"
-        )
-    state = _state(group, device)
-    if state.broken is None:
-        _raise_recorded_timeout(state, group, _OP_NAMES[op])
-    if state.broken is not None:
-        raise RuntimeError(
-            f"symm {_OP_NAMES[op]} on group {group.group_name!r}: an earlier call on this "
-            f"group failed at its deadline ({state.broken}); the peers' state is unknown, "
-            "so this group cannot use the symm backend any more"
-        )
+    state = _usable_state(group, device, _OP_NAMES[op])
     state.seq += 1
     header = [state.seq, op, _DTYPES.index(dtype), *dims, _half_bytes(nbytes)]
     # See the module docstring: headers are checked where the host can read them cheaply,
@@ -355,17 +370,7 @@ class _Round:
         )
 
     def _timed(self, wait: Callable[[int, int], None], peer: int, what: str) -> None:
-        try:
-            wait(peer, _READY)
-        except symmetric_memory.SymmTimeoutError as exc:
-            self.state.broken = str(exc)
-            raise symmetric_memory.SymmTimeoutError(
-                f"{self.where}, call {self.seq}: {what} on channel {_READY} ran past its "
-                f"deadline; rank(s) [{peer}] were not heard from: {exc.detail}",
-                peer=peer,
-                channel=_READY,
-                timeout_s=exc.timeout_s,
-            ) from None
+        _timed_signal(self.state, wait, peer, f"{self.where}, call {self.seq}", what)
 
 
 class _Half:
@@ -398,15 +403,20 @@ class _Half:
 
 
 def _kernel_args(round_: _Round) -> dict:
-    """The arguments every launcher takes: this rank, this call's channel (alternating by call
-    parity) and epoch (the call number, wrapped into the kernels' epoch range)."""
+    """The arguments every launcher takes for ``round_``: :func:`_signal_args`."""
+    return _signal_args(round_.rank, round_.world, round_.seq)
+
+
+def _signal_args(rank: int, world: int, seq: int) -> dict:
+    """This rank, call ``seq``'s channel (alternating by call parity) and epoch (the call number,
+    wrapped into the kernels' epoch range)."""
     from tp_kernels import kernels
 
     return {
-        "rank": round_.rank,
-        "world_size": round_.world,
-        "channel": _KERNEL_CHANNELS[round_.parity],
-        "epoch": (round_.seq - 1) % kernels.MAX_EPOCH + 1,
+        "rank": rank,
+        "world_size": world,
+        "channel": _KERNEL_CHANNELS[seq % 2],
+        "epoch": (seq - 1) % kernels.MAX_EPOCH + 1,
     }
 
 
@@ -516,6 +526,14 @@ class SymmBackend(Backend):
                 round_.receive_all()
             raise
         return (a if return_a else None), outs
+
+    def all_gather_async(self, a_shard: torch.Tensor, group: dist.ProcessGroup) -> PendingGather:
+        """Start ``A = all_gather(a_shard)`` [W*m, ...] from ``a_shard`` [m, ...] (backward's
+        re-gather of a saved shard) through the all-gather's copies, from a region of its own
+        (:func:`_regather`); :meth:`PendingGather.wait` makes the caller's work follow them."""
+        if group.size() == 1 or a_shard.dtype not in _DTYPES:
+            return super().all_gather_async(a_shard, group)
+        return _regather(group, a_shard)
 
     def matmul_reduce_scatter(
         self,
@@ -659,6 +677,87 @@ def _rs_triton(
     if a.device.type == "cpu":  # the kernels have finished: no reason to wait for later
         _raise_recorded_timeout(state, round_.group, _OP_NAMES[_RS])
     return out
+
+
+class _CopiesInFlight(PendingGather):
+    """A re-gather whose copies are in flight: :meth:`wait` joins them (no host sync on CUDA)."""
+
+    def __init__(self, out: torch.Tensor, copies: symm_gather.Copies) -> None:
+        super().__init__(out, None)
+        self._copies = copies
+
+    def wait(self) -> torch.Tensor:
+        self._copies.join()
+        return self._out
+
+
+def _regather(group: dist.ProcessGroup, a_shard: torch.Tensor) -> PendingGather:
+    """Backward's re-gather of ``a_shard`` [m, ...] on the all-gather's protocol: publish it in
+    this re-gather's half of the group's re-gather workspace, signal, barrier (``wait_ready`` on
+    the Triton path, the host's signals on the torch path), then the copier pulls every peer's
+    shard into ``A`` (no progress words: ``wait`` joins the copies instead).
+
+    Its region is its own, double-buffered by the re-gathers' own count, because its copies are
+    joined only after the fused call it overlaps (the input grad's reduce-scatter), which uses
+    the data workspace meanwhile. The reuse rule is the data workspace's, one level up: re-gather
+    ``g+2`` overwrites half ``g % 2`` only after this rank has every peer's signal of ``g+1``,
+    which each peer raises after it joined its copies of ``g`` (stream order on CUDA), so no
+    peer still reads it. That needs one re-gather in flight per group: a new one joins the last.
+    Headers are not checked: the re-gather belongs to a fused call's backward, whose forward the
+    ranks agreed on."""
+    device, dtype = a_shard.device, a_shard.dtype
+    what = "all_gather (backward's re-gather)"
+    state = _usable_state(group, device, what)
+    if state.regather_copies is not None:
+        state.regather_copies.join()
+    state.regather_seq += 1
+    rank, world, m = group.rank(), group.size(), a_shard.shape[0]
+    shape = tuple(a_shard.shape)
+    ws = symmetric_memory.get_workspace(
+        group, _REGATHER_HALVES * _half_bytes(a_shard.nbytes), device, tag=_REGATHER_TAG
+    )
+    offset = (state.regather_seq % _REGATHER_HALVES) * (ws.nbytes // _REGATHER_HALVES)
+    out = a_shard.new_empty((world * m, *shape[1:]))
+    ws.buffer(rank, shape, dtype, offset=offset).copy_(a_shard)
+    out[rank * m : (rank + 1) * m].copy_(a_shard)
+    peers = [(rank + k) % world for k in range(1, world)]
+    where = f"symm {what} on rank {rank} of group {group.group_name!r}"
+    if _use_triton(device, dtype):
+        from tp_kernels import kernels
+
+        status, _ = state.kernel_state()
+        pads = ws.signal_pad_ptrs()
+        args = _signal_args(rank, world, state.regather_seq)
+        kernels.signal_ready(pads, **args)
+        kernels.wait_ready(pads, status=status, timeout_s=symmetric_memory.get_timeout(), **args)
+        if device.type == "cpu":  # the barrier has finished: no reason to wait for later
+            _raise_recorded_timeout(state, group, what)
+    else:
+        for peer in peers:
+            _timed_signal(state, ws.put_signal, peer, where, "put_signal")
+        for peer in peers:
+            _timed_signal(state, ws.wait_signal, peer, where, "wait_signal")
+    copier, _ = state.gather_state()
+    sources = [(s, ws.buffer(s, shape, dtype, offset=offset)) for s in peers]
+    state.regather_copies = copier.start(sources, out, m, None, 0)
+    return _CopiesInFlight(out, state.regather_copies)
+
+
+def _timed_signal(
+    state: _GroupState, wait: Callable[[int, int], None], peer: int, where: str, what: str
+) -> None:
+    """``wait(peer, _READY)``; past the deadline the group is broken and the error names it."""
+    try:
+        wait(peer, _READY)
+    except symmetric_memory.SymmTimeoutError as exc:
+        state.broken = str(exc)
+        raise symmetric_memory.SymmTimeoutError(
+            f"{where}: {what} on channel {_READY} ran past its deadline; rank(s) [{peer}] were "
+            f"not heard from: {exc.detail}",
+            peer=peer,
+            channel=_READY,
+            timeout_s=exc.timeout_s,
+        ) from None
 
 
 BACKEND = SymmBackend()

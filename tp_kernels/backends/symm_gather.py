@@ -144,12 +144,13 @@ class Copier:
         sources: Sequence[tuple[int, torch.Tensor]],
         a: torch.Tensor,
         rows: int,
-        progress: torch.Tensor,
+        progress: torch.Tensor | None,
         epoch: int,
     ) -> Copies:
         """Copy each ``(s, shard_s)`` of ``sources`` (in order; ``shard_s`` [m, K] a view of rank
         ``s``'s buffer) into rows ``[s*m, (s+1)*m)`` of ``a`` [W*m, K] in chunks of ``rows``
-        rows, writing ``epoch`` into ``progress[s * chunks + j]`` after chunk ``j``."""
+        rows, writing ``epoch`` into ``progress[s * chunks + j]`` after chunk ``j`` (no words
+        when ``progress`` is None: nothing waits on them, only on :meth:`Copies.join`)."""
 
         def copy_all() -> None:
             for s, shard in sources:
@@ -158,7 +159,8 @@ class Copier:
                 for j in range(chunks):
                     lo, hi = j * rows, min((j + 1) * rows, m)
                     a[s * m + lo : s * m + hi].copy_(shard[lo:hi])
-                    self._write(progress, s * chunks + j, epoch)
+                    if progress is not None:
+                        self._write(progress, s * chunks + j, epoch)
 
         if self._stream is not None:
             current = torch.cuda.current_stream(self.device)
