@@ -28,6 +28,11 @@ def _hang_on_rank_0() -> None:
         time.sleep(60)
 
 
+def _unpicklable_on_rank_1() -> torch.Tensor:
+    x = torch.ones(2, requires_grad=True)
+    return x * 2 if dist.get_rank() == 1 else x.detach()  # a non-leaf that requires grad
+
+
 def test_results_in_rank_order(worlds):
     assert worlds(3).run(_rank_and_sum) == [(0, 6.0), (1, 6.0), (2, 6.0)]
 
@@ -45,3 +50,12 @@ def test_hang_hits_the_deadline():
         with pytest.raises(RankError, match=r"ranks \[0\] gave no answer within 3 s \(hung\)"):
             world.run(_hang_on_rank_0, timeout_s=3)
         assert time.monotonic() - start < 20
+
+
+def test_unpicklable_result_is_reported_at_once(worlds):
+    """A rank whose result cannot be pickled reports so at once, instead of leaving the call to
+    its deadline (the queue's feeder thread only logged the pickling error)."""
+    start = time.monotonic()
+    with pytest.raises(RankError, match=r"(?s)rank 1 raised:.*cannot be pickled.*requires_grad"):
+        worlds(2).run(_unpicklable_on_rank_1, timeout_s=60)
+    assert time.monotonic() - start < 30

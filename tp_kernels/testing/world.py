@@ -21,6 +21,7 @@ import socket
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 __all__ = ["LocalWorld", "RankError", "free_port"]
@@ -80,10 +81,14 @@ def _worker(
             out = (True, fn(*args, **kwargs))
         except BaseException:
             out = (False, traceback.format_exc())
+        # Pickled here, not by the queue's feeder thread, which would only log a result that
+        # cannot be pickled and leave the caller waiting for it until the deadline.
         try:
-            results.put((rank, call_id, *out))
-        except Exception:  # the result would not pickle
-            results.put((rank, call_id, False, traceback.format_exc()))
+            payload = ForkingPickler.dumps(out[1])
+        except Exception:
+            out = (False, f"the result of the call cannot be pickled:\n{traceback.format_exc()}")
+            payload = ForkingPickler.dumps(out[1])
+        results.put((rank, call_id, out[0], bytes(payload)))
     dist.destroy_process_group()
 
 
@@ -201,6 +206,8 @@ class LocalWorld:
                     _, cid, ok, value = q.get_nowait()
                 except queue.Empty:
                     continue
+                if isinstance(value, bytes):  # a call's result, pickled by the rank
+                    value = ForkingPickler.loads(value)
                 got_any = True
                 if cid != call_id:  # a late answer to an earlier, already failed call
                     continue
