@@ -569,7 +569,9 @@ def test_comm_stats_count_each_fused_call(worlds, save):
 
 def _auto_choices() -> tuple[bool, list[str], list[str]]:
     """Two rounds of auto calls at a small and a big shape, with symm and then (other shape
-    classes, so nothing cached is reused) without it; the log and the backends that ran."""
+    classes, so nothing cached is reused) without it; the log and the backends that ran. On a
+    group of its own: auto's choices are kept per group, and earlier tests used the world's."""
+    group = dist.new_group(list(range(dist.get_world_size())))
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())
@@ -588,10 +590,11 @@ def _auto_choices() -> tuple[bool, list[str], list[str]]:
                     for rows, k in (small, big):
                         tpk.reset_comm_stats()
                         a = torch.ones(rows, k)
-                        tpk.all_gather_matmul(a, [torch.ones(k, 2)], 0, dist.group.WORLD)
+                        tpk.all_gather_matmul(a, [torch.ones(k, 2)], 0, group)
                         ran += [backend for (_, _, backend) in tpk.comm_stats()]
     finally:
         log.removeHandler(handler)
+        dist.destroy_process_group(group)
     return symm_ok, records, ran
 
 
