@@ -281,22 +281,33 @@ class _Group:
         return 8
 
 
+# Llama-3 at TP=8: 8B's QKV and 70B's at 2048 tokens (wq 8x wider than wk and wv), 70B's w1/w3
+# at 8192 tokens.
 @pytest.mark.parametrize(
-    ("m", "k", "n", "num_bs", "fusion"),
-    [(256, 4096, 768, 3, False), (1024, 8192, 7168, 2, True)],  # Llama-3 8B QKV; 70B w1/w3
+    ("m", "k", "ns", "fusion"),
+    [
+        (256, 4096, (512, 128, 128), False),
+        (256, 8192, (1024, 128, 128), False),
+        (1024, 8192, (3584, 3584), True),
+    ],
 )
 def test_auto_rules_fusion_out_where_the_model_says_none_beats_reference(
-    monkeypatch, m, k, n, num_bs, fusion
+    monkeypatch, m, k, ns, fusion
 ):
     from tp_kernels.backends import auto
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(auto, "_agreed_max", lambda values, group, device: values)
-    shape = auto.Shape(AG, m, k, n, num_bs, torch.bfloat16, torch.device("cuda", 0))
+    # Built from the call's tensors as the ops build it (meta tensors: only shapes are read).
+    a_shard = torch.empty(m, k, dtype=torch.bfloat16, device="meta")
+    bs = [torch.empty(k, n, dtype=torch.bfloat16, device="meta") for n in ns]
+    shape = dataclasses.replace(
+        auto.Shape.of_all_gather_matmul(a_shard, bs), device=torch.device("cuda", 0)
+    )
+    assert (shape.ns, shape.n, shape.num_bs) == (ns, sum(ns), len(ns))
     names = ("torch_symm_mem", "symm", "pipelined", "reference")
     found = auto._ruled_out_by_model(shape, _Group(), auto.Candidates(names, {}, {}))
-    ns = [n // num_bs] * num_bs
-    predicted = cost.op_cost(AG, m, k, n, 8, "bf16", H100, ns=ns).backends_s
+    predicted = cost.op_cost(AG, m, k, sum(ns), 8, "bf16", H100, ns=ns).backends_s
     assert found.predicted_s == {b: predicted[b] for b in names}
     fused = min(predicted[b] for b in names[:3])
     assert (fused < predicted["reference"]) == fusion  # the case is what it says
@@ -310,6 +321,17 @@ def test_auto_rules_fusion_out_where_the_model_says_none_beats_reference(
     cpu = dataclasses.replace(shape, device=torch.device("cpu"))
     monkeypatch.setattr(cost, "device_spec", lambda device: H100)
     assert auto._ruled_out_by_model(cpu, _Group(), auto.Candidates(names, {}, {})).names == within
+
+
+def test_auto_predicts_each_right_hand_width_not_an_even_split():
+    """The premise of the 70B QKV case above (2048 tokens, TP=8): splitting its 1280 columns
+    evenly over the three matrices, as auto did before its shape carried the widths, gives a
+    fused backend beating reference; the true widths (wq 1024, wk and wv 128) give none."""
+    m, k, ns = 256, 8192, (1024, 128, 128)
+    even = cost.op_cost(AG, m, k, sum(ns), 8, "bf16", H100, ns=(427, 427, 426)).backends_s
+    true = cost.op_cost(AG, m, k, sum(ns), 8, "bf16", H100, ns=ns).backends_s
+    assert even["torch_symm_mem"] < even["reference"]  # the even split would keep fusion
+    assert min(true[b] for b in ("torch_symm_mem", "symm", "pipelined")) >= true["reference"]
 
 
 def synthetic_gemms(device, efficiency, overhead):
