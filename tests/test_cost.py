@@ -340,7 +340,8 @@ def synthetic_gemms(device, efficiency, overhead):
     out = []
     for rows, k, n in ((8192, 4096, 1792), (8192, 8192, 3584), (8192, 16384, 6656)):
         waves = math.ceil(math.ceil(rows / 128) * math.ceil(n / 256) / device.sms)
-        out.append((rows, k, n, waves * (overhead + 2 * 128 * 256 * k / per_sm)))
+        seconds = waves * (overhead + 2 * 128 * 256 * k / per_sm)
+        out.append(cost.GemmTiming.in_whole_waves(rows, k, n, seconds, device.sms))
     return out
 
 
@@ -348,6 +349,7 @@ def test_calibration_recovers_the_figures_that_made_the_timings():
     copies = [(mib << 20, 4e-6 + (mib << 20) / 1.5e12) for mib in (1, 4, 16)]
     assert cost.fit_copies(copies) == pytest.approx((1500.0, 4e-6))
     gemms = synthetic_gemms(H100, 0.62, 2e-6)
+    assert [g.waves for g in gemms] == [4, 7, 13]  # 448, 896, 1664 tiles over 132 SMs
     assert cost.fit_tiles(gemms, H100) == pytest.approx((0.62, 2e-6))
     fitted, rate = cost.calibrated(H100, copies, gemms)
     assert rate == pytest.approx(1500.0)
@@ -357,10 +359,42 @@ def test_calibration_recovers_the_figures_that_made_the_timings():
         pytest.approx(4e-6),
     )
     assert fitted.sources["gemm_efficiency"].startswith("fitted by tp_kernels.bench.gpu_check")
+    assert "consumer kernel's tiles" in fitted.sources["tile_overhead_s"]
     assert fitted.link_gb_s == H100.link_gb_s  # a copy within one GPU says nothing of NVLink
     # Noise moves the fit, not its meaning: 2% on every timing stays within a few percent.
-    noisy = [(r, k, n, t * (1.02 if i % 2 else 0.98)) for i, (r, k, n, t) in enumerate(gemms)]
+    noisy = [
+        dataclasses.replace(g, seconds=g.seconds * (1.02 if i % 2 else 0.98))
+        for i, g in enumerate(gemms)
+    ]
     assert cost.fit_tiles(noisy, H100)[0] == pytest.approx(0.62, rel=0.05)
+
+
+def test_calibration_fits_each_launch_by_the_tiles_it_ran():
+    """The consumer's launches report their autotuned tile and their waves (tiles over the
+    persistent programs, here 8 shards' tiles over 132 programs); the fit gives each tile shape
+    the model's rate for it: 256x128 as 128x256 (1.0), 128x128 0.9, 64x256 and 64x64 as the
+    nearest in reuse, 64x128 (0.75). Timings made that way give back the figures."""
+    efficiency, overhead = 0.58, 3e-6
+    per_sm = H100.peak_tflops["bf16"] * 1e12 / H100.sms * efficiency
+    launches = [  # (rows, k, n, bm, bn, the model's rate of that tile)
+        (8192, 4096, 1792, 128, 128, 0.9),
+        (8192, 8192, 3584, 256, 128, 1.0),
+        (8192, 3584, 8192, 64, 256, 0.75),
+        (8192, 16384, 6656, 128, 256, 1.0),
+        (8192, 2048, 1024, 64, 64, 0.75),
+    ]
+    samples = []
+    for rows, k, n, bm, bn, rate in launches:
+        tiles = 8 * math.ceil(rows // 8 / bm) * math.ceil(n / bn)
+        waves = math.ceil(tiles / min(tiles, H100.sms))
+        seconds = waves * (overhead + 2 * bm * bn * k / (per_sm * rate))
+        samples.append(cost.GemmTiming(rows, k, n, seconds, bm, bn, waves))
+    assert cost.fit_tiles(samples, H100) == pytest.approx((efficiency, overhead))
+    # Taken as whole waves of 128x256 tiles, as cuBLAS's are, the same timings fit otherwise.
+    as_cublas = [
+        cost.GemmTiming.in_whole_waves(s.rows, s.k, s.n, s.seconds, H100.sms) for s in samples
+    ]
+    assert cost.fit_tiles(as_cublas, H100)[0] != pytest.approx(efficiency, rel=0.05)
 
 
 def test_calibration_refuses_samples_that_cannot_fit():
@@ -369,6 +403,6 @@ def test_calibration_refuses_samples_that_cannot_fit():
     with pytest.raises(ValueError, match="copy samples: time does not grow"):
         cost.fit_copies([(1 << 20, 2e-5), (2 << 20, 1e-5)])
     with pytest.raises(ValueError, match="GEMM samples: got 1 samples"):
-        cost.fit_tiles([(8192, 4096, 1792, 1e-3)], H100)
+        cost.fit_tiles([cost.GemmTiming.in_whole_waves(8192, 4096, 1792, 1e-3, 132)], H100)
     with pytest.raises(ValueError, match="has no SMs"):
         cost.fit_tiles(synthetic_gemms(H100, 0.7, 0.0), cost.measure_cpu())
