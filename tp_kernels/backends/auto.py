@@ -74,6 +74,7 @@ class Shape:
 
     @property
     def num_bs(self) -> int:
+        """How many right-hand matrices."""
         return len(self.ns)
 
     @classmethod

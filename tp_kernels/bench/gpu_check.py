@@ -780,6 +780,8 @@ CALIBRATION_WORLD = 8
 CALIBRATION_EPOCH = 1
 # No tile of a calibration launch waits: one that passes this deadline means wrong arguments.
 CALIBRATION_WAIT_S = 5.0
+# ``timer(fn, reps)``: the median seconds of ``reps`` runs of ``fn``.
+Timer = Callable[[Callable[[], object], int], float]
 
 
 @dataclass(frozen=True)
@@ -817,7 +819,7 @@ def _synchronize(device: torch.device) -> None:
 
 
 def _time_consumer(
-    a: torch.Tensor, b: torch.Tensor, want: torch.Tensor, world_size: int, timer, reps: int
+    a: torch.Tensor, b: torch.Tensor, want: torch.Tensor, world_size: int, timer: Timer, reps: int
 ) -> cost.GemmTiming:
     """The consumer's first launch (the one whose peer tiles wait for the copies: ``WAIT``) of
     ``a`` [W*m, K] @ ``b`` [K, N] as rank 0 of ``world_size``, one chunk per shard, every
@@ -869,7 +871,7 @@ def measure_calibration(
     quick: bool,
     *,
     device: torch.device | None = None,
-    timer: Callable[[Callable[[], object], int], float] | None = None,
+    timer: Timer | None = None,
     gemms: Sequence[tuple[int, int, int]] = CALIBRATION_GEMMS,
     chunk_mib: Sequence[int] = CALIBRATION_CHUNK_MIB,
     world_size: int = CALIBRATION_WORLD,
@@ -899,14 +901,15 @@ def measure_calibration(
         b = (torch.randn(n, k, generator=gen, device=device) / math.sqrt(k)).to(torch.bfloat16).t()
         want = torch.mm(a, b)
         consumer.append(_time_consumer(a, b, want, world_size, timer, reps))
-        seconds = timer(lambda a=a, b=b, out=want: torch.mm(a, b, out=out), reps)
+        out = torch.empty_like(want)
+        seconds = timer(lambda a=a, b=b, out=out: torch.mm(a, b, out=out), reps)
         cublas.append(cost.GemmTiming.in_whole_waves(rows, k, n, seconds, sms))
     return CalibrationTimings(copies, consumer, cublas)
 
 
-def _gemm_line(what: str, timings: Sequence[cost.GemmTiming]) -> str:
-    return f"{what}: " + ", ".join(
-        f"{t.rows}x{t.k}x{t.n} {t.seconds * 1e3:.3f} ms "
+def _gemm_lines(what: str, timings: Sequence[cost.GemmTiming]) -> str:
+    return f"{what}:" + "".join(
+        f"\n  {t.rows}x{t.k}x{t.n} {t.seconds * 1e3:.3f} ms "
         f"({2 * t.rows * t.k * t.n / t.seconds / 1e12:.0f} TFLOP/s; {t.bm}x{t.bn} tiles, "
         f"{t.waves} waves, {t.seconds / t.waves * 1e6:.1f} us each)"
         for t in timings
@@ -918,19 +921,15 @@ def calibration_report(device: cost.DeviceSpec, timings: CalibrationTimings) -> 
     consumer's launches), cuBLAS's fit beside them (the model gives cuBLAS's tiles the same
     figures), the samples they come from, and the ``bench model`` command that uses them."""
     fitted, copy_gb_s = cost.calibrated(device, timings.copies, timings.consumer)
-    cublas = dict(
-        zip(("gemm_efficiency", "tile_overhead_s"), cost.fit_tiles(timings.cublas, device))
-    )
-    link = device.link_gb_s * device.link_efficiency
     names = ("gemm_efficiency", "tile_overhead_s", "copy_latency_s")
+    try:  # beside the figures, not one of them: a cuBLAS that fits no line fails nothing
+        cublas = [f"{x:.3g}" for x in cost.fit_tiles(timings.cublas, device)]
+    except ValueError as exc:
+        cublas = [f"no fit: {exc}"] * 2
+    link = device.link_gb_s * device.link_efficiency
     rows = [
-        (
-            name,
-            f"{getattr(device, name):.3g}",
-            f"{getattr(fitted, name):.3g}",
-            f"{cublas[name]:.3g}" if name in cublas else "",
-        )
-        for name in names
+        (name, f"{getattr(device, name):.3g}", f"{getattr(fitted, name):.3g}", theirs)
+        for name, theirs in zip(names, [*cublas, ""])
     ]
     rows.append(("copy rate GB/s", f"{link:.0f} (NVLink)", f"{copy_gb_s:.0f} (within one GPU)", ""))
     header = ("figure", f"assumed ({device.name})", "fitted here", "cuBLAS (torch.mm)")
@@ -938,8 +937,8 @@ def calibration_report(device: cost.DeviceSpec, timings: CalibrationTimings) -> 
     lines = [
         render_table(header, rows, left=1),
         f"copies: {copies}",
-        _gemm_line(f"consumer (rank 0 of {CALIBRATION_WORLD}, no wait)", timings.consumer),
-        _gemm_line("cuBLAS (torch.mm, tiles assumed)", timings.cublas),
+        _gemm_lines(f"consumer (rank 0 of {CALIBRATION_WORLD}, no wait)", timings.consumer),
+        _gemm_lines("cuBLAS (torch.mm, tiles assumed)", timings.cublas),
     ]
     params = " ".join(f"--param {name}={getattr(fitted, name):.3g}" for name in names)
     lines.append(f"the model with these: python -m tp_kernels.bench model {params}")
