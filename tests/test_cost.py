@@ -281,22 +281,33 @@ class _Group:
         return 8
 
 
+# Llama-3 at TP=8: 8B's QKV and 70B's at 2048 tokens (wq 8x wider than wk and wv), 70B's w1/w3
+# at 8192 tokens.
 @pytest.mark.parametrize(
-    ("m", "k", "n", "num_bs", "fusion"),
-    [(256, 4096, 768, 3, False), (1024, 8192, 7168, 2, True)],  # Llama-3 8B QKV; 70B w1/w3
+    ("m", "k", "ns", "fusion"),
+    [
+        (256, 4096, (512, 128, 128), False),
+        (256, 8192, (1024, 128, 128), False),
+        (1024, 8192, (3584, 3584), True),
+    ],
 )
 def test_auto_rules_fusion_out_where_the_model_says_none_beats_reference(
-    monkeypatch, m, k, n, num_bs, fusion
+    monkeypatch, m, k, ns, fusion
 ):
     from tp_kernels.backends import auto
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(auto, "_agreed_max", lambda values, group, device: values)
-    shape = auto.Shape(AG, m, k, n, num_bs, torch.bfloat16, torch.device("cuda", 0))
+    # Built from the call's tensors as the ops build it (meta tensors: only shapes are read).
+    a_shard = torch.empty(m, k, dtype=torch.bfloat16, device="meta")
+    bs = [torch.empty(k, n, dtype=torch.bfloat16, device="meta") for n in ns]
+    shape = dataclasses.replace(
+        auto.Shape.of_all_gather_matmul(a_shard, bs), device=torch.device("cuda", 0)
+    )
+    assert (shape.ns, shape.n, shape.num_bs) == (ns, sum(ns), len(ns))
     names = ("torch_symm_mem", "symm", "pipelined", "reference")
     found = auto._ruled_out_by_model(shape, _Group(), auto.Candidates(names, {}, {}))
-    ns = [n // num_bs] * num_bs
-    predicted = cost.op_cost(AG, m, k, n, 8, "bf16", H100, ns=ns).backends_s
+    predicted = cost.op_cost(AG, m, k, sum(ns), 8, "bf16", H100, ns=ns).backends_s
     assert found.predicted_s == {b: predicted[b] for b in names}
     fused = min(predicted[b] for b in names[:3])
     assert (fused < predicted["reference"]) == fusion  # the case is what it says
@@ -312,13 +323,25 @@ def test_auto_rules_fusion_out_where_the_model_says_none_beats_reference(
     assert auto._ruled_out_by_model(cpu, _Group(), auto.Candidates(names, {}, {})).names == within
 
 
+def test_auto_predicts_each_right_hand_width_not_an_even_split():
+    """The premise of the 70B QKV case above (2048 tokens, TP=8): splitting its 1280 columns
+    evenly over the three matrices, as auto did before its shape carried the widths, gives a
+    fused backend beating reference; the true widths (wq 1024, wk and wv 128) give none."""
+    m, k, ns = 256, 8192, (1024, 128, 128)
+    even = cost.op_cost(AG, m, k, sum(ns), 8, "bf16", H100, ns=(427, 427, 426)).backends_s
+    true = cost.op_cost(AG, m, k, sum(ns), 8, "bf16", H100, ns=ns).backends_s
+    assert even["torch_symm_mem"] < even["reference"]  # the even split would keep fusion
+    assert min(true[b] for b in ("torch_symm_mem", "symm", "pipelined")) >= true["reference"]
+
+
 def synthetic_gemms(device, efficiency, overhead):
     """GEMM timings a GPU of the model's kind would give: whole waves of 128x256 tiles."""
     per_sm = device.peak_tflops["bf16"] * 1e12 / device.sms * efficiency
     out = []
     for rows, k, n in ((8192, 4096, 1792), (8192, 8192, 3584), (8192, 16384, 6656)):
         waves = math.ceil(math.ceil(rows / 128) * math.ceil(n / 256) / device.sms)
-        out.append((rows, k, n, waves * (overhead + 2 * 128 * 256 * k / per_sm)))
+        seconds = waves * (overhead + 2 * 128 * 256 * k / per_sm)
+        out.append(cost.GemmTiming.in_whole_waves(rows, k, n, seconds, device.sms))
     return out
 
 
@@ -326,6 +349,7 @@ def test_calibration_recovers_the_figures_that_made_the_timings():
     copies = [(mib << 20, 4e-6 + (mib << 20) / 1.5e12) for mib in (1, 4, 16)]
     assert cost.fit_copies(copies) == pytest.approx((1500.0, 4e-6))
     gemms = synthetic_gemms(H100, 0.62, 2e-6)
+    assert [g.waves for g in gemms] == [4, 7, 13]  # 448, 896, 1664 tiles over 132 SMs
     assert cost.fit_tiles(gemms, H100) == pytest.approx((0.62, 2e-6))
     fitted, rate = cost.calibrated(H100, copies, gemms)
     assert rate == pytest.approx(1500.0)
@@ -335,10 +359,42 @@ def test_calibration_recovers_the_figures_that_made_the_timings():
         pytest.approx(4e-6),
     )
     assert fitted.sources["gemm_efficiency"].startswith("fitted by tp_kernels.bench.gpu_check")
+    assert "consumer kernel's tiles" in fitted.sources["tile_overhead_s"]
     assert fitted.link_gb_s == H100.link_gb_s  # a copy within one GPU says nothing of NVLink
     # Noise moves the fit, not its meaning: 2% on every timing stays within a few percent.
-    noisy = [(r, k, n, t * (1.02 if i % 2 else 0.98)) for i, (r, k, n, t) in enumerate(gemms)]
+    noisy = [
+        dataclasses.replace(g, seconds=g.seconds * (1.02 if i % 2 else 0.98))
+        for i, g in enumerate(gemms)
+    ]
     assert cost.fit_tiles(noisy, H100)[0] == pytest.approx(0.62, rel=0.05)
+
+
+def test_calibration_fits_each_launch_by_the_tiles_it_ran():
+    """The consumer's launches report their autotuned tile and their waves (tiles over the
+    persistent programs, here 8 shards' tiles over 132 programs); the fit gives each tile shape
+    the model's rate for it: 256x128 as 128x256 (1.0), 128x128 0.9, 64x256 and 64x64 as the
+    nearest in reuse, 64x128 (0.75). Timings made that way give back the figures."""
+    efficiency, overhead = 0.58, 3e-6
+    per_sm = H100.peak_tflops["bf16"] * 1e12 / H100.sms * efficiency
+    launches = [  # (rows, k, n, bm, bn, the model's rate of that tile)
+        (8192, 4096, 1792, 128, 128, 0.9),
+        (8192, 8192, 3584, 256, 128, 1.0),
+        (8192, 3584, 8192, 64, 256, 0.75),
+        (8192, 16384, 6656, 128, 256, 1.0),
+        (8192, 2048, 1024, 64, 64, 0.75),
+    ]
+    samples = []
+    for rows, k, n, bm, bn, rate in launches:
+        tiles = 8 * math.ceil(rows // 8 / bm) * math.ceil(n / bn)
+        waves = math.ceil(tiles / min(tiles, H100.sms))
+        seconds = waves * (overhead + 2 * bm * bn * k / (per_sm * rate))
+        samples.append(cost.GemmTiming(rows, k, n, seconds, bm, bn, waves))
+    assert cost.fit_tiles(samples, H100) == pytest.approx((efficiency, overhead))
+    # Taken as whole waves of 128x256 tiles, as cuBLAS's are, the same timings fit otherwise.
+    as_cublas = [
+        cost.GemmTiming.in_whole_waves(s.rows, s.k, s.n, s.seconds, H100.sms) for s in samples
+    ]
+    assert cost.fit_tiles(as_cublas, H100)[0] != pytest.approx(efficiency, rel=0.05)
 
 
 def test_calibration_refuses_samples_that_cannot_fit():
@@ -347,6 +403,6 @@ def test_calibration_refuses_samples_that_cannot_fit():
     with pytest.raises(ValueError, match="copy samples: time does not grow"):
         cost.fit_copies([(1 << 20, 2e-5), (2 << 20, 1e-5)])
     with pytest.raises(ValueError, match="GEMM samples: got 1 samples"):
-        cost.fit_tiles([(8192, 4096, 1792, 1e-3)], H100)
+        cost.fit_tiles([cost.GemmTiming.in_whole_waves(8192, 4096, 1792, 1e-3, 132)], H100)
     with pytest.raises(ValueError, match="has no SMs"):
         cost.fit_tiles(synthetic_gemms(H100, 0.7, 0.0), cost.measure_cpu())

@@ -56,7 +56,7 @@ class _FakeGroup:
 
 def _shape(device: str) -> auto.Shape:
     # 4096 x 1024 fp32 rows per rank: large enough to pipeline.
-    return auto.Shape("all_gather_matmul", 4096, 1024, 1024, 1, torch.float32, torch.device(device))
+    return auto.Shape("all_gather_matmul", 4096, 1024, (1024,), torch.float32, torch.device(device))
 
 
 @contextlib.contextmanager

@@ -40,8 +40,9 @@ of why (``symm[puller, removed]`` in the schedule table). On a CPU (``sms is Non
 one piece of work at the measured rate and ``symm`` is its torch path (:func:`symm_cpu_s`).
 
 Every figure of a :class:`DeviceSpec` names its source in ``sources``: a datasheet, or
-"assumed" with the reasoning; :func:`tp_kernels.bench.gpu_check.calibration` fits the GEMM's
-per-tile rate and the copy engine's rate and latency on a GPU and prints them beside these.
+"assumed" with the reasoning; :func:`tp_kernels.bench.gpu_check.calibrate_cost_model` fits the
+consumer kernel's per-tile rate and the copy engine's rate and latency on a GPU and prints them
+beside these.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ __all__ = [
     "DTYPE_NAMES",
     "SCHEDULES",
     "DeviceSpec",
+    "GemmTiming",
     "OpCost",
     "Problem",
     "calibrated",
@@ -893,22 +895,50 @@ def fit_copies(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
     return 1 / per_byte / 1e9, max(latency, 0.0)
 
 
-def fit_tiles(
-    samples: Sequence[tuple[int, int, int, float]], device: DeviceSpec, dtype: str = "bf16"
-) -> tuple[float, float]:
-    """``(gemm_efficiency, tile_overhead_s)`` from GEMMs timed as ``(rows, k, n, seconds)``.
+@dataclass(frozen=True)
+class GemmTiming:
+    """One GEMM launch timed on a GPU: ``rows x k x n`` in ``seconds``, run as ``waves`` rounds of
+    ``bm x bn`` tiles (the most tiles one SM ran: ``ceil(tiles / programs)``)."""
 
-    Each GEMM is taken as 128x256 tiles (the model's largest) in ``ceil(tiles / SMs)`` waves,
-    so ``seconds / waves = tile_overhead_s + 2*128*256*k / (peak per SM * gemm_efficiency)``:
-    a line in the tile's flops whose slope gives the efficiency and whose intercept the
-    overhead; the shapes need at least two ``k``."""
+    rows: int
+    k: int
+    n: int
+    seconds: float
+    bm: int
+    bn: int
+    waves: int
+
+    @classmethod
+    def in_whole_waves(
+        cls, rows: int, k: int, n: int, seconds: float, sms: int, bm: int = 128, bn: int = 256
+    ) -> GemmTiming:
+        """A GEMM whose tiles are not known (cuBLAS's), taken as ``bm x bn`` tiles (default: the
+        model's largest) in ``ceil(tiles / sms)`` waves."""
+        waves = math.ceil(math.ceil(rows / bm) * math.ceil(n / bn) / sms)
+        return cls(rows, k, n, seconds, bm, bn, waves)
+
+
+def _tile_rate(bm: int, bn: int) -> float:
+    """A ``bm x bn`` tile's rate relative to the largest: that of the :data:`TILES` entry whose
+    reuse ``bm*bn / (bm+bn)`` (flops per element loaded) is nearest, so a transposed tile rates
+    as its transpose and a tile off the menu as its nearest kin."""
+    reuse = bm * bn / (bm + bn)
+    return min(TILES, key=lambda t: abs(t[0] * t[1] / (t[0] + t[1]) - reuse))[2]
+
+
+def fit_tiles(
+    samples: Sequence[GemmTiming], device: DeviceSpec, dtype: str = "bf16"
+) -> tuple[float, float]:
+    """``(gemm_efficiency, tile_overhead_s)`` from timed GEMM launches.
+
+    The model's tile takes ``tile_overhead_s + 2*BM*BN*k / (peak per SM * gemm_efficiency *
+    rate)`` (``rate``: the tile shape's, :func:`_tile_rate`), so ``seconds / waves`` is a line in
+    ``2*BM*BN*k / rate`` whose slope gives the efficiency and whose intercept the overhead; the
+    samples need at least two distinct values of it (two ``k``)."""
     if device.sms is None:
         raise ValueError(f"device: {device.name} has no SMs, so no tiles to fit")
-    flops, per_wave = [], []
-    for rows, k, n, seconds in samples:
-        waves = math.ceil(math.ceil(rows / 128) * math.ceil(n / 256) / device.sms)
-        flops.append(2.0 * 128 * 256 * k)
-        per_wave.append(seconds / waves)
+    flops = [2.0 * s.bm * s.bn * s.k / _tile_rate(s.bm, s.bn) for s in samples]
+    per_wave = [s.seconds / s.waves for s in samples]
     overhead, per_flop = fit_line(flops, per_wave, argument="GEMM samples")
     if per_flop <= 0:
         raise ValueError(f"GEMM samples: time does not grow with K ({samples})")
@@ -919,20 +949,21 @@ def fit_tiles(
 def calibrated(
     device: DeviceSpec,
     copies: Sequence[tuple[int, float]],
-    gemms: Sequence[tuple[int, int, int, float]],
+    tiles: Sequence[GemmTiming],
     dtype: str = "bf16",
 ) -> tuple[DeviceSpec, float]:
-    """``device`` with ``gemm_efficiency``, ``tile_overhead_s`` (:func:`fit_tiles`) and
-    ``copy_latency_s`` (:func:`fit_copies`) fitted from one GPU's timings, each source saying
-    so, and the copies' fitted rate (GB/s: a copy within one GPU, an upper bound of a copy over
-    the link, so ``link_gb_s`` stays the datasheet's)."""
-    efficiency, overhead = fit_tiles(gemms, device, dtype)
+    """``device`` with ``gemm_efficiency``, ``tile_overhead_s`` (:func:`fit_tiles` of ``tiles``,
+    the consumer kernel's launches) and ``copy_latency_s`` (:func:`fit_copies`) fitted from one
+    GPU's timings, each source saying so, and the copies' fitted rate (GB/s: a copy within one
+    GPU, an upper bound of a copy over the link, so ``link_gb_s`` stays the datasheet's)."""
+    efficiency, overhead = fit_tiles(tiles, device, dtype)
     rate, latency = fit_copies(copies)
     where = "fitted by tp_kernels.bench.gpu_check on this GPU"
+    consumer = f"{where} (the all-gather consumer kernel's tiles at the Llama shapes)"
     sources = {
         **device.sources,
-        "gemm_efficiency": f"{where} (plain matmuls at the Llama shapes)",
-        "tile_overhead_s": f"{where} (plain matmuls at the Llama shapes)",
+        "gemm_efficiency": consumer,
+        "tile_overhead_s": consumer,
         "copy_latency_s": f"{where} (device-to-device copies of chunk sizes)",
     }
     fitted = dataclasses.replace(

@@ -55,31 +55,42 @@ MARGIN = 1.05
 
 @dataclass(frozen=True)
 class Shape:
-    """One call as ``auto`` sees it: ``m`` rows per rank, ``k`` the reduction dim, ``n`` the
-    output columns (summed over the right-hand matrices), ``num_bs`` of them."""
+    """One call as ``auto`` sees it: ``m`` rows per rank, ``k`` the reduction dim, ``ns`` the
+    right-hand matrices' widths (an all-gather-matmul's ``N_j``; a matmul-reduce-scatter's one
+    ``N``). The cost model needs each width: a GEMM's waves of tiles depend on its own ``N_j``,
+    so Llama-3 70B's QKV (wq 8x wider than wk and wv) is not three GEMMs of a third each."""
 
     op: str
     m: int
     k: int
-    n: int
-    num_bs: int
+    ns: tuple[int, ...]
     dtype: torch.dtype
     device: torch.device
+
+    @property
+    def n(self) -> int:
+        """The output columns, summed over the right-hand matrices."""
+        return sum(self.ns)
+
+    @property
+    def num_bs(self) -> int:
+        """How many right-hand matrices."""
+        return len(self.ns)
 
     @classmethod
     def of_all_gather_matmul(cls, a_shard: torch.Tensor, bs: list[torch.Tensor]) -> Shape:
         """``a_shard`` [..., K] (any leading dims: its rows), ``bs[j]`` [K, N_j]."""
         k = a_shard.shape[-1]
-        n = sum(b.shape[1] for b in bs)
         m = a_shard.numel() // k
-        return cls("all_gather_matmul", m, k, n, len(bs), a_shard.dtype, a_shard.device)
+        ns = tuple(b.shape[1] for b in bs)
+        return cls("all_gather_matmul", m, k, ns, a_shard.dtype, a_shard.device)
 
     @classmethod
     def of_matmul_reduce_scatter(cls, a: torch.Tensor, b: torch.Tensor, world: int) -> Shape:
         """``a`` [..., K] (its rows: ``W*m``), ``b`` [K, N]."""
         k = a.shape[-1]
         m = a.numel() // k // world
-        return cls("matmul_reduce_scatter", m, k, b.shape[1], 1, a.dtype, a.device)
+        return cls("matmul_reduce_scatter", m, k, (b.shape[1],), a.dtype, a.device)
 
     def key(self, group: dist.ProcessGroup) -> tuple:
         # Only the sizes every rank shares: a colwise weight's N (all-gather) and a rowwise
@@ -197,11 +208,10 @@ def _predicted_s(shape: Shape, world: int) -> dict[str, float]:
     dtype = cost.DTYPE_NAMES.get(shape.dtype)
     if spec is None or dtype is None:
         return {}
-    # The right-hand widths are not part of the shape: split N evenly over the matrices.
-    ns = [shape.n // shape.num_bs + (j < shape.n % shape.num_bs) for j in range(shape.num_bs)]
-    if shape.op != "all_gather_matmul" or min(ns) < 1:
-        ns = None
-    return cost.op_cost(shape.op, shape.m, shape.k, shape.n, world, dtype, spec, ns=ns).backends_s
+    # An uneven split's empty shard as one column: the model needs widths >= 1, and this rank
+    # must still predict, to meet its peers in the agreement that follows.
+    ns = tuple(max(n, 1) for n in shape.ns)
+    return cost.op_cost(shape.op, shape.m, shape.k, sum(ns), world, dtype, spec, ns=ns).backends_s
 
 
 def cached_choice(shape: Shape, group: dist.ProcessGroup) -> str | None:

@@ -30,11 +30,16 @@ What runs (``--device cuda``, the default, on a machine with one GPU):
    consecutive calls per world (36 with ``--quick``), alternating its two buffer halves.
 3. The tile-GEMM timing: :func:`tp_kernels.bench.gpu_kernels.main` at M=8192 N=3584 K=8192 bf16,
    in this process once the worlds are gone (``--skip-timing`` leaves it out).
-4. The cost model's calibration (:func:`calibrate_cost_model`, ~1 s; ``--skip-timing`` leaves it
-   out too): device-to-device copies of chunk sizes and bf16 ``torch.mm`` at the Llama shapes,
-   timed, and :func:`tp_kernels.cost.calibrated`'s fit of ``gemm_efficiency``,
-   ``tile_overhead_s`` and ``copy_latency_s`` printed beside the assumed figures, with the
-   ``bench model`` command that uses them.
+4. The cost model's calibration (:func:`calibrate_cost_model`; ``--skip-timing`` leaves it out
+   too), timed on the device by events: device-to-device copies of chunk sizes, and at the Llama
+   shapes (:data:`CALIBRATION_GEMMS`) the all-gather's consumer kernel
+   (:func:`tp_kernels.kernels.ag_matmul_consumer`) launched as rank 0 of 8 with every progress
+   word already holding the epoch, so that no tile waits, each launch first checked against
+   ``torch.mm``; and ``torch.mm`` (cuBLAS) at the same shapes. :func:`tp_kernels.cost.calibrated`
+   fits ``gemm_efficiency`` and ``tile_overhead_s`` from the consumer's time per wave of its
+   autotuned tiles, and ``copy_latency_s`` from the copies; they are printed beside the assumed
+   figures and cuBLAS's fit (the model gives cuBLAS's tiles the same figures), with the ``bench
+   model`` command that uses them.
 
 What is checked, on every rank ``r`` of ``W``, for every call: the whole problem is drawn from a
 seed (on the CPU, in fp32, rounded once to the dtype), so each rank rebuilds every rank's shards.
@@ -79,10 +84,12 @@ exits 0.
 Expected time. One H200 (estimates, not measured yet: this was written on a machine without a GPU):
 starting a world ~10 s; the symm rows compile and autotune the Triton kernels (~1-2 min over the
 2-rank world's six symm rows, little in the 4-rank world, whose ranks find Triton's cache filled);
-every other row takes about a second; the timing ~30-60 s (compiling and autotuning included): 3-5
-minutes in all, plus up to one deadline per world for each backend that hangs. ``--quick`` runs 3
-calls per row instead of 5 and 10 timed GEMM calls instead of 50; ``--worlds 2`` and ``--dtypes``
-trim further. ``--device cpu`` on 2 cores (measured, on a shared machine): 1.3-2.3 min in all, of
+every other row takes about a second; the timing ~30-60 s (compiling and autotuning included);
+the calibration ~20-60 s (compiling the consumer for a Linear's transposed weight and autotuning
+it at four shapes; the timed runs ~1 s): 3-6 minutes in all, plus up to one deadline per world for
+each backend that hangs. ``--quick`` runs 3 calls per row instead of 5, 10 timed GEMM calls
+instead of 50 and 5 timed calibration runs instead of 20; ``--worlds 2`` and ``--dtypes`` trim
+further. ``--device cpu`` on 2 cores (measured, on a shared machine): 1.3-2.3 min in all, of
 which the 2-rank world 24-39 s and the 4-rank world 52-95 s (starting it ~17 s; each interpreted
 Triton row 2-8 s); ``--quick --worlds 2`` 30-40 s.
 
@@ -103,12 +110,13 @@ import math
 import os
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from tp_kernels import cost
 from tp_kernels.bench.protocol import DTYPES, render_table
 from tp_kernels.testing import LocalWorld, RankError
 
@@ -118,6 +126,7 @@ __all__ = [
     "NO_CUDA_MESSAGE",
     "TORCH_SYMM_MEM_FLOOR",
     "AGCase",
+    "CalibrationTimings",
     "RSCase",
     "calibrate_cost_model",
     "calibration_report",
@@ -764,65 +773,174 @@ CALIBRATION_GEMMS = (
 )
 
 
-def _cuda_seconds(fn, reps: int) -> float:
-    """Median seconds of ``fn`` on the current stream over ``reps`` runs after two, by events."""
+# The consumer is timed as rank 0 of the Llama shapes' TP=8 world: its gathered A [W*m, K] is 8
+# shards of m rows, each peer tile acquiring its progress word (which already holds the epoch),
+# as in a call whose copies keep ahead of the tiles.
+CALIBRATION_WORLD = 8
+CALIBRATION_EPOCH = 1
+# No tile of a calibration launch waits: one that passes this deadline means wrong arguments.
+CALIBRATION_WAIT_S = 5.0
+# ``timer(fn, reps)``: the median seconds of ``reps`` runs of ``fn``.
+Timer = Callable[[Callable[[], object], int], float]
+
+
+@dataclass(frozen=True)
+class CalibrationTimings:
+    """What :func:`measure_calibration` timed: ``copies`` as ``(bytes, seconds)``, and per GEMM
+    shape the consumer kernel's launch and ``torch.mm``'s (cuBLAS, its tiles taken as 128x256)."""
+
+    copies: list[tuple[int, float]]
+    consumer: list[cost.GemmTiming]
+    cublas: list[cost.GemmTiming]
+
+
+def _cuda_seconds(fn: Callable[[], object], reps: int) -> float:
+    """Median device seconds of ``fn`` on the current stream over ``reps`` runs after two: events
+    around each run, recorded back to back and synchronized once at the end, so each run's host
+    work (the launcher's checks, the autotuner's lookup) overlaps the previous run on the device
+    wherever the host launches faster than the device runs."""
     for _ in range(2):
         fn()
-    times = []
+    events = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
         end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
+        events.append((start, end))
+    torch.cuda.synchronize()
+    times = sorted(start.elapsed_time(end) / 1e3 for start, end in events)
+    return times[len(times) // 2]
 
 
-def measure_calibration(quick: bool) -> tuple[list[tuple[int, float]], list[tuple]]:
-    """On ``cuda:0``: ``(copies, gemms)``, each copy ``(bytes, seconds)`` of a device-to-device
-    ``copy_`` per size of :data:`CALIBRATION_CHUNK_MIB`, each GEMM ``(rows, k, n, seconds)`` of a
-    bf16 ``torch.mm`` per shape of :data:`CALIBRATION_GEMMS` (medians; ~1 s in all)."""
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_consumer(
+    a: torch.Tensor, b: torch.Tensor, want: torch.Tensor, world_size: int, timer: Timer, reps: int
+) -> cost.GemmTiming:
+    """The consumer's first launch (the one whose peer tiles wait for the copies: ``WAIT``) of
+    ``a`` [W*m, K] @ ``b`` [K, N] as rank 0 of ``world_size``, one chunk per shard, every
+    progress word already holding the epoch: each peer tile acquires its word and finds its rows
+    landed, so no tile waits and the time is the tiles'. Run once and checked first (against
+    ``want`` within one rounding to the dtype, and no wait past :data:`CALIBRATION_WAIT_S`), then
+    timed by ``timer(fn, reps)``; its tiles are those the autotuner chose for the shape."""
+    from tp_kernels import kernels
+    from tp_kernels.bench.gpu_kernels import error_ratio
+    from tp_kernels.bench.ops import matmul_tolerance
+    from tp_kernels.kernels._shared import persistent_programs
+    from tp_kernels.kernels.ag_matmul import _ag_matmul_kernel
+
+    rows, k = a.shape
+    n, m = b.shape[1], rows // world_size
+    progress = torch.full((world_size,), CALIBRATION_EPOCH, dtype=torch.int32, device=a.device)
+    status = kernels.new_status(world_size, a.device)
+    out = torch.full_like(want, math.nan)
+
+    def launch() -> None:
+        kernels.ag_matmul_consumer(
+            a, [b], [out], progress=progress, chunk_rows=m, status=status, rank=0,
+            world_size=world_size, epoch=CALIBRATION_EPOCH, timeout_s=CALIBRATION_WAIT_S,
+        )  # fmt: skip
+
+    launch()  # the first launch of a shape also compiles and autotunes
+    _synchronize(a.device)
+    if status.any():
+        raise RuntimeError(
+            f"the consumer at {rows}x{k}x{n}: a tile waited past {CALIBRATION_WAIT_S} s for a "
+            "progress word that holds the epoch; its launch arguments are wrong"
+        )
+    tol = matmul_tolerance(a.dtype, k, roundings=1)
+    ratio = error_ratio(out, want, tol)
+    if not ratio <= 1.0:
+        raise RuntimeError(
+            f"the consumer at {rows}x{k}x{n}: its output differs from torch.mm by {ratio:.3g} x "
+            f"the tolerance {tol:.2g}"
+        )
+    seconds = timer(launch, reps)
+    tile = _ag_matmul_kernel.best_config.kwargs  # the config of the launches just run
+    bm, bn = tile["BLOCK_M"], tile["BLOCK_N"]
+    tiles = world_size * math.ceil(m / bm) * math.ceil(n / bn)
+    programs = min(tiles, persistent_programs(a.device))
+    return cost.GemmTiming(rows, k, n, seconds, bm, bn, math.ceil(tiles / programs))
+
+
+def measure_calibration(
+    quick: bool,
+    *,
+    device: torch.device | None = None,
+    timer: Timer | None = None,
+    gemms: Sequence[tuple[int, int, int]] = CALIBRATION_GEMMS,
+    chunk_mib: Sequence[int] = CALIBRATION_CHUNK_MIB,
+    world_size: int = CALIBRATION_WORLD,
+) -> CalibrationTimings:
+    """On ``device`` (default ``cuda:0``), timed by ``timer(fn, reps)`` (default
+    :func:`_cuda_seconds`): a device-to-device ``copy_`` per size of ``chunk_mib`` (MiB), and
+    per ``(rows, k, n)`` of ``gemms`` bf16 ``A [rows, k] @ W^T`` (``W [n, k]``, a Linear's
+    weight, normal / sqrt(k)) by the consumer kernel (:func:`_time_consumer`, as rank 0 of
+    ``world_size``) and by ``torch.mm``, medians of ``reps`` runs (5 with ``quick``, else 20).
+    Raises if the consumer's check fails. A test runs it on the CPU, under Triton's
+    interpreter, with tiny shapes and a host clock."""
+    from tp_kernels.kernels._shared import persistent_programs
+
+    device = torch.device("cuda", 0) if device is None else device
+    timer = _cuda_seconds if timer is None else timer
     reps = 5 if quick else 20
-    device = torch.device("cuda", 0)
-    src = torch.empty(max(CALIBRATION_CHUNK_MIB) << 20, dtype=torch.uint8, device=device)
+    src = torch.empty(max(chunk_mib) << 20, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     copies = [
-        (mib << 20, _cuda_seconds(lambda n=mib << 20: dst[:n].copy_(src[:n]), reps))
-        for mib in CALIBRATION_CHUNK_MIB
+        (mib << 20, timer(lambda n=mib << 20: dst[:n].copy_(src[:n]), reps)) for mib in chunk_mib
     ]
-    gemms = []
-    for rows, k, n in CALIBRATION_GEMMS:
-        a = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
-        b = torch.randn(k, n, device=device, dtype=torch.bfloat16)
-        out = torch.empty(rows, n, device=device, dtype=torch.bfloat16)
-        seconds = _cuda_seconds(lambda a=a, b=b, out=out: torch.mm(a, b, out=out), reps)
-        gemms.append((rows, k, n, seconds))
-    return copies, gemms
+    consumer, cublas = [], []
+    gen = torch.Generator(device=device).manual_seed(1234)
+    sms = persistent_programs(device)  # one per SM on a GPU
+    for rows, k, n in gemms:
+        a = torch.randn(rows, k, generator=gen, device=device).to(torch.bfloat16)
+        b = (torch.randn(n, k, generator=gen, device=device) / math.sqrt(k)).to(torch.bfloat16).t()
+        want = torch.mm(a, b)
+        consumer.append(_time_consumer(a, b, want, world_size, timer, reps))
+        out = torch.empty_like(want)
+        seconds = timer(lambda a=a, b=b, out=out: torch.mm(a, b, out=out), reps)
+        cublas.append(cost.GemmTiming.in_whole_waves(rows, k, n, seconds, sms))
+    return CalibrationTimings(copies, consumer, cublas)
 
 
-def calibration_report(device, copies: Sequence[tuple[int, float]], gemms: Sequence[tuple]) -> str:
-    """The fitted figures beside the assumed ones (:func:`tp_kernels.cost.calibrated`), the
-    samples they come from, and the ``bench model`` command that uses them."""
-    from tp_kernels import cost
+def _gemm_lines(what: str, timings: Sequence[cost.GemmTiming]) -> str:
+    return f"{what}:" + "".join(
+        f"\n  {t.rows}x{t.k}x{t.n} {t.seconds * 1e3:.3f} ms "
+        f"({2 * t.rows * t.k * t.n / t.seconds / 1e12:.0f} TFLOP/s; {t.bm}x{t.bn} tiles, "
+        f"{t.waves} waves, {t.seconds / t.waves * 1e6:.1f} us each)"
+        for t in timings
+    )
 
-    fitted, copy_gb_s = cost.calibrated(device, copies, gemms)
+
+def calibration_report(device: cost.DeviceSpec, timings: CalibrationTimings) -> str:
+    """The fitted figures beside the assumed ones (:func:`tp_kernels.cost.calibrated`, from the
+    consumer's launches), cuBLAS's fit beside them (the model gives cuBLAS's tiles the same
+    figures), the samples they come from, and the ``bench model`` command that uses them."""
+    fitted, copy_gb_s = cost.calibrated(device, timings.copies, timings.consumer)
+    names = ("gemm_efficiency", "tile_overhead_s", "copy_latency_s")
+    try:  # beside the figures, not one of them: a cuBLAS that fits no line fails nothing
+        cublas = [f"{x:.3g}" for x in cost.fit_tiles(timings.cublas, device)]
+    except ValueError as exc:
+        cublas = [f"no fit: {exc}"] * 2
     link = device.link_gb_s * device.link_efficiency
     rows = [
-        (name, f"{getattr(device, name):.3g}", f"{getattr(fitted, name):.3g}")
-        for name in ("gemm_efficiency", "tile_overhead_s", "copy_latency_s")
+        (name, f"{getattr(device, name):.3g}", f"{getattr(fitted, name):.3g}", theirs)
+        for name, theirs in zip(names, [*cublas, ""])
     ]
-    rows.append(("copy rate GB/s", f"{link:.0f} (NVLink)", f"{copy_gb_s:.0f} (within one GPU)"))
-    lines = [render_table(("figure", f"assumed ({device.name})", "fitted here"), rows, left=1)]
-    lines.append("copies: " + ", ".join(f"{b >> 20} MiB {t * 1e6:.1f} us" for b, t in copies))
-    lines.append(
-        "bf16 GEMMs: "
-        + ", ".join(
-            f"{r}x{k}x{n} {t * 1e3:.3f} ms ({2 * r * k * n / t / 1e12:.0f} TFLOP/s)"
-            for r, k, n, t in gemms
-        )  # fmt: skip
-    )
-    params = " ".join(f"--param {name}={getattr(fitted, name):.3g}" for name, *_ in rows[:3])
+    rows.append(("copy rate GB/s", f"{link:.0f} (NVLink)", f"{copy_gb_s:.0f} (within one GPU)", ""))
+    header = ("figure", f"assumed ({device.name})", "fitted here", "cuBLAS (torch.mm)")
+    copies = ", ".join(f"{b >> 20} MiB {t * 1e6:.1f} us" for b, t in timings.copies)
+    lines = [
+        render_table(header, rows, left=1),
+        f"copies: {copies}",
+        _gemm_lines(f"consumer (rank 0 of {CALIBRATION_WORLD}, no wait)", timings.consumer),
+        _gemm_lines("cuBLAS (torch.mm, tiles assumed)", timings.cublas),
+    ]
+    params = " ".join(f"--param {name}={getattr(fitted, name):.3g}" for name in names)
     lines.append(f"the model with these: python -m tp_kernels.bench model {params}")
     return "\n".join(lines)
 
@@ -830,15 +948,13 @@ def calibration_report(device, copies: Sequence[tuple[int, float]], gemms: Seque
 def calibrate_cost_model(quick: bool) -> bool:
     """Measure (:func:`measure_calibration`) and print :func:`calibration_report`; True unless
     it raised (reported, not a crash)."""
-    from tp_kernels import cost
-
     print("\n== the cost model's figures, fitted on this GPU (tp_kernels.cost.calibrated)")
     device = cost.device_spec(torch.device("cuda", 0))
     if device is None:
         device = cost.DEVICES["h100"]
         print(f"{torch.cuda.get_device_name(0)} is not in tp_kernels.cost: beside the H100's")
     try:
-        print(calibration_report(device, *measure_calibration(quick)), flush=True)
+        print(calibration_report(device, measure_calibration(quick)), flush=True)
     except Exception as exc:
         print(f"FAIL: the calibration raised {type(exc).__name__}: {exc}", flush=True)
         return False
@@ -919,7 +1035,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--quick", action="store_true", help="fewer calls per row and fewer timed GEMM calls"
     )
-    p.add_argument("--skip-timing", action="store_true", help="leave out the cuBLAS timing")
+    p.add_argument(
+        "--skip-timing",
+        action="store_true",
+        help="leave out the tile-GEMM timing and the calibration",
+    )
     p.add_argument(
         "--timeout-s",
         type=_seconds,

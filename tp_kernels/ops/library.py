@@ -83,9 +83,9 @@ def _all_gather_matmul_grads(
     with deadline.fused_call(group, "all_gather_matmul", "backward"):
         first = grad_outs[0] if grad_outs else grad_a
         k = bs[0].shape[0] if bs else (a.shape[1] if a is not None else grad_a.shape[1])
-        n = sum(g.shape[1] for g in grad_outs)
+        ns = tuple(g.shape[1] for g in grad_outs)
         m = first.shape[0] // group.size()
-        shape = Shape("all_gather_matmul", m, k, n, len(grad_outs), first.dtype, first.device)
+        shape = Shape("all_gather_matmul", m, k, ns, first.dtype, first.device)
         impl = _backend(backend, group, shape)
         grad_a_shard, grad_bs = _compute.all_gather_matmul_backward(
             impl, group, a, a_is_gathered, bs, grad_outs, grad_a, need_a, need_b
@@ -228,7 +228,7 @@ def matmul_reduce_scatter_backward_2d(
     with deadline.fused_call(group, "matmul_reduce_scatter", "backward"):
         k = b.shape[0] if b is not None else a.shape[1]
         m, n = grad.shape
-        shape = Shape("matmul_reduce_scatter", m, k, n, 1, grad.dtype, grad.device)
+        shape = Shape("matmul_reduce_scatter", m, k, (n,), grad.dtype, grad.device)
         impl = _backend(backend, group, shape)
         grads = _compute.matmul_reduce_scatter_backward(
             impl, group, a, b, grad, avg, need_a, need_b, need_bias
