@@ -92,7 +92,7 @@ import torch
 import torch.distributed as dist
 
 from tp_kernels import config, symmetric_memory
-from tp_kernels.backends import schedule, symm_gather
+from tp_kernels.backends import schedule, symm_gather, symm_scatter
 from tp_kernels.backends.base import Backend
 
 _CTL_TAG = "tp_kernels.backends.symm.ctl"
@@ -161,6 +161,9 @@ class _GroupState:
         self.counters: torch.Tensor | None = None
         self.copier: symm_gather.Copier | None = None
         self.progress: torch.Tensor | None = None
+        self.pusher: symm_scatter.Pusher | None = None
+        self.scatter_progress: torch.Tensor | None = None
+        self.staging: torch.Tensor | None = None
         self.seq = 0
         self.broken: str | None = None
 
@@ -188,6 +191,23 @@ class _GroupState:
             self.copier = symm_gather.Copier(self.ctl.device)
             self.progress = symm_gather.new_progress(self.ctl.world_size, self.ctl.device)
         return self.copier, self.progress
+
+    def scatter_state(self) -> tuple[symm_scatter.Pusher, torch.Tensor, torch.Tensor]:
+        """``(pusher, progress, staging)`` of the reduce-scatter, made on first use; ``staging``
+        (uint8, the producer's local blocks) is as large as one half of the data workspace and
+        grows with it."""
+        world, device = self.ctl.world_size, self.ctl.device
+        if self.pusher is None or self.scatter_progress is None:
+            pads = [self.ctl.signal_pad(s) for s in range(world)]
+            where = f"symm matmul_reduce_scatter on group {self.ctl.group.group_name!r}"
+            self.pusher = symm_scatter.Pusher(device, pads, where)
+            self.scatter_progress = symm_scatter.new_progress(world, device)
+        half = self.data.nbytes // 2
+        if self.staging is None or self.staging.numel() < half:
+            # The old staging may still be read by the previous call's copies: the current
+            # stream has waited for them, and the allocator reuses it in that stream's order.
+            self.staging = torch.empty(half, dtype=torch.uint8, device=device)
+        return self.pusher, self.scatter_progress, self.staging
 
     def headers(self, rank: int) -> torch.Tensor:
         """``rank``'s two headers, int64 [2, _HEADER_WORDS]."""
@@ -637,25 +657,38 @@ def _ag_triton(
 def _rs_triton(
     round_: _Round, half: _Half, a: torch.Tensor, b: torch.Tensor, m: int, n: int
 ) -> torch.Tensor:
-    """The matmul-reduce-scatter of :class:`SymmBackend` by :func:`kernels.matmul_rs_producer`
-    and :func:`kernels.reduce_slots`."""
+    """The matmul-reduce-scatter of :class:`SymmBackend` on the copy-engine protocol
+    (:mod:`tp_kernels.backends.symm_scatter`): :func:`kernels.matmul_rs_producer` stores the
+    peers' blocks into local staging beside the pusher, which copies each into its peer's slot
+    once complete and signals it; then :func:`kernels.reduce_slots`."""
     from tp_kernels import kernels
 
-    state = round_.state
+    state, rank, world = round_.state, round_.rank, round_.world
     pads = state.ctl.signal_pad_ptrs()
     status, counters = state.kernel_state()
+    pusher, progress, staging_bytes = state.scatter_state()
+    args = _kernel_args(round_)
+    shape = (world, m, n)
+    staging = staging_bytes[: world * m * n * a.element_size()].view(a.dtype).view(shape)
+    own = half.view(rank, shape, a.dtype)
+    words = progress[round_.parity]
+    pushes = [(d, staging[d], half.view(d, shape, a.dtype)[rank]) for d in round_.peers()]
+
+    def produce() -> None:
+        kernels.matmul_rs_producer(a, b, staging, own, words, pads, counters=counters, **args)
+
     out = a.new_empty((m, n))
-    kernels.matmul_rs_producer(
-        a, b, half.addresses(), pads, counters=counters, **_kernel_args(round_)
-    )
-    kernels.reduce_slots(
-        half.view(round_.rank, (round_.world, m, n), a.dtype),
-        out,
-        pads,
-        status=status,
-        timeout_s=symmetric_memory.get_timeout(),
-        **_kernel_args(round_),
-    )
+    copies = pusher.run(produce, pushes, words, args["channel"] * world + rank, args["epoch"])
+    try:
+        kernels.reduce_slots(
+            own, out, pads, status=status, timeout_s=symmetric_memory.get_timeout(), **args
+        )
+    finally:
+        try:
+            copies.join()
+        except symmetric_memory.SymmTimeoutError as exc:
+            state.broken = str(exc)
+            raise
     if a.device.type == "cpu":  # the kernels have finished: no reason to wait for later
         _raise_recorded_timeout(state, round_.group, _OP_NAMES[_RS])
     return out
