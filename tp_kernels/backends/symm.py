@@ -12,10 +12,14 @@ data workspace that every rank of the group maps (see "Buffer reuse" below):
   reads ``A`` only. Every remote byte crosses the link once, however many ``bs`` and column
   tiles there are; ``A`` is what ``return_a`` returns.
 * matmul -> reduce-scatter: each rank's buffer is viewed as ``slots [W, m, N]``. ``r`` computes
-  ``(a @ b + addend)[d*m:(d+1)*m]`` straight into slot ``r`` of rank ``d``'s buffer for
-  ``d = r+1, ..., r`` (own last), signalling ``d`` after each, then waits for its ``W-1`` incoming
-  slots and returns ``slots[0] + ... + slots[W-1]`` summed in fp32 in that order (as
-  ``pipelined`` does, so both give the same bits for the same partials).
+  ``(a @ b + addend)[d*m:(d+1)*m]`` for ``d = r+1, ..., r`` (own last) into slot ``r`` of rank
+  ``d``'s buffer, signalling ``d`` after each, then waits for its ``W-1`` incoming slots and
+  returns ``slots[0] + ... + slots[W-1]`` summed in fp32 in that order (as ``pipelined`` does,
+  so both give the same bits for the same partials). The torch path computes each block
+  straight into the peer's slot; on the Triton path the producer GEMM stores the peers' blocks
+  into a local staging buffer with a progress word each, and a pusher
+  (:mod:`tp_kernels.backends.symm_scatter`: the copy engine on CUDA, a host thread on CPU)
+  copies each block once it is complete and signals its peer, so no SM waits for the link.
 
 Two paths run this protocol:
 
@@ -28,12 +32,13 @@ Two paths run this protocol:
   ``TRITON_INTERPRET=1``, since the interpreter is slow and serves to test the kernels'
   signalling across processes): the launchers of :mod:`tp_kernels.kernels`, whose epoch signals
   alternate between the channels :data:`_KERNEL_CHANNELS` by call parity (see the protocol in
-  :mod:`tp_kernels.kernels`; never shared with the 0/1 signals), and for the all-gather the
-  copier of :mod:`tp_kernels.backends.symm_gather`, whose progress words alternate between two
-  rows by the same parity. The host does exactly the same on CPU and CUDA (but that the CPU's
-  copier is a thread, the GPU's a side stream): no handshake of its own, nothing that
-  synchronizes with the device, tables, progress words and the side stream made once, the weight
-  read through its strides. It covers fp32, fp16 and bf16;
+  :mod:`tp_kernels.kernels`; never shared with the 0/1 signals), and the copier of
+  :mod:`tp_kernels.backends.symm_gather` (all-gather) or the pusher of
+  :mod:`tp_kernels.backends.symm_scatter` (reduce-scatter), whose progress words alternate
+  between two rows by the same parity. The host does exactly the same on CPU and CUDA (but that
+  the CPU's copier and pusher are threads, the GPU's side streams): no handshake of its own,
+  nothing that synchronizes with the device, tables, progress words, staging and the side
+  streams made once, the weight read through its strides. It covers fp32, fp16 and bf16;
   other dtypes, and a reduce-scatter with an ``addend`` (the producer kernel has no addend
   input), take the torch path.
 
@@ -150,8 +155,8 @@ def _grown_size(need_half: int) -> int:
 class _GroupState:
     """Per (group, device): the control workspace, the data workspace, the call counter and,
     for the kernels, the address tables of the data halves, the timeout status, the
-    reduce-scatter producer's tile counters, and the all-gather's copier and progress words (each
-    made once, not per call)."""
+    reduce-scatter producer's tile counters, the all-gather's copier and progress words, and the
+    reduce-scatter's pusher, progress words and staging (each made once, not per call)."""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
         self.ctl = symmetric_memory.get_workspace(group, _CTL_BYTES, device, tag=_CTL_TAG)
