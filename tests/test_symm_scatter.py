@@ -188,6 +188,7 @@ def _fake_libcuda(monkeypatch, code: int) -> list:
         cuStreamWaitValue32_v2 = staticmethod(wait)
 
     monkeypatch.setattr(symm_scatter.ctypes, "CDLL", lambda name: LibCuda())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     return calls
 
 

@@ -227,6 +227,7 @@ _HANDLE_API = (
     "signal_pad_ptrs",
     "signal_pad_size",
     "get_buffer",
+    "get_signal_pad",
     "put_signal",
     "wait_signal",
     "barrier",
