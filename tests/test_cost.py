@@ -150,20 +150,20 @@ def test_the_copy_engine_schedule_waits_for_chunks_and_hides_them_behind_the_own
 
 
 def test_the_reduce_scatter_producer_stores_in_bursts_then_reduces():
-    # W=2, m=256 (two M tiles), n=256, 2 SMs: programs 0 and 1 compute the two tiles owed to the
-    # peer at once, store them together (each at half the link, as it is below one SM's cap),
-    # fence (one round trip), then compute the own two tiles; then the reduction pass over
-    # 2 slots and the result.
+    # The removed direct stores: W=2, m=256 (two M tiles), n=256, 2 SMs: programs 0 and 1
+    # compute the two tiles owed to the peer at once, store them together (each at half the
+    # link, as it is below one SM's cap), fence (one round trip), then compute the own two
+    # tiles; then the reduction pass over 2 slots and the result.
     k = 1024
     dev = tiny(link_gb_s=1.0, sm_bytes_in_flight=1 << 30)
     p = problem(dev, 256, k, [256])
     t = tile_s(dev, 128, 256, k)
     stores = 2 * 128 * 256 * 2 / 1e9
     reduce = 3 * 256 * 256 * 2 / (dev.hbm_gb_s * 1e9)
-    assert cost.symm_reduce_scatter_s(p) == pytest.approx(t + stores + 1e-6 + t + reduce)
-    # The proposed copy-engine push: both peer tiles done at t, pushed as one block while the
+    assert cost.symm_rs_direct_store_s(p) == pytest.approx(t + stores + 1e-6 + t + reduce)
+    # The copy-engine push as built: both peer tiles done at t, pushed as one block while the
     # own tiles compute; the push (256 x 256 x 2 bytes at 1 GB/s) outlasts them.
-    assert cost.symm_rs_copy_engine_s(p) == pytest.approx(t + stores + reduce)
+    assert cost.symm_reduce_scatter_s(p) == pytest.approx(t + stores + reduce)
 
 
 def test_reference_and_the_decompositions_on_paper():

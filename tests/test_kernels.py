@@ -15,6 +15,7 @@ import os
 # module to unpickle their functions).
 os.environ["TRITON_INTERPRET"] = "1"
 
+import functools  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 
@@ -23,7 +24,7 @@ import torch  # noqa: E402
 from _numerics import check_close  # noqa: E402
 
 from tp_kernels import kernels  # noqa: E402
-from tp_kernels.backends import symm_gather  # noqa: E402
+from tp_kernels.backends import symm_gather, symm_scatter  # noqa: E402
 
 
 def _require_interpreter() -> None:
@@ -166,13 +167,28 @@ def test_ag_matmul_consumer(dtype, world_size, rank, m, k, ns, rows):
     assert all(p.view(-1, world_size)[CHANNEL].eq(7).all() for p in pads)
 
 
+def _push_by_hand(staging, buffers, pads, rank: int, epoch: int) -> None:
+    """What the pusher does for ``rank`` (tested in test_symm_backend.py): each peer's block of
+    its staging into slot ``rank`` of the peer's buffer, then the peer's word."""
+    world_size = len(buffers)
+    for d in range(world_size):
+        if d != rank:
+            buffers[d][rank].copy_(staging[d])
+            pads[d].view(-1, world_size)[CHANNEL, rank] = epoch
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("world_size", "m", "k", "n"), [(3, 12, 40, 20), (2, 20, 24, 36)])
 def test_matmul_rs_producer_and_reduce(dtype, world_size, m, k, n):
+    """The producer stores the peers' blocks into its local staging and raises their progress
+    words, its own block into its own slot and its own word; nothing of a peer's is touched.
+    Pushed by hand, the slots reduce to the reduce-scatter."""
     gen = torch.Generator().manual_seed(world_size * 100 + n)
     parts_a = [torch.randn(world_size * m, k, generator=gen).to(dtype) for _ in range(world_size)]
     parts_b = [torch.randn(k, n, generator=gen).to(dtype) for _ in range(world_size)]
     buffers = [torch.full((world_size, m, n), NAN, dtype=dtype) for _ in range(world_size)]
+    stagings = [torch.full((world_size, m, n), NAN, dtype=dtype) for _ in range(world_size)]
+    progress = [torch.zeros(world_size, dtype=torch.int32) for _ in range(world_size)]
     pads, signal_ptrs = _pads(world_size)
     counters = kernels.new_counters(world_size, torch.device("cpu"))
     for r in range(world_size):
@@ -180,7 +196,9 @@ def test_matmul_rs_producer_and_reduce(dtype, world_size, m, k, n):
         kernels.matmul_rs_producer(
             parts_a[r],
             parts_b[r],
-            _addresses(buffers),
+            stagings[r],
+            buffers[r],
+            progress[r],
             signal_ptrs,
             counters=counters,
             rank=r,
@@ -190,14 +208,23 @@ def test_matmul_rs_producer_and_reduce(dtype, world_size, m, k, n):
             order_out=order,
         )
         assert order.tolist() == _rotation(r + 1, world_size)
-    # One signal per slot, raised once the slot is complete.
-    assert all(p.view(-1, world_size)[CHANNEL].eq(3).all() for p in pads)
-    for dst in range(world_size):
-        for r in range(world_size):
-            rows = slice(dst * m, (dst + 1) * m)
+        # One word per block, raised once the block is complete: the own block's in the own
+        # pad, the peers' in the local progress words; no peer's pad or buffer is written.
+        assert progress[r].tolist() == [0 if d == r else 3 for d in range(world_size)]
+        assert [p.view(-1, world_size)[CHANNEL].tolist() for p in pads] == [
+            [3 if (d == s and s <= r) else 0 for s in range(world_size)] for d in range(world_size)
+        ]
+        assert all(buffers[d][r].isnan().all() for d in range(world_size) if d != r)
+        assert stagings[r][r].isnan().all()
+        for d in range(world_size):
+            rows = slice(d * m, (d + 1) * m)
+            got = buffers[r][r] if d == r else stagings[r][d]
             reference = _ag_reference(parts_a[r][rows], parts_b[r])
-            problem = check_close(f"slot {r} of rank {dst}", buffers[dst][r], *reference)
+            problem = check_close(f"block {d} of rank {r}", got, *reference)
             assert problem is None, problem
+    for r in range(world_size):
+        _push_by_hand(stagings[r], buffers, pads, r, epoch=3)
+    for dst in range(world_size):
         out = torch.full((m, n), NAN, dtype=dtype)
         status = kernels.new_status(world_size, torch.device("cpu"))
         kernels.reduce_slots(
@@ -285,11 +312,13 @@ def test_gemms_read_each_layout_of_their_operands(dtype, monkeypatch):
     chosen.clear()
     a_t = torch.randn(k, world_size * m, generator=gen).to(dtype).t()
     for b in bs:
-        buffers = [torch.full((world_size, m, b.shape[1]), NAN, dtype=dtype) for _ in range(2)]
+        staging, own = (torch.full((world_size, m, b.shape[1]), NAN, dtype=dtype) for _ in "so")
         kernels.matmul_rs_producer(
             a_t,
             b,
-            _addresses(buffers),
+            staging,
+            own,
+            torch.zeros(world_size, dtype=torch.int32),
             signal_ptrs,
             counters=kernels.new_counters(world_size, torch.device("cpu")),
             rank=0,
@@ -299,7 +328,8 @@ def test_gemms_read_each_layout_of_their_operands(dtype, monkeypatch):
         )
         for dst in range(world_size):
             reference = _ag_reference(a_t[dst * m : (dst + 1) * m], b)
-            assert (problem := check_close("slot", buffers[dst][0], *reference)) is None, problem
+            got = own[0] if dst == 0 else staging[dst]
+            assert (problem := check_close("block", got, *reference)) is None, problem
     assert chosen == ["cr", "cr", "cr", "pointer", "cr", "pointer"], chosen
 
 
@@ -440,7 +470,9 @@ def _bad_rs(**change):
     args = dict(
         a=torch.ones(8, 3),
         b=torch.ones(3, 5),
-        slot_ptrs=torch.zeros(2, dtype=torch.int64),
+        staging=torch.ones(2, 4, 5),
+        own_slots=torch.ones(2, 4, 5),
+        progress=torch.zeros(2, dtype=torch.int32),
         signal_ptrs=torch.zeros(2, dtype=torch.int64),
         counters=kernels.new_counters(2, torch.device("cpu")),
         rank=1,
@@ -496,8 +528,25 @@ def _bad_reduce(**change):
         (_bad_ag, dict(timeout_s=0.0), r"timeout_s: got 0.0"),
         (
             _bad_rs,
-            dict(slot_ptrs=torch.zeros(1, dtype=torch.int64)),
-            r"slot_ptrs: .* shape \(1,\), expected int64 of shape \(2,\)",
+            dict(signal_ptrs=torch.zeros(1, dtype=torch.int64)),
+            r"signal_ptrs: .* shape \(1,\), expected int64 of shape \(2,\)",
+        ),
+        (
+            _bad_rs,
+            dict(staging=torch.ones(2, 5, 5)),
+            r"staging: got torch.float32 of shape \(2, 5, 5\) on cpu, expected torch.float32 "
+            r"of shape \(2, 4, 5\)",
+        ),
+        (
+            _bad_rs,
+            dict(own_slots=torch.ones(2, 4, 5, dtype=torch.float16)),
+            r"own_slots: got torch.float16 .* expected torch.float32",
+        ),
+        (
+            _bad_rs,
+            dict(progress=torch.zeros(3, dtype=torch.int32)),
+            r"progress: got torch.int32 of shape \(3,\) on cpu, expected torch.int32 of shape "
+            r"\(2,\)",
         ),
         (
             _bad_rs,
@@ -630,13 +679,18 @@ def _rank_ag(m: int, k: int, ns: tuple[int, ...]) -> list[str]:
 
 
 def _rank_rs(m: int, k: int, n: int) -> list[str]:
+    """The producer beside the pusher, as the symm backend runs them, then the reduction."""
     import torch.distributed as dist
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     tag = "test_kernels.rs"
-    ws, buffer_ptrs, signal_ptrs = _workspace(tag, world_size * m * n * 4)
+    ws, _, signal_ptrs = _workspace(tag, world_size * m * n * 4)
     counters = kernels.new_counters(world_size, torch.device("cpu"))
     status = kernels.new_status(world_size, torch.device("cpu"))
+    pads = [ws.signal_pad(s) for s in range(world_size)]
+    pusher = symm_scatter.Pusher(torch.device("cpu"), pads, "test_kernels")
+    progress = symm_scatter.new_progress(world_size, torch.device("cpu"))[0]
+    peers = [(rank + j) % world_size for j in range(1, world_size)]
     problems = []
     for call, (dtype, late) in enumerate(_CALLS):
         gen = torch.Generator().manual_seed(call)
@@ -646,16 +700,21 @@ def _rank_rs(m: int, k: int, n: int) -> list[str]:
         parts_b = [torch.randn(k, n, generator=gen).to(dtype) for _ in range(world_size)]
         epoch = _next_epoch(tag)
         slots = ws.buffer(rank, (world_size, m, n), dtype)
+        staging = torch.full((world_size, m, n), NAN, dtype=dtype)
         dist.barrier()  # every rank is done reducing the previous call's slots
         slots.fill_(NAN)
         dist.barrier()  # no peer writes into this buffer before the NaN is in
         if rank == _late(world_size, late):
             time.sleep(1.0)
         order = torch.empty(world_size, dtype=torch.int64)
-        kernels.matmul_rs_producer(
+
+        produce = functools.partial(
+            kernels.matmul_rs_producer,
             parts_a[rank],
             parts_b[rank],
-            buffer_ptrs,
+            staging,
+            slots,
+            progress,
             signal_ptrs,
             counters=counters,
             rank=rank,
@@ -664,6 +723,8 @@ def _rank_rs(m: int, k: int, n: int) -> list[str]:
             epoch=epoch,
             order_out=order,
         )
+        pushes = [(d, staging[d], ws.buffer(d, (world_size, m, n), dtype)[rank]) for d in peers]
+        copies = pusher.run(produce, pushes, progress, CHANNEL * world_size + rank, epoch)
         out = torch.full((m, n), NAN, dtype=dtype)
         kernels.reduce_slots(
             slots,
@@ -676,6 +737,7 @@ def _rank_rs(m: int, k: int, n: int) -> list[str]:
             epoch=epoch,
             timeout_s=60.0,
         )
+        copies.join()
         where = f"call {call} ({dtype}, late rank {_late(world_size, late)})"
         if status.any():
             problems.append(f"{where}: a wait timed out: {status.tolist()}")

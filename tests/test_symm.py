@@ -38,6 +38,8 @@ def _segments(prefix: str) -> list[str]:
 # The channel of a barrier that follows a look at a pad: peers that pass the look first may
 # already be signalling on it, so the look skips its words.
 SPARE_CHANNEL = 9
+# Written and cleared by the pad-view check (a data word there, never a 0/1 signal).
+PAD_VIEW_CHANNEL = 10
 
 
 def _own_pad(ws: symmetric_memory.SymmWorkspace) -> list[int]:
@@ -90,6 +92,21 @@ def _views_and_pointers(tag: str) -> str:
     assert len(set(ptrs.tolist()) | set(pads.tolist())) == 2 * n
     peer = (r + 1) % n
     assert ctypes.c_float.from_address(int(ptrs[peer])).value == views[peer][0, 0].item()
+
+    # Pad views (the reduce-scatter's pusher writes through them): every word of each rank's
+    # pad at the address the kernels use; a word stored into the peer's view is the peer's.
+    pad_views = [ws.signal_pad(p) for p in range(n)]
+    assert [v.data_ptr() for v in pad_views] == pads.tolist()
+    assert all(v.shape == (ws.num_signals * n,) and v.dtype == torch.int32 for v in pad_views)
+    word = PAD_VIEW_CHANNEL * n + r
+    pad_views[peer][word] = 100 + r
+    ws.barrier()
+    before = (r - 1) % n
+    assert ws.signal_pad(r)[PAD_VIEW_CHANNEL * n + before].item() == 100 + before
+    ws.barrier()  # read before the word goes back to zero
+    pad_views[peer][word] = 0
+    with pytest.raises(ValueError, match=rf"rank: expected a rank in \[0, {n}\), got -1"):
+        ws.signal_pad(-1)
 
     with pytest.raises(ValueError, match=rf"rank: expected a rank in \[0, {n}\), got {n}"):
         ws.buffer(n, (1,), torch.float32)

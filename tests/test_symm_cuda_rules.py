@@ -156,6 +156,10 @@ class StaticPadHandle:
     def get_buffer(self, rank: int, shape: list[int], dtype: torch.dtype, offset: int) -> Any:
         return self.tensor.view(dtype)[offset : offset + int(torch.Size(shape).numel())]
 
+    def get_signal_pad(self, rank: int, shape: list[int], dtype: torch.dtype) -> Any:
+        self.calls.append(("get_signal_pad", rank, list(shape), dtype))
+        return torch.zeros(shape, dtype=dtype)
+
     def put_signal(self, *args: int) -> None:
         self.calls.append(("put_signal", *args))
 
@@ -278,6 +282,18 @@ def test_signal_pad_size_comes_from_the_handle(fake_world, version):
     assert [c[0] for c in symm_mem.calls if c[0] != "get_backend"] == ["empty", "rendezvous"]
 
 
+def test_signal_pad_views_come_from_the_handle(fake_world):
+    """The reduce-scatter's pusher writes into a peer's pad through a view of all its words."""
+    fake_world.torch_release("2.13")
+    ws = symmetric_memory.get_workspace(FakeGroup(0, 2, devices=[0, 1]), 64, "cuda:0", tag="pads")
+    pad = ws.signal_pad(1)
+    words = PAD_BYTES // 4
+    assert pad.shape == (words,) and pad.dtype == torch.int32
+    assert ws._handle.calls[-1] == ("get_signal_pad", 1, [words], torch.int32)
+    with pytest.raises(ValueError, match=r"rank: expected a rank in \[0, 2\), got 2"):
+        ws.signal_pad(2)
+
+
 def test_signal_pad_size_of_this_allocation(fake_world, monkeypatch):
     """The pad the handle reports, not torch's default, sets the number of channels (a torch
     build may differ; since 2.10 set_signal_pad_size changes it)."""
@@ -293,7 +309,14 @@ def test_missing_symmetric_memory_api_is_named(fake_world):
     symm_mem._SymmetricMemory = type("Partial", (), {"buffer_ptrs": None, "get_buffer": None})
     why = symmetric_memory.symm_unavailable_reason("cuda:0")
     assert why is not None and "lacks" in why, why
-    for name in ("signal_pad_ptrs", "signal_pad_size", "put_signal", "wait_signal", "barrier"):
+    for name in (
+        "signal_pad_ptrs",
+        "signal_pad_size",
+        "get_signal_pad",
+        "put_signal",
+        "wait_signal",
+        "barrier",
+    ):
         assert f"handle.{name}" in why, (name, why)
     assert "handle.buffer_ptrs" not in why and "handle.get_buffer" not in why
 

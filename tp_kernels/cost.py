@@ -32,11 +32,14 @@ How a GPU is simulated (:class:`_Timeline`, :func:`_gemm`, :class:`_SharedLink`)
 Schedules (one function each, its docstring says what it models): ``reference``
 (:func:`reference_s`), ``torch_symm_mem`` (:func:`torch_symm_mem_s`), ``pipelined``
 (:func:`pipelined_s`), and ``symm``'s: the pulling consumer (:func:`symm_puller_s`), the
-copy-engine producer (:func:`symm_copy_engine_s`) and the matmul-reduce-scatter producer with its
-reduction pass (:func:`symm_reduce_scatter_s`). ``symm``'s all-gather is predicted by its
-copy-engine schedule, the one built; the puller, which the model found faster at no shape where
-another backend was not faster still, was removed from the backend and stays here as the record
-of why (``symm[puller, removed]`` in the schedule table). On a CPU (``sms is None``) a GEMM is
+copy-engine producer (:func:`symm_copy_engine_s`), the matmul-reduce-scatter producer whose
+blocks the copy engine pushes, with its reduction pass (:func:`symm_reduce_scatter_s`), and the
+producer that stored its tiles straight into the peers (:func:`symm_rs_direct_store_s`).
+``symm``'s all-gather is predicted by its copy-engine schedule and its reduce-scatter by the
+copy-engine push, the ones built; the puller and the direct stores, which the model found
+faster at no shape where another backend was not as fast or faster, were removed from the
+backend and stay here as the record of why (``symm[puller, removed]`` and ``symm[direct-store,
+removed]`` in the schedule table). On a CPU (``sms is None``) a GEMM is
 one piece of work at the measured rate and ``symm`` is its torch path (:func:`symm_cpu_s`).
 
 Every figure of a :class:`DeviceSpec` names its source in ``sources``: a datasheet, or
@@ -80,7 +83,7 @@ __all__ = [
     "symm_cpu_s",
     "symm_puller_s",
     "symm_reduce_scatter_s",
-    "symm_rs_copy_engine_s",
+    "symm_rs_direct_store_s",
     "torch_symm_mem_s",
 ]
 
@@ -91,7 +94,7 @@ DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp
 # Columns of the schedule table, per op: the symm schedules that exist for it.
 SCHEDULES = {
     AG: ("reference", "torch_symm_mem", "pipelined", "symm[puller, removed]", "symm[copy-engine]"),
-    RS: ("reference", "torch_symm_mem", "pipelined", "symm", "symm[ce-push, proposed]"),
+    RS: ("reference", "torch_symm_mem", "pipelined", "symm[direct-store, removed]", "symm"),
 }
 # GEMM tile shapes (BM, BN) and their rate relative to the largest: smaller tiles reuse each
 # loaded byte less (assumed; these are the shapes of kernels._shared.GEMM_SHAPES that 16-bit
@@ -725,7 +728,32 @@ def _producer_tile(p: Problem) -> tuple[int, int, float]:
 
 
 def symm_reduce_scatter_s(p: Problem) -> float:
-    """``symm``'s matmul-reduce-scatter as built (``kernels/matmul_rs.py``).
+    """``symm``'s matmul-reduce-scatter as built (``kernels/matmul_rs.py``,
+    ``backends/symm_scatter.py``).
+
+    The producer is persistent, ``min(tiles, SMs)`` programs (``_producer_config``: 128x256
+    tiles once ``N >= 256``), the rows owed to ``r+1`` first and the own rows last; every tile
+    stores locally (a staging block per peer, the own slot), so an SM takes its next tile when
+    its math is done. Once destination ``d``'s tiles are all done, the side stream's copy
+    engine pushes the ``m x N`` block into ``d``'s slot and writes ``d``'s word (one copy at a
+    time, ``copy_latency_s`` each, in the order ``r+1, r+2, ...``); then ``reduce_slots`` as
+    before: a memory pass reading the ``W`` slots and writing ``m*N*e``, once the last push has
+    landed (every peer runs the same schedule)."""
+    dev = p.dev
+    bm, bn, tile_s = _producer_tile(p)
+    per_slot = math.ceil(p.m / bm) * math.ceil(p.n / bn)
+    done = _persistent([0.0] * (p.w * per_slot), tile_s, min(p.w * per_slot, dev.sms), 0.0)
+    pushed = 0.0
+    for step in range(p.w - 1):
+        block_done = max(done[step * per_slot : (step + 1) * per_slot])
+        pushed = max(pushed, block_done) + dev.copy_latency_s + p.link_s(p.m * p.n * p.e)
+    finish = max(max(done), pushed)
+    return finish + dev.copy_latency_s + p.hbm_s((p.w + 1) * p.m * p.n * p.e)
+
+
+def symm_rs_direct_store_s(p: Problem) -> float:
+    """``symm``'s matmul-reduce-scatter before issue 20 (removed): the producer stored its
+    tiles straight into the peers' slots.
 
     The producer is persistent, ``min(tiles, SMs)`` programs, program ``i`` taking tiles ``i,
     i+P, ...`` (``_producer_config``: 128x256 tiles once ``N >= 256``); the rows owed to ``r+1``
@@ -765,24 +793,6 @@ def symm_reduce_scatter_s(p: Problem) -> float:
         nxt[program] += programs
         if nxt[program] < len(tiles):
             heapq.heappush(computed, (at + tile_s, program))
-    return finish + dev.copy_latency_s + p.hbm_s((p.w + 1) * p.m * p.n * p.e)
-
-
-def symm_rs_copy_engine_s(p: Problem) -> float:
-    """A proposed ``symm`` reduce-scatter (not built): the producer's tiles, in the same order,
-    store their partials into a local staging slot per destination (local stores, no fence
-    over the link); once a destination's tiles are done, a side stream's copy engine pushes its
-    ``m x N`` block into the destination's slot and writes its progress word there (the
-    mirror of the copy-engine all-gather); then ``reduce_slots`` as built."""
-    dev = p.dev
-    bm, bn, tile_s = _producer_tile(p)
-    per_slot = math.ceil(p.m / bm) * math.ceil(p.n / bn)
-    done = _persistent([0.0] * (p.w * per_slot), tile_s, min(p.w * per_slot, dev.sms), 0.0)
-    pushed = 0.0
-    for step in range(p.w - 1):
-        block_done = max(done[step * per_slot : (step + 1) * per_slot])
-        pushed = max(pushed, block_done) + dev.copy_latency_s + p.link_s(p.m * p.n * p.e)
-    finish = max(max(done), pushed)
     return finish + dev.copy_latency_s + p.hbm_s((p.w + 1) * p.m * p.n * p.e)
 
 
@@ -857,8 +867,8 @@ def op_cost(
         schedules["symm[copy-engine]"] = symm_copy_engine_s(p)
     else:
         schedules["torch_symm_mem"] = torch_symm_mem_s(p, op)
+        schedules["symm[direct-store, removed]"] = symm_rs_direct_store_s(p)
         schedules["symm"] = symm_reduce_scatter_s(p)
-        schedules["symm[ce-push, proposed]"] = symm_rs_copy_engine_s(p)
     backends = {b: t for b, t in schedules.items() if "[" not in b}
     if "symm" not in backends:
         backends["symm"] = schedules["symm[copy-engine]"]

@@ -36,6 +36,7 @@ from __future__ import annotations
 import abc
 import atexit
 import contextlib
+import ctypes
 import importlib
 import math
 import os
@@ -226,6 +227,7 @@ _HANDLE_API = (
     "signal_pad_ptrs",
     "signal_pad_size",
     "get_buffer",
+    "get_signal_pad",
     "put_signal",
     "wait_signal",
     "barrier",
@@ -447,6 +449,12 @@ class SymmWorkspace(abc.ABC):
         return self._signal_pad_ptrs
 
     @abc.abstractmethod
+    def signal_pad(self, rank: int) -> torch.Tensor:
+        """int32 ``[num_signals * world_size]`` on :attr:`device`: a view of ``rank``'s signal
+        pad (this rank's or a peer's), for writers that store epochs into its words (the
+        ``symm`` backend's pusher); valid while this workspace lives."""
+
+    @abc.abstractmethod
     def put_signal(
         self, dst_rank: int, channel: int = 0, *, timeout_s: float | None = None
     ) -> None:
@@ -492,6 +500,14 @@ class _ShmWorkspace(SymmWorkspace):
     ) -> torch.Tensor:
         size = math.prod(shape) * dtype.itemsize
         return self._bytes[rank][offset : offset + size].view(dtype).view(shape)
+
+    def signal_pad(self, rank: int) -> torch.Tensor:
+        self._check_rank(rank, "rank")
+        words = self.num_signals * self.world_size
+        # The heap exposes the pad by address only; the ctypes array is the view's buffer, and
+        # the workspace (which holds the heap, and so the mapping) must outlive the view.
+        pad = (ctypes.c_int32 * words).from_address(self._heap.signal_pad_ptr(rank))
+        return torch.frombuffer(pad, dtype=torch.int32)
 
     def _signal(
         self,
@@ -589,6 +605,11 @@ class _CudaWorkspace(SymmWorkspace):
         self, rank: int, shape: tuple[int, ...], dtype: torch.dtype, offset: int
     ) -> torch.Tensor:
         return self._handle.get_buffer(rank, list(shape), dtype, offset // dtype.itemsize)
+
+    def signal_pad(self, rank: int) -> torch.Tensor:
+        self._check_rank(rank, "rank")
+        words = self.num_signals * self.world_size
+        return self._handle.get_signal_pad(rank, [words], torch.int32)
 
     @staticmethod
     def _ms(timeout_s: float | None) -> int:

@@ -12,10 +12,14 @@ data workspace that every rank of the group maps (see "Buffer reuse" below):
   reads ``A`` only. Every remote byte crosses the link once, however many ``bs`` and column
   tiles there are; ``A`` is what ``return_a`` returns.
 * matmul -> reduce-scatter: each rank's buffer is viewed as ``slots [W, m, N]``. ``r`` computes
-  ``(a @ b + addend)[d*m:(d+1)*m]`` straight into slot ``r`` of rank ``d``'s buffer for
-  ``d = r+1, ..., r`` (own last), signalling ``d`` after each, then waits for its ``W-1`` incoming
-  slots and returns ``slots[0] + ... + slots[W-1]`` summed in fp32 in that order (as
-  ``pipelined`` does, so both give the same bits for the same partials).
+  ``(a @ b + addend)[d*m:(d+1)*m]`` for ``d = r+1, ..., r`` (own last) into slot ``r`` of rank
+  ``d``'s buffer, signalling ``d`` after each, then waits for its ``W-1`` incoming slots and
+  returns ``slots[0] + ... + slots[W-1]`` summed in fp32 in that order (as ``pipelined`` does,
+  so both give the same bits for the same partials). The torch path computes each block
+  straight into the peer's slot; on the Triton path the producer GEMM stores the peers' blocks
+  into a local staging buffer with a progress word each, and a pusher
+  (:mod:`tp_kernels.backends.symm_scatter`: the copy engine on CUDA, a host thread on CPU)
+  copies each block once it is complete and signals its peer, so no SM waits for the link.
 
 Two paths run this protocol:
 
@@ -28,12 +32,13 @@ Two paths run this protocol:
   ``TRITON_INTERPRET=1``, since the interpreter is slow and serves to test the kernels'
   signalling across processes): the launchers of :mod:`tp_kernels.kernels`, whose epoch signals
   alternate between the channels :data:`_KERNEL_CHANNELS` by call parity (see the protocol in
-  :mod:`tp_kernels.kernels`; never shared with the 0/1 signals), and for the all-gather the
-  copier of :mod:`tp_kernels.backends.symm_gather`, whose progress words alternate between two
-  rows by the same parity. The host does exactly the same on CPU and CUDA (but that the CPU's
-  copier is a thread, the GPU's a side stream): no handshake of its own, nothing that
-  synchronizes with the device, tables, progress words and the side stream made once, the weight
-  read through its strides. It covers fp32, fp16 and bf16;
+  :mod:`tp_kernels.kernels`; never shared with the 0/1 signals), and the copier of
+  :mod:`tp_kernels.backends.symm_gather` (all-gather) or the pusher of
+  :mod:`tp_kernels.backends.symm_scatter` (reduce-scatter), whose progress words alternate
+  between two rows by the same parity. The host does exactly the same on CPU and CUDA (but that
+  the CPU's copier and pusher are threads, the GPU's side streams): no handshake of its own,
+  nothing that synchronizes with the device, tables, progress words, staging and the side
+  streams made once, the weight read through its strides. It covers fp32, fp16 and bf16;
   other dtypes, and a reduce-scatter with an ``addend`` (the producer kernel has no addend
   input), take the torch path.
 
@@ -94,7 +99,7 @@ import torch
 import torch.distributed as dist
 
 from tp_kernels import config, symmetric_memory
-from tp_kernels.backends import schedule, symm_gather
+from tp_kernels.backends import schedule, symm_gather, symm_scatter
 from tp_kernels.backends.base import Backend, PendingGather
 
 _CTL_TAG = "tp_kernels.backends.symm.ctl"
@@ -155,8 +160,8 @@ def _grown_size(need_half: int) -> int:
 class _GroupState:
     """Per (group, device): the control workspace, the data workspace, the call counter and,
     for the kernels, the address tables of the data halves, the timeout status, the
-    reduce-scatter producer's tile counters, and the all-gather's copier and progress words (each
-    made once, not per call)."""
+    reduce-scatter producer's tile counters, the all-gather's copier and progress words, and the
+    reduce-scatter's pusher, progress words and staging (each made once, not per call)."""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
         self.ctl = symmetric_memory.get_workspace(group, _CTL_BYTES, device, tag=_CTL_TAG)
@@ -166,6 +171,9 @@ class _GroupState:
         self.counters: torch.Tensor | None = None
         self.copier: symm_gather.Copier | None = None
         self.progress: torch.Tensor | None = None
+        self.pusher: symm_scatter.Pusher | None = None
+        self.scatter_progress: torch.Tensor | None = None
+        self.staging: torch.Tensor | None = None
         self.seq = 0
         # The re-gathers (see _regather): their own count, and the copies of the one in flight.
         self.regather_seq = 0
@@ -196,6 +204,23 @@ class _GroupState:
             self.copier = symm_gather.Copier(self.ctl.device)
             self.progress = symm_gather.new_progress(self.ctl.world_size, self.ctl.device)
         return self.copier, self.progress
+
+    def scatter_state(self) -> tuple[symm_scatter.Pusher, torch.Tensor, torch.Tensor]:
+        """``(pusher, progress, staging)`` of the reduce-scatter, made on first use; ``staging``
+        (uint8, the producer's local blocks) is as large as one half of the data workspace and
+        grows with it."""
+        world, device = self.ctl.world_size, self.ctl.device
+        if self.pusher is None or self.scatter_progress is None:
+            pads = [self.ctl.signal_pad(s) for s in range(world)]
+            where = f"symm matmul_reduce_scatter on group {self.ctl.group.group_name!r}"
+            self.pusher = symm_scatter.Pusher(device, pads, where)
+            self.scatter_progress = symm_scatter.new_progress(world, device)
+        half = self.data.nbytes // 2
+        if self.staging is None or self.staging.numel() < half:
+            # The old staging may still be read by the previous call's copies: the current
+            # stream has waited for them, and the allocator reuses it in that stream's order.
+            self.staging = torch.empty(half, dtype=torch.uint8, device=device)
+        return self.pusher, self.scatter_progress, self.staging
 
     def headers(self, rank: int) -> torch.Tensor:
         """``rank``'s two headers, int64 [2, _HEADER_WORDS]."""
@@ -655,25 +680,38 @@ def _ag_triton(
 def _rs_triton(
     round_: _Round, half: _Half, a: torch.Tensor, b: torch.Tensor, m: int, n: int
 ) -> torch.Tensor:
-    """The matmul-reduce-scatter of :class:`SymmBackend` by :func:`kernels.matmul_rs_producer`
-    and :func:`kernels.reduce_slots`."""
+    """The matmul-reduce-scatter of :class:`SymmBackend` on the copy-engine protocol
+    (:mod:`tp_kernels.backends.symm_scatter`): :func:`kernels.matmul_rs_producer` stores the
+    peers' blocks into local staging beside the pusher, which copies each into its peer's slot
+    once complete and signals it; then :func:`kernels.reduce_slots`."""
     from tp_kernels import kernels
 
-    state = round_.state
+    state, rank, world = round_.state, round_.rank, round_.world
     pads = state.ctl.signal_pad_ptrs()
     status, counters = state.kernel_state()
+    pusher, progress, staging_bytes = state.scatter_state()
+    args = _kernel_args(round_)
+    shape = (world, m, n)
+    staging = staging_bytes[: world * m * n * a.element_size()].view(a.dtype).view(shape)
+    own = half.view(rank, shape, a.dtype)
+    words = progress[round_.parity]
+    pushes = [(d, staging[d], half.view(d, shape, a.dtype)[rank]) for d in round_.peers()]
+
+    def produce() -> None:
+        kernels.matmul_rs_producer(a, b, staging, own, words, pads, counters=counters, **args)
+
     out = a.new_empty((m, n))
-    kernels.matmul_rs_producer(
-        a, b, half.addresses(), pads, counters=counters, **_kernel_args(round_)
-    )
-    kernels.reduce_slots(
-        half.view(round_.rank, (round_.world, m, n), a.dtype),
-        out,
-        pads,
-        status=status,
-        timeout_s=symmetric_memory.get_timeout(),
-        **_kernel_args(round_),
-    )
+    copies = pusher.run(produce, pushes, words, args["channel"] * world + rank, args["epoch"])
+    try:
+        kernels.reduce_slots(
+            own, out, pads, status=status, timeout_s=symmetric_memory.get_timeout(), **args
+        )
+    finally:
+        try:
+            copies.join()
+        except symmetric_memory.SymmTimeoutError as exc:
+            state.broken = str(exc)
+            raise
     if a.device.type == "cpu":  # the kernels have finished: no reason to wait for later
         _raise_recorded_timeout(state, round_.group, _OP_NAMES[_RS])
     return out

@@ -192,7 +192,6 @@ class Problem:
         self.slots = torch.empty((1, m, n), dtype=dtype, device=device)
         self.reduced = torch.empty_like(self.want)
         self.pad = torch.zeros(2, dtype=torch.int32, device=device)  # channels x world_size
-        self.slot_ptrs = self._table(self.slots)
         self.pad_ptrs = self._table(self.pad)
         self.status = kernels_module().new_status(1, device)
         self.counters = kernels_module().new_counters(1, device)
@@ -227,8 +226,17 @@ def launchers(p: Problem) -> dict[str, Callable[[], None]]:
             p.a, [p.b], [p.c], progress=p.progress, chunk_rows=p.a.shape[0], **one, **wait
         ),
         "matmul_rs_producer": lambda: kernels.matmul_rs_producer(
-            p.a, p.b, p.slot_ptrs, p.pad_ptrs, counters=p.counters, channel=RS_CHANNEL, **one
-        ),
+            # One rank: the only block is the own one, so staging is never written.
+            p.a,
+            p.b,
+            p.slots,
+            p.slots,
+            p.progress,
+            p.pad_ptrs,
+            counters=p.counters,
+            channel=RS_CHANNEL,
+            **one,
+        ),  # fmt: skip
         "reduce_slots": lambda: kernels.reduce_slots(
             p.slots, p.reduced, p.pad_ptrs, channel=RS_CHANNEL, **one, **wait
         ),

@@ -10,7 +10,9 @@ configs. Each PTX file is written to ``--out`` and checked:
   the barrier (``wait_ready``), the reduction, and the all-gather consumer's first launch, which
   waits for the copy engine's progress words (and, reading A with TMA, fences the async proxy
   after the acquire);
-* a kernel that signals stores its word with a system-scope release atomic;
+* a kernel that signals stores its word with a system-scope release atomic; the reduce-scatter
+  producer, whose stores are local, counts each tile at GPU scope (no system-scope fence per
+  tile: only a block's last tile releases its word at system scope);
 * every GEMM with 16-bit operands uses ``wgmma`` on sm_90 (warpgroup MMA), ``mma.sync`` below;
 * every GEMM feeds its main loop with asynchronous copies (``cp.async`` or TMA's
   ``cp.async.bulk.tensor``): without them its loads are not pipelined behind the math;
@@ -54,6 +56,11 @@ WAIT_PATTERNS = (
 )
 SIGNAL_PATTERNS = (
     (r"atom\.global\.(sys\.release|release\.sys)\.", "a release atomic at system scope"),
+)
+# The reduce-scatter producer's stores are local: each tile counts itself at GPU scope, and only
+# a block's last tile releases (at system scope, for the copy engine) its progress word.
+LOCAL_COUNT_PATTERNS = (
+    (r"atom\.global\.gpu\.acq_rel\.add", "the per-tile count at GPU scope (local stores)"),
 )
 ASYNC_COPY_PATTERNS = (
     (r"cp\.async\.(cg|ca|bulk\.tensor)", "asynchronous copies (cp.async) feeding the GEMM"),
@@ -242,14 +249,16 @@ def variants(arch: int) -> list[Variant]:
         types = {
             "a": _operand_type(a_layout, elem, blocks["BLOCK_M"], blocks["BLOCK_K"]),
             "b": _operand_type(b_layout, elem, blocks["BLOCK_K"], blocks["BLOCK_N"]),
-            "slot_ptrs": "*i64", "signal_ptrs": "*i64", "counter_ptr": "*i32",
+            "staging": f"*{elem}", "own_slots": f"*{elem}", "progress": "*i32",
+            "signal_ptrs": "*i64", "counter_ptr": "*i32",
             "trace_ptr": "*i32", "rank": i32, "world_size": i32, "m": i32, "N": i32, "K": i32,
             "stride_am": i32, other: i32, "channel": i32, "epoch": i32,
         }  # fmt: skip
-        aligned = ["slot_ptrs", "signal_ptrs", "counter_ptr", "m", "N", "K", "stride_am"]
+        aligned = ["staging", "own_slots", "progress", "signal_ptrs", "counter_ptr", "m", "N", "K"]
+        aligned += ["stride_am"]
         aligned += [other] * other_aligned
         aligned += [arg for arg, lay in (("a", a_layout), ("b", b_layout)) if lay == "pointer"]
-        required = gemm_patterns(SIGNAL_PATTERNS, mma, a_layout, b_layout)
+        required = gemm_patterns(SIGNAL_PATTERNS + LOCAL_COUNT_PATTERNS, mma, a_layout, b_layout)
         return _variant(
             f"matmul_rs_producer[{tag},{b_name},{_blocks(blocks)},w{config['num_warps']}"
             f"s{config['num_stages']},A={'ptr' if a_layout == 'pointer' else 'tma'}]",

@@ -1,11 +1,16 @@
-"""Matmul -> reduce-scatter: a producer GEMM that pushes each rank's rows into that rank's buffer,
-and a reduction that sums the W slots a rank received in a fixed order.
+"""Matmul -> reduce-scatter: a producer GEMM that stores each rank's rows locally, and a
+reduction that sums the W slots a rank received in a fixed order.
 
 Rank ``r``'s symmetric buffer, viewed as ``slots [W, m, N]``, receives in slot ``s`` rank ``s``'s
 partial product of the rows owed to ``r``. :func:`matmul_rs_producer` computes the rows owed to
-rank ``d = r+1, r+2, ..., r`` (mod W, its own last), stores them into slot ``r`` of ``d``'s buffer
-and then stores the epoch into word ``channel * W + r`` of ``d``'s pad. :func:`reduce_slots`
-waits for each slot's word and sums the slots in fp32, slot 0 first.
+rank ``d = r+1, r+2, ..., r`` (mod W, its own last) into block ``d`` of a local ``staging
+[W, m, N]`` (its own rows straight into slot ``r`` of its own buffer) and, once block ``d`` is
+complete, stores the epoch into the local progress word ``d`` (its own block: into word
+``channel * W + r`` of its own pad). Nothing it stores crosses the link: the copy engine moves
+each block into slot ``r`` of ``d``'s buffer and then raises ``d``'s word ``channel * W + r``
+(the pusher of :mod:`tp_kernels.backends.symm_scatter`), so no tile's release waits for remote
+stores to land and the link carries the partials while the GEMM computes the next ones.
+:func:`reduce_slots` waits for each slot's word and sums the slots in fp32, slot 0 first.
 
 The partials cross the link in the operands' dtype (a bf16 GEMM sends bf16 partials), rounded
 once from the fp32 accumulator: fp32 partials would double the bytes on the link, which is what
@@ -13,10 +18,11 @@ this op is bound by whenever it is worth fusing. The sum then runs in fp32, so t
 rounded W + 1 times in all, fewer than a ring reduce-scatter in bf16 (NCCL's, and so PyTorch's),
 which rounds after every hop; the tests hold the result to twice the error of that reference.
 
-One signal per slot, raised by the slot's last tile: each tile counts itself on a per-slot atomic
-counter (acq_rel, after a CTA barrier, so its stores are ordered before the count), and the tile
-that brings the count to the slot's tile total releases the word. That keeps the protocol's one
-word per (channel, source) and lets the reducer wait once per slot instead of once per tile.
+One word per block, raised by the block's last tile: each tile counts itself on a per-block
+atomic counter (acq_rel at GPU scope, after a CTA barrier, so its stores are ordered before the
+count), and the tile that brings the count to the block's tile total releases the word at
+system scope (W releases per launch, not one per tile). The pusher and the reducer then wait
+once per block instead of once per tile.
 """
 
 from __future__ import annotations
@@ -86,7 +92,9 @@ def _reduce_configs() -> list[triton.Config]:
 def _matmul_rs_kernel(
     a,
     b,
-    slot_ptrs,
+    staging,
+    own_slots,
+    progress,
     signal_ptrs,
     counter_ptr,
     trace_ptr,
@@ -111,17 +119,18 @@ def _matmul_rs_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """Tiles of ``P = A @ B`` (fp32 accumulation), each for a destination ``d``, pushed to ``d``:
+    """Tiles of ``P = A @ B`` (fp32 accumulation), each for a destination ``d``, stored locally:
 
-    ``slots_d[rank, i, n] = sum_k A[d*m + i, k] * B[k, n]``, with ``slots_d`` the [W, m, N] view
-    of the buffer at ``slot_ptrs[d]``; ``a`` is A [W*m, K] and ``b`` is B [K, N] as
+    ``blocks[d, i, n] = sum_k A[d*m + i, k] * B[k, n]``, with ``blocks`` = ``own_slots`` (this
+    rank's buffer, [W, m, N]) for ``d == rank`` and ``staging`` [W, m, N] for the others; ``a``
+    is A [W*m, K] and ``b`` is B [K, N] as
     :func:`_load_block` reads them with ``A_LAYOUT`` and ``B_LAYOUT`` (strides for ``"pointer"``).
     Tile ``t`` (program ``p`` computes ``t = p, p + P, ...`` for a grid of ``P``) is in M tile
     ``t // (cdiv(m, BLOCK_M) * cdiv(N, BLOCK_N))`` and on (:func:`_tile_coords`); M tile ``t``
     serves ``d = (rank + 1 + t // cdiv(m, BLOCK_M)) % W``.
-    The tile that completes slot ``d`` (counted in ``counter_ptr[d]``, which it then resets to
-    zero for the next launch) stores ``epoch`` into word ``channel * W + rank`` of ``d``'s pad
-    (release, system scope).
+    The tile that completes block ``d`` (counted in ``counter_ptr[d]``, which it then resets to
+    zero for the next launch) stores ``epoch`` (release, system scope) into ``progress[d]``, or
+    for ``d == rank`` into word ``channel * W + rank`` of this rank's pad (``signal_ptrs[rank]``).
     """
     n_tiles = tl.cdiv(N, BLOCK_N)
     tiles_per_slot = tl.cdiv(m, BLOCK_M)
@@ -147,21 +156,31 @@ def _matmul_rs_kernel(
                 acc, a_blk, b, k0, col_tile * BLOCK_N, K, N, stride_bk, stride_bn, B_LAYOUT,
                 BLOCK_K, BLOCK_N, BF16_BY_HAND, INPUT_PRECISION,
             )  # fmt: skip
-        slots = tl.multiple_of(tl.load(slot_ptrs + dst).to(tl.pointer_type(DTYPE)), 16)
+        # Block d starts at row d*m of either [W, m, N] tensor: the own rows go straight into
+        # the own slot, the peers' into staging, from where the copy engine pushes them.
+        if dst == rank:
+            blocks = own_slots
+        else:
+            blocks = staging
         tl.store(
-            slots + (rank * m + rows64)[:, None] * N + cols64[None, :],
+            blocks + (dst * m + rows64)[:, None] * N + cols64[None, :],
             _round_to(acc, DTYPE, BF16_BY_HAND),
             mask=row_ok[:, None] & col_ok[None, :],
         )
 
         # Every thread's stores precede the count; the last tile's release publishes all of them.
+        # The stores are local, so the count and the release wait for this GPU's memory only.
         tl.debug_barrier()
-        done = tl.atomic_add(counter_ptr + dst, 1, sem="acq_rel", scope="sys")
+        done = tl.atomic_add(counter_ptr + dst, 1, sem="acq_rel", scope="gpu")
         if done == tiles_per_slot * n_tiles - 1:
-            # Every tile of this slot has counted, so nobody else touches the counter this launch.
+            # Every tile of this block has counted, so nobody else touches the counter this launch.
             tl.atomic_xchg(counter_ptr + dst, 0, sem="relaxed", scope="gpu")
-            pad = tl.load(signal_ptrs + dst).to(tl.pointer_type(tl.int32))
-            tl.atomic_xchg(pad + channel * world_size + rank, epoch, sem="release", scope="sys")
+            if dst == rank:
+                pad = tl.load(signal_ptrs + rank).to(tl.pointer_type(tl.int32))
+                tl.atomic_xchg(pad + channel * world_size + rank, epoch, sem="release", scope="sys")
+            else:
+                # System scope: the copy engine, not an SM, reads the block after the word.
+                tl.atomic_xchg(progress + dst, epoch, sem="release", scope="sys")
 
 
 @triton.autotune(configs=_reduce_configs(), key=["numel", "OUT_DTYPE"])
@@ -211,7 +230,9 @@ def new_counters(world_size: int, device: torch.device) -> torch.Tensor:
 def matmul_rs_producer(
     a: torch.Tensor,
     b: torch.Tensor,
-    slot_ptrs: torch.Tensor,
+    staging: torch.Tensor,
+    own_slots: torch.Tensor,
+    progress: torch.Tensor,
     signal_ptrs: torch.Tensor,
     *,
     counters: torch.Tensor,
@@ -221,20 +242,23 @@ def matmul_rs_producer(
     epoch: int,
     order_out: torch.Tensor | None = None,
 ) -> None:
-    """Push ``(a @ b)[d*m:(d+1)*m]`` into slot ``rank`` of rank d's buffer, for every rank d.
+    """``blocks[d] = (a @ b)[d*m:(d+1)*m]`` for every rank d, each block announced once complete.
 
     Shapes (W = ``world_size``): ``a`` [W*m, K], ``b`` [K, N], same dtype (fp32, fp16 or bf16) and
     device, any strides (on sm_90 and newer each is read with TMA when its layout allows, see
-    :func:`tp_kernels.kernels.tma_layout`, else through its strides). Rank d's buffer at
-    ``slot_ptrs[d]`` is viewed as [W, m, N] of that dtype.
-    Destinations go d = rank+1, rank+2, ..., rank (mod W); once slot ``rank`` of d is complete its
-    word ``channel * W + rank`` in d's pad gets ``epoch``. Nothing here waits, so the producer
-    cannot deadlock; d must not read the slot before the signal (see :func:`reduce_slots`), and
-    this rank must not call again with the same buffers before d has read them.
+    :func:`tp_kernels.kernels.tma_layout`, else through its strides). ``staging`` and
+    ``own_slots`` are contiguous [W, m, N] of that dtype: block ``d != rank`` goes into
+    ``staging[d]`` and then ``epoch`` into ``progress[d]``; block ``rank`` goes into
+    ``own_slots[rank]`` (this rank's symmetric buffer) and then ``epoch`` into word
+    ``channel * W + rank`` of this rank's pad, where :func:`reduce_slots` waits for it.
+    Destinations go d = rank+1, rank+2, ..., rank (mod W). Nothing here waits, so the producer
+    cannot deadlock, and nothing it stores is remote: moving ``staging[d]`` to rank d is the
+    pusher's (:mod:`tp_kernels.backends.symm_scatter`), which must copy block d only after its
+    word and before this rank launches again with the same staging.
 
     Args:
-        slot_ptrs: int64 [W], address of rank d's symmetric buffer in this process.
-        signal_ptrs: int64 [W], address of rank d's signal pad.
+        progress: int32 [W], this rank's progress words (word ``rank`` is not written).
+        signal_ptrs: int64 [W], address of rank d's signal pad (only this rank's is written).
         counters: :func:`new_counters` of this device, not shared with a launch on another stream.
         order_out: optional int [W]; receives the destination ranks in the order the kernel first
             touched them (a trace for tests and debugging).
@@ -242,7 +266,9 @@ def matmul_rs_producer(
     check_world(rank, world_size, channel, epoch)
     m, K, N = a.shape[0] // world_size, a.shape[1], b.shape[1]
     DTYPE = tl_dtype(a.dtype, argument="a")
-    check_ptr_table(slot_ptrs, world_size, a.device, argument="slot_ptrs")
+    for name, blocks in (("staging", staging), ("own_slots", own_slots)):
+        check_tensor(blocks, (world_size, m, N), a.dtype, a.device, argument=name)
+    check_tensor(progress, (world_size,), torch.int32, a.device, argument="progress")
     check_ptr_table(signal_ptrs, world_size, a.device, argument="signal_ptrs")
     check_tensor(counters, (world_size,), torch.int32, a.device, argument="counters")
     trace = new_trace(order_out, world_size, a.device)
@@ -263,7 +289,9 @@ def matmul_rs_producer(
         _matmul_rs_kernel[grid](
             a_arg,
             b_arg,
-            slot_ptrs,
+            staging,
+            own_slots,
+            progress,
             signal_ptrs,
             counters,
             counters if trace is None else trace,
@@ -304,10 +332,11 @@ def reduce_slots(
     """``out = slots[0] + slots[1] + ... + slots[W-1]``, summed in fp32 in that order (an average
     is the ops layer's division, the same for every backend).
 
-    Shapes: ``slots`` [W, m, N] (this rank's symmetric buffer; slot s is written by rank s's
-    :func:`matmul_rs_producer`), ``out`` [m, N] of any supported dtype (the fp32 sum is cast to
-    it); both contiguous on one device. Slot s is read once word ``channel * W + s`` of this
-    rank's pad holds ``epoch``. Nothing here synchronizes with the device.
+    Shapes: ``slots`` [W, m, N] (this rank's symmetric buffer; slot s holds rank s's block of
+    :func:`matmul_rs_producer`, pushed here by rank s), ``out`` [m, N] of any supported dtype
+    (the fp32 sum is cast to it); both contiguous on one device. Slot s is read once word
+    ``channel * W + s`` of this rank's pad holds ``epoch``. Nothing here synchronizes with the
+    device.
 
     Args:
         signal_ptrs: int64 [W], address of each rank's signal pad; this rank waits on its own.

@@ -1,0 +1,201 @@
+"""The ``symm`` backend's reduce-scatter pusher: each block of partials the producer GEMM stored
+locally is copied into its destination's symmetric buffer, then the destination is signalled.
+
+Rank ``r`` of ``W``, call epoch ``e``, signal channel ``ch``: the producer
+(:func:`tp_kernels.kernels.matmul_rs_producer`) stores the rows owed to rank ``d != r`` into
+block ``d`` of a local ``staging [W, m, N]`` and then ``e`` into the local progress word ``d``.
+For ``d = r+1, r+2, ...`` (mod W, not ``r``), the pusher waits for word ``d == e``, copies
+``staging[d]`` into slot ``r`` of ``d``'s buffer (this call's half), then stores ``e`` into word
+``ch * W + r`` of ``d``'s signal pad, the word :func:`tp_kernels.kernels.reduce_slots` waits on.
+Each partial crosses the link once, by a copy, while the GEMM computes the next blocks.
+
+* CUDA: on a cached high-priority side stream that first waits for the current stream (so the
+  copies come after the previous call's reads of this call's half and of staging), each wait is
+  the driver's ``cuStreamWaitValue32`` (through ctypes: torch has no stream wait-value op), each
+  copy a ``copy_`` of the staging block (``cudaMemcpyAsync`` device to device: the copy engine),
+  each signal the fenced stream write of :mod:`tp_kernels.backends.symm_gather`. None needs an
+  SM, and the persistent producer may hold every SM. The waits have no deadline of their own:
+  they wait for this device's producer, which waits for nothing; a dead peer shows up in
+  :func:`reduce_slots`' bounded waits instead. A driver without stream memory operations
+  (``NVreg_EnableStreamMemOPs`` off) cannot wait on a word without an SM: there the side stream
+  waits for the whole producer instead (no overlap of the copies with the GEMM, still no SM),
+  and the signals are pinned-memory copies as in the all-gather.
+* CPU: a host thread does the same while the producer runs in Triton's interpreter on the
+  calling thread: it polls each word until the deadline (:func:`tp_kernels.symmetric_memory.
+  get_timeout`; past it, a :class:`~tp_kernels.symmetric_memory.SymmTimeoutError` naming the
+  group and the peer), copies from staging into the peer's mapping, and signals with a release
+  store (``tp_kernels._C.store_release``). It is joined before the call returns, and an error it
+  raised is raised there. The interpreter's stores and the thread's loads are ordered by the
+  GIL, which both hold while they touch the words or the data.
+
+The current stream waits for the side stream before the call returns: staging is reused by the
+next call's producer, and the next call's signals must come after this call's copies.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from tp_kernels import symmetric_memory
+from tp_kernels.backends import symm_gather
+
+# cuStreamWaitValue32's flag for "wait until *addr == value".
+_CU_STREAM_WAIT_VALUE_EQ = 1
+_CUDA_SUCCESS = 0
+_CUDA_ERROR_NOT_SUPPORTED = 801
+# How long the CPU pusher sleeps between polls of a word: the producer runs in the interpreter
+# on the other thread, so a busy poll would only take the core (and the GIL) from it.
+_POLL_S = 20e-6
+
+# One block to push: (destination rank, its block in staging, slot r of its buffer).
+Push = tuple[int, torch.Tensor, torch.Tensor]
+
+
+def new_progress(world_size: int, device: torch.device) -> torch.Tensor:
+    """Zeroed progress words for both call parities: int32 [2, W] on ``device`` (never reset;
+    each call waits for its own epoch in its parity's row, as the all-gather's words)."""
+    return torch.zeros((2, world_size), dtype=torch.int32, device=device)
+
+
+class _StreamWaiter:
+    """``cuStreamWaitValue32(stream, &word, epoch, EQ)``, or ``None`` from :meth:`load` where
+    the driver has no stream memory operations."""
+
+    def __init__(self, wait: Callable[..., int]) -> None:
+        self._wait = wait
+
+    @classmethod
+    def load(cls, stream: torch.cuda.Stream) -> _StreamWaiter | None:
+        try:
+            libcuda = ctypes.CDLL("libcuda.so.1")
+        except OSError:
+            return None
+        wait = getattr(libcuda, "cuStreamWaitValue32_v2", None) or libcuda.cuStreamWaitValue32
+        wait.restype = ctypes.c_int
+        wait.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+        waiter = cls(wait)
+        # A word that already holds the value: returns at once, or says "not supported". (The
+        # stream's context makes its device current, as the driver call needs.)
+        with torch.cuda.stream(stream):
+            probe = torch.zeros(1, dtype=torch.int32, device=stream.device)
+            code = waiter._enqueue(stream, probe.data_ptr(), 0)
+            if code == _CUDA_ERROR_NOT_SUPPORTED:
+                return None
+            waiter._check(code)
+            stream.synchronize()  # once per group: the probe word may go after this
+        return waiter
+
+    def _enqueue(self, stream: torch.cuda.Stream, address: int, value: int) -> int:
+        return self._wait(stream.cuda_stream, address, value, _CU_STREAM_WAIT_VALUE_EQ)
+
+    @staticmethod
+    def _check(code: int) -> None:
+        if code != _CUDA_SUCCESS:
+            raise RuntimeError(f"cuStreamWaitValue32 failed with CUresult {code}")
+
+    def __call__(self, stream: torch.cuda.Stream, progress: torch.Tensor, word: int, epoch: int):
+        address = progress.data_ptr() + word * progress.element_size()
+        self._check(self._enqueue(stream, address, epoch))
+
+
+class Pusher:
+    """The reduce-scatter's pusher of one ``(group, device)``: its side stream and stream
+    operations (CUDA), or its thread per call (CPU); the peers' signal pads it writes into."""
+
+    def __init__(self, device: torch.device, pads: Sequence[torch.Tensor], where: str) -> None:
+        """``pads[d]``: int32 view of rank ``d``'s signal pad; ``where`` names the group in
+        errors."""
+        self.device, self._pads, self._where = device, list(pads), where
+        if device.type == "cuda":
+            self._stream = torch.cuda.Stream(device, priority=-1)
+            self._wait = _StreamWaiter.load(self._stream)
+            self._write = symm_gather._StreamWriter()
+        else:
+            self._stream, self._wait = None, None
+            self._write = symm_gather._store_release
+
+    def run(
+        self,
+        produce: Callable[[], None],
+        pushes: Sequence[Push],
+        progress: torch.Tensor,
+        word: int,
+        epoch: int,
+    ) -> symm_gather.Copies:
+        """Launch ``produce`` (the producer GEMM, on the calling thread and current stream) and,
+        beside it, for each ``(d, block, slot)`` of ``pushes`` in order: wait for
+        ``progress[d] == epoch``, ``slot.copy_(block)``, store ``epoch`` into word ``word`` of
+        ``d``'s pad. Returns the copies, to be joined before the call returns."""
+
+        def push(d: int, block: torch.Tensor, slot: torch.Tensor) -> None:
+            slot.copy_(block)
+            self._write(self._pads[d], word, epoch)
+
+        if self._stream is not None:
+            stream = self._stream
+            if self._wait is None:  # no stream waits: the copies follow the whole producer
+                produce()
+            # After the previous call's reads of staging and of this half (and, without stream
+            # waits, after the producer).
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for d, block, slot in pushes:
+                    if self._wait is not None:
+                        self._wait(stream, progress, d, epoch)
+                    push(d, block, slot)
+            if self._wait is not None:
+                produce()
+            return symm_gather.Copies(event=stream.record_event(), device=self.device)
+
+        stop = threading.Event()
+        timeout_s = symmetric_memory.get_timeout()
+
+        def push_all() -> None:
+            for d, block, slot in pushes:
+                if not self._poll(progress, d, epoch, timeout_s, stop):
+                    return  # the producer failed: its error is the call's
+                push(d, block, slot)
+
+        def run() -> None:
+            try:
+                push_all()
+            except BaseException as exc:  # raised again by join, on the calling thread
+                copies.error = exc
+
+        thread = threading.Thread(target=run, name="tp_kernels symm pusher", daemon=True)
+        copies = symm_gather.Copies(thread=thread)
+        thread.start()
+        try:
+            produce()
+        except BaseException:
+            stop.set()
+            copies.join()
+            raise
+        return copies
+
+    def _poll(
+        self, progress: torch.Tensor, d: int, epoch: int, timeout_s: float, stop: threading.Event
+    ) -> bool:
+        """CPU: wait until ``progress[d] == epoch`` (True) or ``stop`` is set (False); raise past
+        the deadline."""
+        start = time.monotonic()
+        while int(progress[d]) != epoch:
+            if stop.is_set():
+                return False
+            waited = time.monotonic() - start
+            if waited > timeout_s:
+                raise symmetric_memory.SymmTimeoutError(
+                    f"{self._where}: the pusher gave up after {waited:.3g} s (timeout "
+                    f"{timeout_s:g} s) waiting for this rank's producer to finish the block owed "
+                    f"to peer rank {d} (progress word {d} holds {int(progress[d])}, needed "
+                    f"{epoch}); rank {d} did not get it",
+                    peer=d,
+                    timeout_s=timeout_s,
+                )
+            time.sleep(_POLL_S)
+        return True
