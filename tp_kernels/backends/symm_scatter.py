@@ -75,7 +75,10 @@ class _StreamWaiter:
             libcuda = ctypes.CDLL("libcuda.so.1")
         except OSError:
             return None
-        wait = getattr(libcuda, "cuStreamWaitValue32_v2", None) or libcuda.cuStreamWaitValue32
+        names = ("cuStreamWaitValue32_v2", "cuStreamWaitValue32")
+        wait = next((getattr(libcuda, n) for n in names if hasattr(libcuda, n)), None)
+        if wait is None:
+            return None
         wait.restype = ctypes.c_int
         wait.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
         waiter = cls(wait)
@@ -98,7 +101,9 @@ class _StreamWaiter:
         if code != _CUDA_SUCCESS:
             raise RuntimeError(f"cuStreamWaitValue32 failed with CUresult {code}")
 
-    def __call__(self, stream: torch.cuda.Stream, progress: torch.Tensor, word: int, epoch: int):
+    def __call__(
+        self, stream: torch.cuda.Stream, progress: torch.Tensor, word: int, epoch: int
+    ) -> None:
         address = progress.data_ptr() + word * progress.element_size()
         self._check(self._enqueue(stream, address, epoch))
 
