@@ -219,6 +219,17 @@ def test_stream_waiter_waits_for_equality_or_reports_no_stream_memory_operations
         symm_scatter._StreamWaiter.load(_ProbeStream())
 
 
+def test_a_driver_without_the_wait_symbol_gets_the_no_wait_path(monkeypatch):
+    """A libcuda that has neither cuStreamWaitValue32 symbol is a driver without stream waits
+    (the side stream then waits for the whole producer), not an AttributeError."""
+
+    class OldLibCuda:
+        pass
+
+    monkeypatch.setattr(symm_scatter.ctypes, "CDLL", lambda name: OldLibCuda())
+    assert symm_scatter._StreamWaiter.load(_ProbeStream()) is None
+
+
 # ---------------------------------------------------------------- a peer killed mid-push
 
 
