@@ -121,15 +121,20 @@ def _fake_cuda(monkeypatch, log: _Log, waits: bool) -> symm_scatter.Pusher:
     class Stream:
         cuda_stream = 1234
 
-        def __init__(self, device=None, priority=0):
-            self.device = device
+        def __init__(self, device=None, priority=0, name="side"):
+            self.device, self.name = device, name
 
         def wait_stream(self, other):
-            log.op("side waits for current")
+            log.op(f"{self.name} waits for {other.name}")
+
+        def wait_event(self, event):
+            log.op(f"{self.name} waits for {event}")
 
         def record_event(self):
-            log.op("record event")
-            return "event"
+            log.op(f"record event on {self.name}")
+            return f"event on {self.name}"
+
+    current = Stream(name="current")
 
     def waiter(stream, progress, word, epoch):
         log.op("wait", word, epoch)
@@ -138,7 +143,7 @@ def _fake_cuda(monkeypatch, log: _Log, waits: bool) -> symm_scatter.Pusher:
         log.op("write", pad, word, epoch)
 
     monkeypatch.setattr(torch.cuda, "Stream", Stream)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "current")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(symm_scatter._StreamWaiter, "load", lambda s: waiter if waits else None)
     monkeypatch.setattr(symm_gather, "_StreamWriter", lambda: writer)
@@ -155,10 +160,12 @@ class _Block:
 
 @pytest.mark.parametrize("waits", [True, False])
 def test_cuda_pusher_enqueues_the_cpu_pushers_steps(monkeypatch, waits):
-    """With stream waits: the side stream is ordered after what the current stream holds (the
-    previous call), then per peer a wait on its word, the copy and the signal; the producer is
-    launched after, so the side stream does not wait for it. Without them (no stream memory
-    operations): the producer first, the side stream after it, then the copies and signals."""
+    """With stream waits: the side stream is ordered after what the current stream held before
+    the producer (the previous call), then per peer a wait on its word, the copy and the signal,
+    all enqueued after the producer's launch: a stream wait ahead of the producer would stall a
+    hardware queue the two streams may share, and the producer behind it would never run (the
+    order before this test's change). Without them (no stream memory operations): the producer
+    first, the side stream after all of it, then the copies and signals."""
     log = _Log()
     pusher = _fake_cuda(monkeypatch, log, waits)
     pushes = [(d, _Block(log, f"staging[{d}]"), _Block(log, f"slot of {d}")) for d in (1, 2)]
@@ -170,11 +177,11 @@ def test_cuda_pusher_enqueues_the_cpu_pushers_steps(monkeypatch, waits):
     ]
     pushed = [step for per_peer in steps for step in per_peer]
     if waits:
-        want = [("side waits for current",), *pushed, ("produce",), ("record event",)]
+        before = [("record event on current",), ("produce",), ("side waits for event on current",)]
     else:
-        want = [("produce",), ("side waits for current",), *pushed, ("record event",)]
-    assert log == want
-    assert copies._event == "event" and copies._thread is None
+        before = [("produce",), ("side waits for current",)]
+    assert log == [*before, *pushed, ("record event on side",)]
+    assert copies._event == "event on side" and copies._thread is None
 
 
 def _fake_libcuda(monkeypatch, code: int) -> list:

@@ -9,8 +9,10 @@ For ``d = r+1, r+2, ...`` (mod W, not ``r``), the pusher waits for word ``d == e
 ``ch * W + r`` of ``d``'s signal pad, the word :func:`tp_kernels.kernels.reduce_slots` waits on.
 Each partial crosses the link once, by a copy, while the GEMM computes the next blocks.
 
-* CUDA: on a cached high-priority side stream that first waits for the current stream (so the
-  copies come after the previous call's reads of this call's half and of staging), each wait is
+* CUDA: on a cached high-priority side stream that first waits for the current stream as it
+  was before the producer (so the copies come after the previous call's reads of this call's
+  half and of staging), enqueued after the producer (a stream wait stalls its hardware queue,
+  which the producer's stream may share), each wait is
   the driver's ``cuStreamWaitValue32`` (through ctypes: torch has no stream wait-value op), each
   copy a ``copy_`` of the staging block (``cudaMemcpyAsync`` device to device: the copy engine),
   each signal the fenced stream write of :mod:`tp_kernels.backends.symm_gather`. None needs an
@@ -142,19 +144,24 @@ class Pusher:
             self._write(self._pads[d], word, epoch)
 
         if self._stream is not None:
-            stream = self._stream
+            stream, current = self._stream, torch.cuda.current_stream(self.device)
             if self._wait is None:  # no stream waits: the copies follow the whole producer
                 produce()
-            # After the previous call's reads of staging and of this half (and, without stream
-            # waits, after the producer).
-            stream.wait_stream(torch.cuda.current_stream(self.device))
+                stream.wait_stream(current)
+            else:
+                # The side stream starts after the previous call's reads of staging and of this
+                # half (the event before the producer), but its waits are enqueued after the
+                # producer: a stream wait stalls its hardware queue, which the current stream
+                # may share (streams outnumber the queues; CUDA_DEVICE_MAX_CONNECTIONS=1 leaves
+                # one), and a producer queued behind a wait for its own words would never run.
+                before = current.record_event()
+                produce()
+                stream.wait_event(before)
             with torch.cuda.stream(stream):
                 for d, block, slot in pushes:
                     if self._wait is not None:
                         self._wait(stream, progress, d, epoch)
                     push(d, block, slot)
-            if self._wait is not None:
-                produce()
             return symm_gather.Copies(event=stream.record_event(), device=self.device)
 
         stop = threading.Event()
