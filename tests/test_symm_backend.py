@@ -717,6 +717,68 @@ def test_progress_falls_back_to_a_copy_without_stream_memory_operations(monkeypa
         symm_gather._StreamWriter()(progress, 0, 8)
 
 
+class _Rows:
+    """A fake CUDA tensor of ``rows`` rows whose row slices log their copies."""
+
+    def __init__(self, log: list, name: str, rows: int = 0) -> None:
+        self.log, self.name, self.shape = log, name, (rows,)
+
+    def __getitem__(self, rows: slice) -> _Rows:
+        return _Rows(self.log, f"{self.name}[{rows.start}:{rows.stop}]")
+
+    def copy_(self, other: _Rows) -> None:
+        self.log.append(("copy", other.name, self.name))
+
+    def record_stream(self, stream) -> None:
+        self.log.append(("record_stream", self.name, stream.name))
+
+
+def test_cuda_copier_enqueues_chunks_then_words_after_the_barrier(monkeypatch):
+    """On CUDA the copier's side stream first waits for the current stream (the barrier and
+    the own rows), marks A as used by the side stream (so that an A dropped before the join,
+    after an error, is not reused while the copies write it), then copies each peer's chunks in
+    order, each followed by its progress word, and records the event the join waits for."""
+    from tp_kernels.backends import symm_gather
+
+    log = []
+
+    class Stream:
+        def __init__(self, device=None, priority=0, name="side"):
+            self.device, self.name = device, name
+
+        def wait_stream(self, other):
+            log.append(("wait", self.name, other.name))
+
+        def record_event(self):
+            log.append(("record event", self.name))
+            return "event"
+
+    current = Stream(name="current")
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(
+        symm_gather, "_StreamWriter", lambda: lambda words, w, e: log.append(("word", w, e))
+    )
+    copier = symm_gather.Copier(torch.device("cuda", 0))
+    sources = [(s, _Rows(log, f"shard{s}", rows=5)) for s in (2, 0)]
+    copies = copier.start(sources, _Rows(log, "A"), 3, "progress", 9)
+    assert log == [
+        ("wait", "side", "current"),
+        ("record_stream", "A", "side"),
+        ("copy", "shard2[0:3]", "A[10:13]"),
+        ("word", 4, 9),
+        ("copy", "shard2[3:5]", "A[13:15]"),
+        ("word", 5, 9),
+        ("copy", "shard0[0:3]", "A[0:3]"),
+        ("word", 0, 9),
+        ("copy", "shard0[3:5]", "A[3:5]"),
+        ("word", 1, 9),
+        ("record event", "side"),
+    ]
+    assert copies._event == "event" and copies._thread is None
+
+
 def test_cuda_copies_are_joined_on_their_devices_current_stream(monkeypatch):
     """The current stream of the copies' own device (not the current device's) waits for their
     event, once, without synchronizing the host. (A CUDA event does not know its device: the

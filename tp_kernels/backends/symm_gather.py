@@ -165,6 +165,9 @@ class Copier:
         if self._stream is not None:
             current = torch.cuda.current_stream(self.device)
             self._stream.wait_stream(current)  # after the barrier and the own rows
+            # The caller reads ``a`` only after the join, but may drop it before (an error
+            # between start and join): its block must not be handed out while the copies write.
+            a.record_stream(self._stream)
             with torch.cuda.stream(self._stream):
                 copy_all()
                 return Copies(event=self._stream.record_event(), device=self.device)
