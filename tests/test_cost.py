@@ -130,23 +130,40 @@ def test_the_copy_engine_schedule_waits_for_chunks_and_hides_them_behind_the_own
     k = 1024
     slow = tiny(link_gb_s=0.5)  # the link is the bottleneck
     p = problem(slow, 128, k, [256])
-    own_copy = 2 * 128 * k * 2 / (slow.hbm_gb_s * 1e9)
+    # The own shard is copied twice before the barrier: into its buffer and into A.
+    own_copies = 2 * (2 * 128 * k * 2 / (slow.hbm_gb_s * 1e9))
     shard = 128 * k * 2 / 0.5e9
     t = tile_s(slow, 128, 256, k)
     # One chunk (one M tile per shard): the peer's tile starts when its shard has landed.
-    assert cost.copy_engine_chunks(p) == 1
-    assert cost.symm_copy_engine_s(p) == pytest.approx(own_copy + shard + t)
+    assert cost.copy_engine_chunks(p, 4) == 1
+    assert cost.symm_copy_engine_s(p) == pytest.approx(own_copies + shard + t)
     # A fast link: the peer's tile starts as soon as its shard lands, beside the own tile.
     fast = tiny(link_gb_s=1e3)
     assert cost.symm_copy_engine_s(problem(fast, 128, k, [256])) == pytest.approx(
-        own_copy + 128 * k * 2 / 1e12 + t
+        own_copies + 128 * k * 2 / 1e12 + t
     )
-    # Per-copy latency is paid once per copy, in sequence on the copy engine: the own shard's
-    # into its buffer, the peer's chunk, then the own rows into A (while the last tile computes).
+    # Per-copy latency is paid once per copy, in sequence: the own shard's two, then the peer's.
     late = tiny(link_gb_s=0.5, copy_latency_s=1e-3)
     assert cost.symm_copy_engine_s(problem(late, 128, k, [256])) == pytest.approx(
-        1e-3 + own_copy + 1e-3 + shard + max(t, 1e-3 + own_copy)
+        2 * 1e-3 + own_copies + 1e-3 + shard + t
     )
+
+
+def test_chunks_pay_where_a_tile_can_start_on_a_half_shard_sooner_than_a_copy_costs():
+    """Shards of 512 rows (4 M tiles of 128 on the 2 SMs) over a slow link: in 2 chunks of 256
+    rows the first two peer tiles run while the second half copies, so the call ends one tile
+    sooner; that pays while a copy's latency is under a tile (4 chunks round up to the same 2)."""
+    k = 1024
+    t = tile_s(tiny(), 128, 256, k)
+    free = problem(tiny(link_gb_s=0.5), 512, k, [256])
+    assert cost._launch_tile(free, 256)[:2] == (128, 256)
+    one, two = cost._copy_engine_s(free, 1), cost._copy_engine_s(free, 2)
+    assert one - two == pytest.approx(t)
+    assert cost._copy_engine_s(free, 4) == pytest.approx(two)
+    assert cost.copy_engine_chunks(free, 4) == 2
+    assert cost.copy_engine_chunks(free, 1) == 1
+    costly = problem(tiny(link_gb_s=0.5, copy_latency_s=2 * t), 512, k, [256])
+    assert cost.copy_engine_chunks(costly, 4) == 1
 
 
 def test_the_reduce_scatter_producer_stores_in_bursts_then_reduces():

@@ -14,6 +14,7 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"
 
 import contextlib  # noqa: E402
+import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
 import signal  # noqa: E402
@@ -173,12 +174,16 @@ def _triton_path():
         return launch
 
     config.SYMM_TRITON.set(True)
+    # Several chunks per shard (the interpreter's 16-row tiles), as a GPU takes where the model
+    # finds them faster; the CPU's default is 1 (test_bytes_once and test_gpu_path run that).
+    config.SYMM_CHUNKS.set(config.SYMM_MAX_CHUNKS)
     for name in counts:
         setattr(kernels, name, counting(name))
     try:
         yield counts
     finally:
         config.SYMM_TRITON.reset()
+        config.SYMM_CHUNKS.reset()
         for name, fn in originals.items():
             setattr(kernels, name, fn)
 
@@ -603,6 +608,7 @@ def _killed_mid_copy(out_dir: str) -> None:
     group = dist.group.WORLD
     m, k, ns = 40, 8, (6,)  # 16-row chunks: 3 per shard
     config.SYMM_TRITON.set(True)
+    config.SYMM_CHUNKS.set(3)
     shards, bs = _ag_problem(0, world, m, k, ns, torch.float32)
     BACKEND.all_gather_matmul(shards[rank], bs, group, return_a=False)  # buffers set up
     symmetric_memory.set_timeout(2.0)
@@ -626,6 +632,7 @@ def _killed_mid_copy(out_dir: str) -> None:
     except RuntimeError as exc:
         report["next_call"] = str(exc)
     config.SYMM_TRITON.reset()
+    config.SYMM_CHUNKS.reset()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
 
 
@@ -668,20 +675,46 @@ def test_unavailable_reason(worlds, monkeypatch):
 # ---------------------------------------------------------------- the copier's rules
 
 
-def test_chunks_hide_the_first_copy_behind_the_own_shard():
-    """One chunk where the own shard's tiles outlast a whole shard's copy (Llama-70B's w1/w3 at
-    TP=8), two where the copy takes about twice as long (its QKV), at most MAX_CHUNKS for
-    narrow outputs; boundaries on whole 256-row tiles (16 in the interpreter)."""
+def test_chunks_are_the_models_fastest_or_the_setting(monkeypatch):
+    """Chunks per shard: on a GPU the model knows, the count it predicts fastest for the shape
+    (its simulation runs the backend's own row rule); 1 where it knows no device (a CPU, an
+    unknown GPU); TP_KERNELS_SYMM_CHUNKS over both. Boundaries on whole 256-row tiles (16 in
+    the interpreter), so a shard may take fewer chunks than asked."""
+    from tp_kernels import cost
     from tp_kernels.backends import symm_gather
 
-    assert symm_gather.chunk_rows(1024, 8192, 7168, 2, interpret=False) == 1024
-    assert symm_gather.chunk_rows(1024, 8192, 1280, 2, interpret=False) == 512
-    assert symm_gather.chunk_rows(1024, 8192, 64, 2, interpret=False) == 256
-    assert symm_gather.chunk_rows(40, 16, 5, 2, interpret=True) == 16
+    cuda = torch.device("cuda", 0)
+    shape = (1024, 8192, (3584, 3584), torch.bfloat16, 8)
+    h100 = cost.Problem(1024, 8192, (3584, 3584), 8, "bf16", cost.DEVICES["h100"])
+    symm_gather._modelled_chunks.cache_clear()
+    monkeypatch.setattr(cost, "device_spec", lambda device: cost.DEVICES["h100"])
+    assert symm_gather.chunks_per_shard(*shape, cuda) == cost.copy_engine_chunks(h100, 4)
+    # Where the copies are costly (no latency hidden by a chunk), the model says 1; where they
+    # are free and the link slow, more (the model's own tests work both out by hand).
+    free = dataclasses.replace(cost.DEVICES["h100"], copy_latency_s=0.0, link_gb_s=50.0)
+    monkeypatch.setattr(cost, "device_spec", lambda device: free)
+    symm_gather._modelled_chunks.cache_clear()
+    assert symm_gather.chunks_per_shard(1024, 8192, (256,), torch.bfloat16, 8, cuda) > 1
+    monkeypatch.setattr(cost, "device_spec", lambda device: None)
+    symm_gather._modelled_chunks.cache_clear()
+    assert symm_gather.chunks_per_shard(*shape, cuda) == 1
+    assert symm_gather.chunks_per_shard(*shape, torch.device("cpu")) == 1
+    config.SYMM_CHUNKS.set(3)
+    try:
+        assert symm_gather.chunks_per_shard(*shape, cuda) == 3
+    finally:
+        config.SYMM_CHUNKS.reset()
+    symm_gather._modelled_chunks.cache_clear()
+    for bad in (0, 5, True, 2.0):
+        with pytest.raises(ValueError, match="chunks: expected an int from 1 to 4 or None"):
+            config.SYMM_CHUNKS.set(bad, argument="chunks")
+    assert symm_gather.chunk_rows(1024, 1, interpret=False) == 1024
+    assert symm_gather.chunk_rows(1024, 3, interpret=False) == 512  # 2 chunks
+    assert symm_gather.chunk_rows(40, 4, interpret=True) == 16  # 3 chunks
     for m in (1, 5, 255, 256, 257, 1000, 4096, 5000):
-        for n in (1, 100, 1000, 10000):
-            rows = symm_gather.chunk_rows(m, 64, n, 2, interpret=False)
-            assert rows % 256 == 0 and -(-m // rows) <= symm_gather.MAX_CHUNKS, (m, n, rows)
+        for chunks in range(1, symm_gather.MAX_CHUNKS + 1):
+            rows = symm_gather.chunk_rows(m, chunks, interpret=False)
+            assert rows % 256 == 0 and -(-m // rows) <= chunks, (m, chunks, rows)
 
 
 def test_progress_falls_back_to_a_copy_without_stream_memory_operations(monkeypatch):

@@ -9,6 +9,9 @@
   and off for CUDA ones; ``CHECK_CONSISTENCY.set(True/False)``.
 - :data:`SYMM_TRITON`: ``TP_KERNELS_SYMM_TRITON`` (1/0), default off (the symm backend's Triton
   kernels on CPU, under ``TRITON_INTERPRET=1``; always on for CUDA); ``SYMM_TRITON.set(...)``.
+- :data:`SYMM_CHUNKS`: ``TP_KERNELS_SYMM_CHUNKS`` (1 to :data:`SYMM_MAX_CHUNKS`), default the cost
+  model's fastest for the device and shape; ``SYMM_CHUNKS.set(n)``. Local to a rank (each
+  rank's consumer waits only for its own copies), so not agreed on.
 - :data:`AUTO_TIMING`: ``TP_KERNELS_AUTO_TIMING`` (1/0), default on; ``AUTO_TIMING.set(...)``.
 - ``TRITON_INTERPRET``: Triton's own variable, read by Triton when it is first imported.
 
@@ -31,6 +34,8 @@ __all__ = [
     "BACKEND",
     "CHECK_CONSISTENCY",
     "PIPELINE_CHUNKS",
+    "SYMM_CHUNKS",
+    "SYMM_MAX_CHUNKS",
     "SYMM_TRITON",
     "Setting",
     "TIMEOUT_S",
@@ -132,6 +137,26 @@ def _parse_chunks(raw: str, env: str) -> int:
     return int(raw)
 
 
+SYMM_MAX_CHUNKS = 4
+"""Most chunks per peer shard of the symm all-gather's copies (its progress words per shard)."""
+
+
+def _check_symm_chunks(value: object, argument: str) -> int | None:
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= SYMM_MAX_CHUNKS
+    ):
+        raise ValueError(
+            f"{argument}: expected an int from 1 to {SYMM_MAX_CHUNKS} or None, got {value!r}"
+        )
+    return value
+
+
+def _parse_symm_chunks(raw: str, env: str) -> int | None:
+    if not raw.isdigit():
+        raise ValueError(f"{env}: got {raw!r}, expected an integer from 1 to {SYMM_MAX_CHUNKS}")
+    return _check_symm_chunks(int(raw), env)
+
+
 def _parse_backend(raw: str, env: str) -> str:
     return raw  # the name itself is checked by tp_kernels.backends where it is used
 
@@ -167,6 +192,12 @@ CHECK_CONSISTENCY: Setting[bool | None] = Setting(
 
 SYMM_TRITON: Setting[bool] = Setting("TP_KERNELS_SYMM_TRITON", False, _parse_flag, _check_flag)
 """The symm backend's Triton kernels on CPU too (under ``TRITON_INTERPRET=1``; always on CUDA)."""
+
+SYMM_CHUNKS: Setting[int | None] = Setting(
+    "TP_KERNELS_SYMM_CHUNKS", None, _parse_symm_chunks, _check_symm_chunks
+)
+"""Chunks per peer shard of the symm all-gather's copies; None: the count the cost model predicts
+fastest for the device and shape (``backends.symm_gather.chunks_per_shard``)."""
 
 AUTO_TIMING: Setting[bool] = Setting("TP_KERNELS_AUTO_TIMING", True, _parse_flag, _check_flag)
 """Whether ``auto`` times its candidates once per shape class (else: its first candidate)."""

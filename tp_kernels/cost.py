@@ -667,56 +667,54 @@ def symm_puller_s(p: Problem) -> float:
     )
 
 
-def copy_engine_chunks(p: Problem) -> int:
-    """Chunks per peer shard of the copy-engine all-gather: the fewest (each a whole number of the
-    consumer's M tiles) whose first chunk's copy, after the barrier, lands before the own shard's
-    tiles of the first launch are done; more chunks only add per-copy latency."""
-    dev = p.dev
-    bm, bn, rel = _launch_tile(p, p.ns[0])
-    own = math.ceil(math.ceil(p.m / bm) * math.ceil(p.ns[0] / bn) / dev.sms)
-    own_s = own * _tile_s(dev, p.dtype, bm, bn, p.k, rel)
-    m_tiles = math.ceil(p.m / bm)
-    for chunks in range(1, m_tiles + 1):
-        rows = math.ceil(m_tiles / chunks) * bm
-        first = dev.barrier_s + dev.copy_latency_s + p.link_s(min(rows, p.m) * p.k * p.e)
-        if first <= own_s:
-            return chunks
-    return m_tiles
+def copy_engine_chunks(p: Problem, most: int) -> int:
+    """Chunks per peer shard of the copy-engine all-gather: of 1 to ``most``, the count whose
+    simulated call (:func:`_copy_engine_s`) is the fastest, the fewest on a tie. A chunk lets
+    tiles start on part of a shard (the first peer's behind the own shard's tiles, the last
+    peer's at the end), but each pays ``copy_latency_s`` on the one copy engine."""
+    return min(range(1, most + 1), key=lambda chunks: (_copy_engine_s(p, chunks), chunks))
 
 
 def symm_copy_engine_s(p: Problem) -> float:
-    """``symm``'s all-gather with the copy-engine producer (issue 20's design; being built).
+    """``symm``'s all-gather as built (issue 20): :func:`_copy_engine_s` with the chunk count the
+    backend takes (:func:`tp_kernels.backends.symm_gather.chunks_per_shard`, which asks
+    :func:`copy_engine_chunks`)."""
+    from tp_kernels.backends.symm_gather import MAX_CHUNKS
 
-    After the own shard's copy into the symmetric buffer, a barrier; on a side stream the copy
-    engine copies each peer's shard (``r+1, r+2, ...``) in :func:`copy_engine_chunks` chunks
-    into the local gathered ``A``, each copy paying ``copy_latency_s`` (its launch and the
-    progress word's stream write); then the own rows into ``A`` (the consumer reads them from
-    the symmetric buffer). The consumer of ``bs[0]`` is
-    persistent over every SM, its tiles in the kernels' order, each tile of a peer's chunk not
-    before that chunk's word; it reads only local memory (TMA), so no SM moves bytes and none
-    waits for a tile that is not running. The further launches (``bs[1:]``) read ``A`` after
-    it: back-to-back waves."""
+    return _copy_engine_s(p, copy_engine_chunks(p, MAX_CHUNKS))
+
+
+def _copy_engine_s(p: Problem, chunks: int) -> float:
+    """``symm``'s all-gather with the copy-engine producer, each peer shard in ``chunks`` chunks.
+
+    The own shard is copied into its symmetric buffer and into its rows of the gathered ``A``
+    (two memory passes, each paying ``copy_latency_s``), then a barrier; on a side stream the
+    copy engine copies each peer's shard (``r+1, r+2, ...``) into ``A`` in chunks of
+    :func:`tp_kernels.backends.symm_gather.chunk_rows` rows, each copy paying
+    ``copy_latency_s`` (its launch and the progress word's stream write). The consumer of
+    ``bs[0]`` is persistent over every SM, its tiles in the kernels' order, each tile of a peer's
+    shard not before the word of the chunk that holds its last row; it reads only local memory
+    (TMA), so no SM moves bytes and none waits for a tile that is not running. The further
+    launches (``bs[1:]``) read ``A`` after it: back-to-back waves."""
+    from tp_kernels.backends.symm_gather import chunk_rows
+
     dev = p.dev
-    start = dev.copy_latency_s + p.hbm_s(2 * p.m * p.k * p.e)
+    start = 2 * (dev.copy_latency_s + p.hbm_s(2 * p.m * p.k * p.e))
     bm, bn, rel = _launch_tile(p, p.ns[0])
-    chunks = copy_engine_chunks(p)
-    m_tiles = math.ceil(p.m / bm)
-    per_chunk = math.ceil(m_tiles / chunks)
+    rows = chunk_rows(p.m, chunks, interpret=False)
     landed = {}  # (step, chunk) -> when its word is written
     at = start + dev.barrier_s
     for step in range(1, p.w):
-        for c in range(chunks):
-            rows = max(0, min(per_chunk * bm, p.m - c * per_chunk * bm))
-            at += dev.copy_latency_s + p.link_s(rows * p.k * p.e)
+        for c in range(math.ceil(p.m / rows)):
+            at += dev.copy_latency_s + p.link_s((min(p.m, (c + 1) * rows) - c * rows) * p.k * p.e)
             landed[(step, c)] = at
     order = _shard_order_tiles(p, p.ns[0], bm, bn)
-    ready = [landed[(s, mt // per_chunk)] if s else start for s, mt, _ in order]
+    ready = [
+        landed[(s, (min(p.m, (mt + 1) * bm) - 1) // rows)] if s else start for s, mt, _ in order
+    ]
     tile_s = _tile_s(dev, p.dtype, bm, bn, p.k, rel)
     done = max(_persistent(ready, tile_s, min(len(order), dev.sms), start))
-    own_rows = at + dev.copy_latency_s + p.hbm_s(2 * p.m * p.k * p.e)
-    return max(done, own_rows) + sum(
-        gemm_s(p.w * p.m, p.k, n, p.dtype, dev, cublas=False) for n in p.ns[1:]
-    )
+    return done + sum(gemm_s(p.w * p.m, p.k, n, p.dtype, dev, cublas=False) for n in p.ns[1:])
 
 
 def _producer_tile(p: Problem) -> tuple[int, int, float]:

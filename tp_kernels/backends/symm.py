@@ -652,9 +652,9 @@ def _ag_triton(
     timeout_s = symmetric_memory.get_timeout()
     kernels.signal_ready(pads, **args)
     kernels.wait_ready(pads, status=status, timeout_s=timeout_s, **args)
-    rows = symm_gather.chunk_rows(
-        m, k, sum(b.shape[1] for b in bs), a.element_size(), interpret=kernels.INTERPRET
-    )
+    ns = tuple(b.shape[1] for b in bs)
+    chunks = symm_gather.chunks_per_shard(m, k, ns, a.dtype, round_.world, a.device)
+    rows = symm_gather.chunk_rows(m, chunks, interpret=kernels.INTERPRET)
     words = progress[round_.parity]
     sources = [(s, half.view(s, (m, k), a_shard.dtype)) for s in round_.peers()]
     copies = copier.start(sources, a, rows, words, args["epoch"])

@@ -23,45 +23,59 @@ side). Each remote byte is read once, by a copy; the copies of a call run one af
   runs in Triton's interpreter on the calling thread, each word a release store
   (``tp_kernels._C.store_release``); the thread is joined before the call returns.
 
-Chunk size (:func:`chunk_rows`): the consumer's first tiles are this rank's own rows, so the
-first chunk's copy is hidden when it takes no longer than the own shard's tiles. Chunks cost a
-copy and a write each on the host, so a shard is split only as far as that needs, and at most
-:data:`MAX_CHUNKS` times.
+Chunks per shard (:func:`chunks_per_shard`): a chunk lets the consumer's tiles start on part of
+a shard (the first peer's behind the own shard's tiles, the last peer's before the rest of it
+lands), but each costs the copy engine a per-copy latency and the host a copy and a word, so
+the count is the one the cost model predicts fastest for the device and shape
+(:func:`tp_kernels.cost.copy_engine_chunks`, 1 to :data:`MAX_CHUNKS`), or
+``TP_KERNELS_SYMM_CHUNKS``.
 """
 
 from __future__ import annotations
 
-import math
+import functools
 import threading
 from collections.abc import Sequence
 
 import torch
 
-# Most chunks per shard (each costs a copy and a stream write on the host, a few microseconds).
-MAX_CHUNKS = 4
+from tp_kernels import config, cost
+
+# Most chunks per shard (the progress words per shard).
+MAX_CHUNKS = config.SYMM_MAX_CHUNKS
 # Chunk boundaries are multiples of the largest BLOCK_M (256) on a GPU, so that a consumer tile
 # waits for one chunk; the interpreter's tiles are 16 rows.
 _GPU_ROW_ALIGN = 256
 _INTERPRETER_ROW_ALIGN = 16
-# Assumed, not measured (see tp_kernels/cost.py for the model's sources): an H100's bf16 GEMM
-# at about 75% of its 989 TFLOP/s dense peak, and a copy-engine pull over NVLink at about
-# 300 GB/s. Their ratio is all the chunk rule uses: flops the GEMM does while one byte is copied.
-_ASSUMED_GEMM_FLOPS = 740e12
-_ASSUMED_COPY_BYTES_PER_S = 300e9
 
 
-def chunk_rows(m: int, k: int, n_total: int, itemsize: int, *, interpret: bool) -> int:
-    """Rows per chunk for shards of ``m x k`` feeding GEMMs of ``n_total`` output columns in all.
+def chunks_per_shard(
+    m: int, k: int, ns: tuple[int, ...], dtype: torch.dtype, world_size: int, device: torch.device
+) -> int:
+    """Chunks per peer shard of ``m x k`` rows feeding GEMMs of widths ``ns``: the setting
+    (:data:`tp_kernels.config.SYMM_CHUNKS`) where given, else the count the cost model predicts
+    fastest (:func:`tp_kernels.cost.copy_engine_chunks`) on a GPU it knows, else 1."""
+    chunks = config.SYMM_CHUNKS.get()
+    return _modelled_chunks(m, k, ns, dtype, world_size, device) if chunks is None else chunks
 
-    Copying the shard takes ``m * k * itemsize / copy_rate``, its tiles ``2 * m * k * n_total /
-    gemm_rate``; splitting the shard into ``ceil(copy / compute)`` chunks (1 to
-    :data:`MAX_CHUNKS`) makes one chunk's copy no longer than the own shard's tiles. Rounded up
-    to whole consumer tiles."""
-    ratio = itemsize * _ASSUMED_GEMM_FLOPS / (2 * max(n_total, 1) * _ASSUMED_COPY_BYTES_PER_S)
-    chunks = min(max(math.ceil(ratio), 1), MAX_CHUNKS)
+
+@functools.lru_cache(maxsize=1024)
+def _modelled_chunks(
+    m: int, k: int, ns: tuple[int, ...], dtype: torch.dtype, world_size: int, device: torch.device
+) -> int:
+    spec = cost.device_spec(device) if device.type == "cuda" else None
+    if spec is None or dtype not in cost.DTYPE_NAMES:
+        return 1
+    problem = cost.Problem(m, k, ns, world_size, cost.DTYPE_NAMES[dtype], spec)
+    return cost.copy_engine_chunks(problem, MAX_CHUNKS)
+
+
+def chunk_rows(m: int, chunks: int, *, interpret: bool) -> int:
+    """Rows per chunk of an ``m``-row shard cut into ``chunks``, rounded up to whole consumer
+    tiles (256 rows on a GPU, 16 in the interpreter), so the shard may take fewer chunks."""
     align = _INTERPRETER_ROW_ALIGN if interpret else _GPU_ROW_ALIGN
     rows = -(-m // chunks)
-    return max(-(-rows // align) * align, 1)
+    return -(-rows // align) * align
 
 
 def new_progress(world_size: int, device: torch.device) -> torch.Tensor:
