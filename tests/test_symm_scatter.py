@@ -184,6 +184,22 @@ def test_cuda_pusher_enqueues_the_cpu_pushers_steps(monkeypatch, waits):
     assert copies._event == "event on side" and copies._thread is None
 
 
+def test_cuda_pusher_leaves_no_wait_behind_a_producer_that_fails_to_launch(monkeypatch):
+    """A producer whose launch raises on the host (out of resources, a bad argument) never
+    writes its words: no stream wait may be enqueued before it, or the side stream would block
+    for good, and with it every later push and the device's synchronization at exit."""
+    log = _Log()
+    pusher = _fake_cuda(monkeypatch, log, True)
+    pushes = [(d, _Block(log, f"staging[{d}]"), _Block(log, f"slot of {d}")) for d in (1, 2)]
+
+    def produce():
+        raise RuntimeError("Triton Error [CUDA]: out of resources")
+
+    with pytest.raises(RuntimeError, match="out of resources"):
+        pusher.run(produce, pushes, "progress", WORD, EPOCH)
+    assert not [step for step in log if step[0] in ("wait", "copy", "write")], log
+
+
 def _fake_libcuda(monkeypatch, code: int) -> list:
     calls = []
 
