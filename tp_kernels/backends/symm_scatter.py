@@ -153,7 +153,8 @@ class Pusher:
                 # half (the event before the producer), but its waits are enqueued after the
                 # producer: a stream wait stalls its hardware queue, which the current stream
                 # may share (streams outnumber the queues; CUDA_DEVICE_MAX_CONNECTIONS=1 leaves
-                # one), and a producer queued behind a wait for its own words would never run.
+                # one), and a producer queued behind a wait for its own words would never run;
+                # and a producer that fails to launch leaves no wait behind.
                 before = current.record_event()
                 produce()
                 stream.wait_event(before)
