@@ -149,6 +149,29 @@ def test_the_copy_engine_schedule_waits_for_chunks_and_hides_them_behind_the_own
     )
 
 
+def test_the_copy_engine_consumer_takes_up_to_three_right_hand_matrices_in_one_launch():
+    """Two right-hand matrices (w1/w3) over a slow link: one launch holds both products' tiles,
+    so the own shard's two tiles run on the 2 SMs while the peer's shard copies and the peer's
+    two tiles after it: one tile after the copy, where a launch per matrix would add a second
+    launch's wave after the first (as the model had it before). A fourth matrix is a launch of
+    its own, after."""
+    k = 1024
+    dev = tiny(link_gb_s=0.5)
+    own_copies = 2 * (2 * 128 * k * 2 / (dev.hbm_gb_s * 1e9))
+    shard = 128 * k * 2 / 0.5e9
+    t = tile_s(dev, 128, 256, k)
+    assert cost.symm_copy_engine_s(problem(dev, 128, k, [256, 256])) == pytest.approx(
+        own_copies + shard + t
+    )
+    # Four: the first launch's three peer tiles take two waves of the 2 SMs after the copy.
+    four = problem(dev, 128, k, [256, 256, 256, 256])
+    fourth = cost.gemm_s(2 * 128, k, 256, "bf16", dev, cublas=False)
+    assert cost.symm_copy_engine_s(four) == pytest.approx(own_copies + shard + 2 * t + fourth)
+    from tp_kernels.kernels import ag_matmul
+
+    assert cost._BS_PER_LAUNCH == ag_matmul.MAX_BS_PER_LAUNCH
+
+
 def test_chunks_pay_where_a_tile_can_start_on_a_half_shard_sooner_than_a_copy_costs():
     """Shards of 512 rows (4 M tiles of 128 on the 2 SMs) over a slow link: in 2 chunks of 256
     rows the first two peer tiles run while the second half copies, so the call ends one tile
@@ -156,7 +179,7 @@ def test_chunks_pay_where_a_tile_can_start_on_a_half_shard_sooner_than_a_copy_co
     k = 1024
     t = tile_s(tiny(), 128, 256, k)
     free = problem(tiny(link_gb_s=0.5), 512, k, [256])
-    assert cost._launch_tile(free, 256)[:2] == (128, 256)
+    assert cost._launch_tile(free, (256,))[:2] == (128, 256)
     one, two = cost._copy_engine_s(free, 1), cost._copy_engine_s(free, 2)
     assert one - two == pytest.approx(t)
     assert cost._copy_engine_s(free, 4) == pytest.approx(two)

@@ -115,13 +115,19 @@ def _fixed_order_sum(slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     ("world_size", "rank", "m", "k", "ns", "rows"),
-    [(3, 1, 40, 40, (24, 17), 16), (4, 3, 8, 16, (33,), 8), (2, 0, 5, 24, (7,), 2)],
+    [
+        (3, 1, 40, 40, (24, 17), 16),
+        (4, 3, 8, 16, (33,), 8),
+        (2, 0, 5, 24, (7,), 2),
+        (3, 2, 20, 16, (9, 40, 1, 18), 16),
+    ],
 )
 def test_ag_matmul_consumer(dtype, world_size, rank, m, k, ns, rows):
     """The barrier, then a copier thread that starts late (the consumer's tiles of peer rows
     wait on its progress words) beside the consumer: chunks of 16 rows (several per shard, tiles
     on their boundaries), of 8 rows (shards smaller than a tile) and of 2 rows (a tile spans
-    chunks and waits for its last row's)."""
+    chunks and waits for its last row's). Several ``bs`` share a launch (three at most: the
+    fourth is a launch of its own after them), a width of 1 among them."""
     gen = torch.Generator().manual_seed(world_size * 100 + m)
     a = torch.randn(world_size * m, k, generator=gen).to(dtype)
     shards = [a[s * m : (s + 1) * m].clone() for s in range(world_size)]
@@ -165,6 +171,16 @@ def test_ag_matmul_consumer(dtype, world_size, rank, m, k, ns, rows):
         assert (problem := check_close(f"outs[{j}]", c, *reference)) is None, problem
     # Waiting does not consume: the words still hold the epoch.
     assert all(p.view(-1, world_size)[CHANNEL].eq(7).all() for p in pads)
+
+
+def test_right_hand_matrices_share_launches_by_layout_three_at_most():
+    from tp_kernels.kernels import ag_matmul
+
+    groups = ag_matmul._launch_groups
+    assert groups(["cr"]) == [[0]]
+    assert groups(["cr", "cr", "cr"]) == [[0, 1, 2]]  # QKV: one launch
+    assert groups(["cr"] * 5) == [[0, 1, 2], [3, 4]]
+    assert groups(["cr", "pointer", "pointer", "cr"]) == [[0], [1, 2], [3]]
 
 
 def _push_by_hand(staging, buffers, pads, rank: int, epoch: int) -> None:

@@ -567,17 +567,21 @@ def pipelined_s(p: Problem, op: str) -> float:
     return _run_streams([compute, transfers], timeline)
 
 
-def _shard_order_tiles(p: Problem, n: int, bm: int, bn: int) -> list[tuple[int, int, int]]:
-    """``(shard step, M tile in the shard, column tile)`` of every tile of an ``n``-wide launch in
-    the kernels' order (:func:`tp_kernels.kernels._shared._tile_coords`): shard by shard from
-    this rank's own (step 0), and inside a shard in groups of :data:`GROUP_M` M tiles that walk
-    the column tiles together, column tile 0 of every M tile of the group first."""
-    m_tiles, n_tiles = math.ceil(p.m / bm), math.ceil(n / bn)
+def _shard_order_tiles(
+    p: Problem, ns: Sequence[int], bm: int, bn: int
+) -> list[tuple[int, int, int]]:
+    """``(shard step, M tile in the shard, column tile)`` of every tile of a launch over the
+    right-hand widths ``ns`` in the kernels' order (:func:`tp_kernels.kernels._shared.
+    _tile_coords`): shard by shard from this rank's own (step 0), inside a shard each width's
+    tiles in turn, and for one width in groups of :data:`GROUP_M` M tiles that walk the column
+    tiles together, column tile 0 of every M tile of the group first."""
+    m_tiles = math.ceil(p.m / bm)
     order = []
     for step in range(p.w):
-        for first in range(0, m_tiles, GROUP_M):
-            group = range(first, min(first + GROUP_M, m_tiles))
-            order += [(step, mt, col) for col in range(n_tiles) for mt in group]
+        for n in ns:
+            for first in range(0, m_tiles, GROUP_M):
+                group = range(first, min(first + GROUP_M, m_tiles))
+                order += [(step, mt, col) for col in range(math.ceil(n / bn)) for mt in group]
     return order
 
 
@@ -594,15 +598,16 @@ def _persistent(ready: Sequence[float], tile_s: float, programs: int, start: flo
     return done
 
 
-def _launch_tile(p: Problem, n: int) -> tuple[int, int, float]:
-    """The consumer's tile for an ``n``-wide launch: the menu's fastest alone (autotuned)."""
-    bm, bn, rel = min(
-        TILES,
-        key=lambda t: _alone_s(
-            _gemm(p.dev, p.dtype, p.w * p.m, p.k, n, cublas=False, tile=t), p.dev.sms
-        ),
-    )
-    return bm, bn, rel
+def _launch_tile(p: Problem, ns: Sequence[int]) -> tuple[int, int, float]:
+    """The consumer's tile for one launch over the right-hand widths ``ns``: the menu's fastest
+    for all their tiles alone (autotuned)."""
+
+    def alone_s(tile: tuple[int, int, float]) -> float:
+        bm, bn, rel = tile
+        tiles = math.ceil(p.w * p.m / bm) * sum(math.ceil(n / bn) for n in ns)
+        return _alone_s(_Gemm(tiles, _tile_s(p.dev, p.dtype, bm, bn, p.k, rel)), p.dev.sms)
+
+    return min(TILES, key=alone_s)
 
 
 def symm_puller_s(p: Problem) -> float:
@@ -619,9 +624,9 @@ def symm_puller_s(p: Problem) -> float:
     read the local ``A`` only: strided persistent tiles, back to back."""
     dev = p.dev
     start = dev.copy_latency_s + p.hbm_s(2 * p.m * p.k * p.e)
-    bm, bn, rel = _launch_tile(p, p.ns[0])
+    bm, bn, rel = _launch_tile(p, p.ns[:1])
     tile_s = _tile_s(dev, p.dtype, bm, bn, p.k, rel)
-    order = _shard_order_tiles(p, p.ns[0], bm, bn)
+    order = _shard_order_tiles(p, p.ns[:1], bm, bn)
     programs = min(len(order), dev.sms)
     link = _SharedLink(dev.link_gb_s * 1e9 * dev.link_efficiency, dev.sm_remote_gb_s() * 1e9)
     free = [(start, i) for i in range(programs)]  # (time the program draws a ticket, program)
@@ -684,6 +689,11 @@ def symm_copy_engine_s(p: Problem) -> float:
     return _copy_engine_s(p, copy_engine_chunks(p, MAX_CHUNKS))
 
 
+# Right-hand matrices one launch of the consumer takes (kernels.ag_matmul.MAX_BS_PER_LAUNCH; the
+# model imports no Triton).
+_BS_PER_LAUNCH = 3
+
+
 def _copy_engine_s(p: Problem, chunks: int) -> float:
     """``symm``'s all-gather with the copy-engine producer, each peer shard in ``chunks`` chunks.
 
@@ -691,16 +701,18 @@ def _copy_engine_s(p: Problem, chunks: int) -> float:
     (two memory passes, each paying ``copy_latency_s``), then a barrier; on a side stream the
     copy engine copies each peer's shard (``r+1, r+2, ...``) into ``A`` in chunks of
     :func:`tp_kernels.backends.symm_gather.chunk_rows` rows, each copy paying
-    ``copy_latency_s`` (its launch and the progress word's stream write). The consumer of
-    ``bs[0]`` is persistent over every SM, its tiles in the kernels' order, each tile of a peer's
-    shard not before the word of the chunk that holds its last row; it reads only local memory
-    (TMA), so no SM moves bytes and none waits for a tile that is not running. The further
-    launches (``bs[1:]``) read ``A`` after it: back-to-back waves."""
+    ``copy_latency_s`` (its launch and the progress word's stream write). The consumer's first
+    launch takes up to three right-hand matrices (QKV's, w1/w3's: all of them); it is
+    persistent over every SM, its tiles in the kernels' order, each tile of a peer's shard not
+    before the word of the chunk that holds its last row; it reads only local memory (TMA), so
+    no SM moves bytes and none waits for a tile that is not running. Further launches (more
+    matrices) read ``A`` after it: back-to-back waves."""
     from tp_kernels.backends.symm_gather import chunk_rows
 
     dev = p.dev
     start = 2 * (dev.copy_latency_s + p.hbm_s(2 * p.m * p.k * p.e))
-    bm, bn, rel = _launch_tile(p, p.ns[0])
+    first, rest = p.ns[:_BS_PER_LAUNCH], p.ns[_BS_PER_LAUNCH:]
+    bm, bn, rel = _launch_tile(p, first)
     rows = chunk_rows(p.m, chunks, interpret=False)
     landed = {}  # (step, chunk) -> when its word is written
     at = start + dev.barrier_s
@@ -708,13 +720,16 @@ def _copy_engine_s(p: Problem, chunks: int) -> float:
         for c in range(math.ceil(p.m / rows)):
             at += dev.copy_latency_s + p.link_s((min(p.m, (c + 1) * rows) - c * rows) * p.k * p.e)
             landed[(step, c)] = at
-    order = _shard_order_tiles(p, p.ns[0], bm, bn)
+    order = _shard_order_tiles(p, first, bm, bn)
     ready = [
         landed[(s, (min(p.m, (mt + 1) * bm) - 1) // rows)] if s else start for s, mt, _ in order
     ]
     tile_s = _tile_s(dev, p.dtype, bm, bn, p.k, rel)
     done = max(_persistent(ready, tile_s, min(len(order), dev.sms), start))
-    return done + sum(gemm_s(p.w * p.m, p.k, n, p.dtype, dev, cublas=False) for n in p.ns[1:])
+    return done + sum(
+        gemm_s(p.w * p.m, p.k, sum(rest[i : i + _BS_PER_LAUNCH]), p.dtype, dev, cublas=False)
+        for i in range(0, len(rest), _BS_PER_LAUNCH)
+    )
 
 
 def _producer_tile(p: Problem) -> tuple[int, int, float]:

@@ -19,8 +19,10 @@ copies run in order, so every earlier chunk is in place too), then reads ``A`` f
 only, with TMA on sm_90. No SM moves bytes between GPUs and no tile waits for another tile: a
 tile waits only for the copy engine, which progresses whatever the SMs do, so the launch may be
 persistent (at most one program per SM, tiles strided over the programs) without a ticket.
-Further right-hand matrices of the same call run after the first on the same stream and read the
-complete ``A`` without waiting.
+One launch takes up to three right-hand matrices (QKV's, w1/w3's), each shard's tiles of every
+one of them before the next shard's, so all their math overlaps the copies; a call with more runs
+further launches after the first on the same stream, which read the complete ``A`` without
+waiting.
 """
 
 from __future__ import annotations
@@ -79,21 +81,60 @@ def _wait_ready_kernel(signal_ptrs, status_addr, rank, world_size, channel, epoc
         _wait_signal(pad + channel * world_size + src, epoch, timeout_ns, status + src)
 
 
+# Right-hand matrices one launch of the consumer takes at most (QKV: 3; w1/w3: 2).
+MAX_BS_PER_LAUNCH = 3
+
+
 def _set_block_shapes(nargs: dict) -> None:
     """Autotuner pre-hook: the descriptors' block shapes are those of the config being run."""
     set_block_shape(nargs["a"], nargs["A_LAYOUT"], nargs["BLOCK_M"], nargs["BLOCK_K"])
-    set_block_shape(nargs["b"], nargs["B_LAYOUT"], nargs["BLOCK_K"], nargs["BLOCK_N"])
+    for b in ("b0", "b1", "b2"):
+        set_block_shape(nargs[b], nargs["B_LAYOUT"], nargs["BLOCK_K"], nargs["BLOCK_N"])
+
+
+@triton.jit
+def _consumer_tile(
+    a, a_ptr, b, c_ptr, src, m_tile, col_tile, tiles_per_shard, m, K, N, stride_bk, stride_bn,
+    DTYPE: tl.constexpr, A_LAYOUT: tl.constexpr, B_LAYOUT: tl.constexpr,
+    BF16_BY_HAND: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """One output tile ``C[src*m + rows, cols] = A[src*m + rows, :] @ B[:, cols]`` (fp32
+    accumulation), ``(rows, cols)`` tile ``(m_tile, col_tile)`` of an ``N``-wide ``C``."""
+    row0, rows64, cols64, row_ok, col_ok = _tile_span(
+        m_tile, col_tile, tiles_per_shard, m, N, BLOCK_M, BLOCK_N
+    )
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if A_LAYOUT == "rc":
+            # Rows past this shard's m come from the next shard (or TMA's zero fill): they only
+            # reach output rows that the masked store below drops.
+            a_blk = a.load([src * m + row0, k0])
+        else:
+            ks = k0 + tl.arange(0, BLOCK_K)
+            a_offsets = (src * m + rows64)[:, None] * K + ks[None, :]
+            a_blk = tl.load(a_ptr + a_offsets, mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
+        acc = _accumulate(
+            acc, a_blk, b, k0, col_tile * BLOCK_N, K, N, stride_bk, stride_bn, B_LAYOUT,
+            BLOCK_K, BLOCK_N, BF16_BY_HAND, INPUT_PRECISION,
+        )  # fmt: skip
+    c_tile = c_ptr + (src * m + rows64)[:, None] * N + cols64[None, :]
+    tl.store(c_tile, _round_to(acc, DTYPE, BF16_BY_HAND), mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.autotune(
     configs=gemm_configs(pre_hook=_set_block_shapes),
-    key=["m", "K", "N", "DTYPE", "WAIT", "A_LAYOUT", "B_LAYOUT"],
+    key=["m", "K", "N0", "N1", "N2", "DTYPE", "WAIT", "A_LAYOUT", "B_LAYOUT", "NUM_B"],
 )
 @triton.jit(do_not_specialize=["rank", "epoch", "status_addr", "timeout_ns"])
 def _ag_matmul_kernel(
     a,
-    b,
-    c_ptr,
+    b0,
+    b1,
+    b2,
+    c0,
+    c1,
+    c2,
     a_ptr,
     progress_addr,
     trace_ptr,
@@ -102,9 +143,15 @@ def _ag_matmul_kernel(
     world_size,
     m,
     K,
-    N,
-    stride_bk,
-    stride_bn,
+    N0,
+    N1,
+    N2,
+    stride_b0k,
+    stride_b0n,
+    stride_b1k,
+    stride_b1n,
+    stride_b2k,
+    stride_b2n,
     chunk_rows,
     chunks,
     epoch,
@@ -113,6 +160,7 @@ def _ag_matmul_kernel(
     WAIT: tl.constexpr,
     A_LAYOUT: tl.constexpr,
     B_LAYOUT: tl.constexpr,
+    NUM_B: tl.constexpr,
     TRACE: tl.constexpr,
     BF16_BY_HAND: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
@@ -120,34 +168,46 @@ def _ag_matmul_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """Output tiles: ``C[s*m + i, n] = sum_k A[s*m + i, k] * B[k, n]`` (fp32 accumulation).
+    """Output tiles of ``NUM_B`` (1 to 3) products: ``C_j[s*m + i, n] = sum_k A[s*m + i, k] *
+    B_j[k, n]`` (fp32 accumulation) for ``j < NUM_B``.
 
     ``A`` [W*m, K] is the local gathered A, row-major: ``a`` is a descriptor over it when
     ``A_LAYOUT == "rc"``, else ``a_ptr`` is read through pointers (``a`` is then ``a_ptr``);
-    ``b`` is B [K, N] as :func:`_load_block` reads it with ``B_LAYOUT`` (strides ``stride_bk``,
-    ``stride_bn`` for ``"pointer"``); C [W*m, N] is row-major. Tile ``t`` covers M tile
-    ``t // (cdiv(m, BLOCK_M) * cdiv(N, BLOCK_N))`` and on (:func:`_tile_coords`), rows of rank
-    ``s = (rank + m_tile // cdiv(m, BLOCK_M)) % W``, so the first tiles use this rank's own rows.
-    WAIT (the call's first launch): a tile of a peer's rows first waits for ``epoch`` in progress
-    word ``s * chunks + (last row // chunk_rows)`` (int32 at ``progress_addr``; acquire, system
-    scope); on a timeout ``status[s] = epoch``. Persistent: the grid has at most
-    :func:`~._shared.persistent_programs` programs, each taking every ``num_programs``-th tile.
+    ``b_j`` is B_j [K, N_j] as :func:`_load_block` reads it with ``B_LAYOUT`` (strides
+    ``stride_bjk``, ``stride_bjn`` for ``"pointer"``); C_j [W*m, N_j] is row-major (``c_j``).
+    Tiles go shard by shard, rank ``s = (rank + step) % W`` at step ``step``, so the first tiles
+    use this rank's own rows; inside a shard, B_0's tiles, then B_1's, then B_2's, each in
+    :func:`_tile_coords`'s order. WAIT (the call's first launch): a tile of a peer's rows first
+    waits for ``epoch`` in progress word ``s * chunks + (last row // chunk_rows)`` (int32 at
+    ``progress_addr``; acquire, system scope); on a timeout ``status[s] = epoch``. Persistent:
+    the grid has at most :func:`~._shared.persistent_programs` programs, each taking every
+    ``num_programs``-th tile.
     """
-    n_tiles = tl.cdiv(N, BLOCK_N)
     tiles_per_shard = tl.cdiv(m, BLOCK_M)
-    total = world_size * tiles_per_shard * n_tiles
+    per_b0 = tiles_per_shard * tl.cdiv(N0, BLOCK_N)
+    per_b1 = 0
+    per_b2 = 0
+    if NUM_B >= 2:
+        per_b1 = tiles_per_shard * tl.cdiv(N1, BLOCK_N)
+    if NUM_B >= 3:
+        per_b2 = tiles_per_shard * tl.cdiv(N2, BLOCK_N)
+    per_shard = per_b0 + per_b1 + per_b2
     tile = tl.program_id(0)
-    while tile < total:
-        m_tile, col_tile = _tile_coords(tile, tiles_per_shard, n_tiles, GROUP_M)
-        step = m_tile // tiles_per_shard
+    while tile < world_size * per_shard:
+        step = tile // per_shard
+        t = tile % per_shard
         src = (rank + step) % world_size
-        row0, rows64, cols64, row_ok, col_ok = _tile_span(
-            m_tile, col_tile, tiles_per_shard, m, N, BLOCK_M, BLOCK_N
-        )
+        # Which product the tile belongs to, and its number among that product's tiles (by
+        # where, not branches: a size the runtime specializes to a constant 1 is a constexpr).
+        j = (t >= per_b0).to(tl.int32) + (t >= per_b0 + per_b1).to(tl.int32)
+        t -= tl.where(j >= 1, per_b0, 0) + tl.where(j >= 2, per_b1, 0)
+        n_tiles = tl.where(j == 0, per_b0, tl.where(j == 1, per_b1, per_b2)) // tiles_per_shard
+        m_tile, col_tile = _tile_coords(step * tiles_per_shard * n_tiles + t, tiles_per_shard,
+                                        n_tiles, GROUP_M)  # fmt: skip
         if WAIT:
             if step > 0:
-                # Copies run in order: the chunk of the tile's last row completes the tile's rows.
-                last = tl.minimum(row0 + BLOCK_M, m) - 1
+                # Copies run in order: the chunk of the tile's last row completes its rows.
+                last = tl.minimum((m_tile % tiles_per_shard) * BLOCK_M + BLOCK_M, m) - 1
                 word = progress_addr.to(tl.pointer_type(tl.int32)) + src * chunks
                 status = status_addr.to(tl.pointer_type(tl.int32))
                 _wait_signal(word + last // chunk_rows, epoch, timeout_ns, status + src)
@@ -156,27 +216,39 @@ def _ag_matmul_kernel(
                     _fence_proxy_async(epoch)
         if TRACE:
             _note_first_touch(trace_ptr, src, world_size)
-
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            if A_LAYOUT == "rc":
-                # Rows past this shard's m come from the next shard (or TMA's zero fill): they
-                # only reach output rows that the masked store below drops.
-                a_blk = a.load([src * m + row0, k0])
-            else:
-                ks = k0 + tl.arange(0, BLOCK_K)
-                a_offsets = (src * m + rows64)[:, None] * K + ks[None, :]
-                a_mask = row_ok[:, None] & (ks < K)[None, :]
-                a_blk = tl.load(a_ptr + a_offsets, mask=a_mask, other=0.0)
-            acc = _accumulate(
-                acc, a_blk, b, k0, col_tile * BLOCK_N, K, N, stride_bk, stride_bn, B_LAYOUT,
-                BLOCK_K, BLOCK_N, BF16_BY_HAND, INPUT_PRECISION,
+        if j == 0:
+            _consumer_tile(
+                a, a_ptr, b0, c0, src, m_tile, col_tile, tiles_per_shard, m, K, N0, stride_b0k,
+                stride_b0n, DTYPE, A_LAYOUT, B_LAYOUT, BF16_BY_HAND, INPUT_PRECISION, BLOCK_M,
+                BLOCK_N, BLOCK_K,
             )  # fmt: skip
-        c_tile = c_ptr + (src * m + rows64)[:, None] * N + cols64[None, :]
-        tl.store(
-            c_tile, _round_to(acc, DTYPE, BF16_BY_HAND), mask=row_ok[:, None] & col_ok[None, :]
-        )
+        if NUM_B >= 2:
+            if j == 1:
+                _consumer_tile(
+                    a, a_ptr, b1, c1, src, m_tile, col_tile, tiles_per_shard, m, K, N1,
+                    stride_b1k, stride_b1n, DTYPE, A_LAYOUT, B_LAYOUT, BF16_BY_HAND,
+                    INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+                )  # fmt: skip
+        if NUM_B >= 3:
+            if j == 2:
+                _consumer_tile(
+                    a, a_ptr, b2, c2, src, m_tile, col_tile, tiles_per_shard, m, K, N2,
+                    stride_b2k, stride_b2n, DTYPE, A_LAYOUT, B_LAYOUT, BF16_BY_HAND,
+                    INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+                )  # fmt: skip
         tile += tl.num_programs(0)
+
+
+def _launch_groups(layouts: Sequence[str]) -> list[list[int]]:
+    """The indices of the right-hand matrices, in order, cut into launches: runs of one layout
+    (a launch reads every ``b`` the same way), at most :data:`MAX_BS_PER_LAUNCH` each."""
+    groups: list[list[int]] = []
+    for j, layout in enumerate(layouts):
+        if groups and layout == layouts[groups[-1][0]] and len(groups[-1]) < MAX_BS_PER_LAUNCH:
+            groups[-1].append(j)
+        else:
+            groups.append([j])
+    return groups
 
 
 def signal_ready(
@@ -255,7 +327,9 @@ def ag_matmul_consumer(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     order_out: torch.Tensor | None = None,
 ) -> None:
-    """``outs[j] = A @ bs[j]`` for every j (one launch per j) while a copier fills ``A``.
+    """``outs[j] = A @ bs[j]`` for every j while a copier fills ``A``: one launch for up to
+    :data:`MAX_BS_PER_LAUNCH` consecutive ``bs`` of one layout (QKV's, w1/w3's: one launch), so
+    every product's tiles overlap the copies; only the first launch waits.
 
     Shapes (W = ``world_size``, m rows per rank): ``a`` is the gathered A [W*m, K], contiguous,
     local; its rows ``[rank*m, (rank+1)*m)`` are in place before the launch (on a GPU: written
@@ -293,40 +367,48 @@ def ag_matmul_consumer(
     a_layout = tma_layout(a) if tma else "pointer"
     a_arg = tma_operand(a, a_layout)
     programs = persistent_programs(device)
+    layouts = [tma_layout(b) if tma else "pointer" for b in bs]
     with on_device(device):
-        for j, (b, c) in enumerate(zip(bs, outs)):
-            first = j == 0
-            n = b.shape[1]
-            b_layout = tma_layout(b) if tma else "pointer"
+        for launch, group in enumerate(_launch_groups(layouts)):
+            group_bs = [bs[j] for j in group]
+            ns = [b.shape[1] for b in group_bs]
+            unused = MAX_BS_PER_LAUNCH - len(group)
+            b_args = [tma_operand(b, layouts[group[0]]) for b in group_bs]
+            strides = [stride for b in group_bs for stride in (b.stride(0), b.stride(1))]
 
-            def grid(meta: dict, n: int = n) -> tuple[int]:
-                tiles = triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])
-                return (min(world_size * tiles, programs),)
+            def grid(meta: dict, ns: tuple[int, ...] = tuple(ns)) -> tuple[int]:
+                col_tiles = sum(triton.cdiv(n, meta["BLOCK_N"]) for n in ns)
+                return (min(world_size * triton.cdiv(m, meta["BLOCK_M"]) * col_tiles, programs),)
 
+            wait = launch == 0
             _ag_matmul_kernel[grid](
                 a_arg,
-                tma_operand(b, b_layout),
-                c,
+                *b_args,
+                *b_args[:1] * unused,  # unused operands: never read (NUM_B)
+                *[outs[j] for j in group],
+                *[outs[group[0]]] * unused,
                 a,
                 progress.data_ptr(),
-                trace if first and trace is not None else progress,
+                trace if wait and trace is not None else progress,
                 status.data_ptr(),
                 rank,
                 world_size,
                 m,
                 K,
-                n,
-                b.stride(0),
-                b.stride(1),
+                *ns,
+                *[0] * unused,
+                *strides,
+                *[0, 0] * unused,
                 chunk_rows,
                 chunks,
                 epoch,
                 wait_ns,
                 DTYPE=DTYPE,
-                WAIT=first,
+                WAIT=wait,
                 A_LAYOUT=a_layout,
-                B_LAYOUT=b_layout,
-                TRACE=first and trace is not None,
+                B_LAYOUT=layouts[group[0]],
+                NUM_B=len(group),
+                TRACE=wait and trace is not None,
                 BF16_BY_HAND=INTERPRET and dtype == torch.bfloat16,
                 INPUT_PRECISION=dot_precision(dtype),
             )

@@ -206,7 +206,7 @@ def variants(arch: int) -> list[Variant]:
         tma_loads = TMA_PATTERNS if {a_layout, b_layout} != {"pointer"} else ()
         return own + ASYNC_COPY_PATTERNS + mma + tma_loads
 
-    def ag_variant(tag, elem, tl_type, precision, mma, config, b_name, wait):
+    def ag_variant(tag, elem, tl_type, precision, mma, config, b_name, wait, num_b=1):
         b_layout, unit, other, other_aligned = _B_LAYOUTS[b_name]
         b_layout = layout_of(b_layout, precision)
         # A is the local gathered A, [W*m, K] row-major: TMA (but for fp32 without TF32). Rows
@@ -214,16 +214,23 @@ def variants(arch: int) -> list[Variant]:
         # or for a weight's B=nk; no Llama shape has them.
         a_layout = layout_of("rc", precision)
         kw = config.kwargs
+        b_type = _operand_type(b_layout, elem, kw["BLOCK_K"], kw["BLOCK_N"])
+        # Every right-hand matrix of a launch (up to 3: QKV) as the first: its own strides.
+        units = [unit.replace("stride_b", f"stride_b{j}") for j in range(3)]
+        others = [other.replace("stride_b", f"stride_b{j}") for j in range(3)]
         types = {
             "a": _operand_type(a_layout, elem, kw["BLOCK_M"], kw["BLOCK_K"]),
-            "b": _operand_type(b_layout, elem, kw["BLOCK_K"], kw["BLOCK_N"]), "c_ptr": f"*{elem}",
             "a_ptr": f"*{elem}", "progress_addr": "i64", "trace_ptr": "*i32",
-            "status_addr": "i64", "rank": i32, "world_size": i32, "m": i32, "K": i32, "N": i32,
-            other: i32, "chunk_rows": i32, "chunks": i32, "epoch": i32, "timeout_ns": "i64",
+            "status_addr": "i64", "rank": i32, "world_size": i32, "m": i32, "K": i32,
+            "chunk_rows": i32, "chunks": i32, "epoch": i32, "timeout_ns": "i64",
         }  # fmt: skip
-        aligned = ["c_ptr", "a_ptr", "trace_ptr", "m", "K", "N", "chunk_rows"]
-        aligned += [other] * other_aligned
-        aligned += [arg for arg, lay in (("b", b_layout), ("a", a_layout)) if lay == "pointer"]
+        for j in range(3):
+            types |= {f"b{j}": b_type, f"c{j}": f"*{elem}", f"N{j}": i32, others[j]: i32}
+        aligned = ["a_ptr", "trace_ptr", "m", "K", "chunk_rows"]
+        aligned += [f"{name}{j}" for name in ("c", "N") for j in range(3)]
+        aligned += others * other_aligned
+        aligned += [f"b{j}" for j in range(3) if b_layout == "pointer"]
+        aligned += ["a"] * (a_layout == "pointer")
         # The first launch of a call waits for the progress words; later ones read A as it is.
         own = WAIT_PATTERNS if wait else ()
         if wait and a_layout != "pointer":
@@ -232,10 +239,19 @@ def variants(arch: int) -> list[Variant]:
         a_tag = ",A=tma" if a_layout == "rc" else ",A=ptr"
         return _variant(
             f"ag_matmul[{tag},{b_name},{_blocks(kw)},w{config.num_warps}s{config.num_stages}"
-            f"{a_tag}{',wait' if wait else ''}]",
+            f"{a_tag}{',wait' if wait else ''}{f',{num_b}b' if num_b > 1 else ''}]",
             ag_matmul._ag_matmul_kernel.fn,
             types,
-            gemm_constants(tl_type, precision, a_layout, b_layout, **{unit: 1}, WAIT=wait, **kw),
+            gemm_constants(
+                tl_type,
+                precision,
+                a_layout,
+                b_layout,
+                **dict.fromkeys(units, 1),
+                WAIT=wait,
+                NUM_B=num_b,
+                **kw,
+            ),  # fmt: skip
             tuple(aligned),
             required,
             num_warps=config.num_warps,
@@ -293,6 +309,8 @@ def variants(arch: int) -> list[Variant]:
             for config in configs:
                 for wait in (True, False):
                     found.append(ag_variant(*args, config, "B=nk", wait))
+            # QKV's three right-hand matrices in one launch (the loop body three times).
+            found.append(ag_variant(*args, configs[0], "B=nk", True, num_b=3))
             for b_name in ("B=kn", "B=ptr"):
                 for wait in (True, False):
                     found.append(ag_variant(*args, configs[-1], b_name, wait))
