@@ -205,6 +205,13 @@ def test_first_contact_facts_on_cuda(monkeypatch, capsys):
     assert "  symmetric-memory backend for cuda:0: 'CUDA'" in lines
     assert "  TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES: unset" in lines
     assert "  the ranks' environment sets TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1" in lines
+    assert not [line for line in lines if "CUDA_DEVICE_MAX_CONNECTIONS" in line], lines
+    # --cuda-max-connections 1: one hardware queue per rank, said before anything runs.
+    gc.print_first_contact_facts("cuda", 60.0, 1)
+    lines = capsys.readouterr().out.splitlines()
+    assert "  the ranks' environment sets CUDA_DEVICE_MAX_CONNECTIONS=1" in lines
+    assert gc.parse_args(["--cuda-max-connections", "1"]).cuda_max_connections == 1
+    assert gc.parse_args([]).cuda_max_connections is None
 
 
 def test_a_fact_that_cannot_be_read_says_why(monkeypatch):

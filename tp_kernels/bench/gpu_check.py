@@ -93,6 +93,12 @@ further. ``--device cpu`` on 2 cores (measured, on a shared machine): 1.3-2.3 mi
 which the 2-rank world 24-39 s and the 4-rank world 52-95 s (starting it ~17 s; each interpreted
 Triton row 2-8 s); ``--quick --worlds 2`` 30-40 s.
 
+``--cuda-max-connections 1`` (worth a second run on first contact, ``--backends symm --worlds
+2 --skip-timing``, about a minute) gives the ranks ``CUDA_DEVICE_MAX_CONNECTIONS=1``, as
+Megatron-style TP overlap sets it: every stream of a rank shares one hardware queue, where a
+stream wait enqueued ahead of the work it waits for (the reduce-scatter pusher's
+``cuStreamWaitValue32`` before its producer) would never end.
+
 Exit status: 0 when every check passes, 1 when one fails, 2 for bad arguments.
 
 Test hook: ``TP_KERNELS_GPU_CHECK_FAULT=<backend>`` (e.g. ``pipelined`` or ``symm[triton]``) makes
@@ -625,11 +631,17 @@ def _verdict(task: RowTask, results: list[RankRow], seconds: float) -> Row:
     )
 
 
-def _rank_env(device: str, symm_timeout_s: float) -> dict[str, str]:
+def _rank_env(
+    device: str, symm_timeout_s: float, cuda_max_connections: int | None = None
+) -> dict[str, str]:
     env = {"TP_KERNELS_TIMEOUT_S": f"{symm_timeout_s:g}"}
     if device == "cuda":
         # CUDA symmetric memory refuses two ranks on one device unless this is set.
         env["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
+        if cuda_max_connections is not None:
+            # Fewer hardware queues than streams: a stream wait stalls the streams that share
+            # its queue (1, as Megatron-style TP overlap sets it, puts every stream in one).
+            env["CUDA_DEVICE_MAX_CONNECTIONS"] = str(cuda_max_connections)
     else:
         # Before Triton is first imported in the rank: the interpreter is chosen at import.
         env["TRITON_INTERPRET"] = "1"
@@ -664,7 +676,9 @@ def check_world(world_size: int, args: argparse.Namespace) -> list[Row]:
     if args.quick:
         cases = {op: c[: QUICK_CASES[device]] for op, c in cases.items()}
     world = LocalWorld(
-        world_size, timeout_s=args.timeout_s, env=_rank_env(device, args.symm_timeout_s)
+        world_size,
+        timeout_s=args.timeout_s,
+        env=_rank_env(device, args.symm_timeout_s, args.cuda_max_connections),
     )
     try:
         try:
@@ -973,7 +987,9 @@ def _versions(device: str) -> str:
     )
 
 
-def print_first_contact_facts(device: str, symm_timeout_s: float) -> None:
+def print_first_contact_facts(
+    device: str, symm_timeout_s: float, cuda_max_connections: int | None = None
+) -> None:
     """What a first run of torch's fused ops depends on, printed before anything runs (see
     :func:`tp_kernels.backends.torch_symm_mem.first_contact_facts`), and what the ranks'
     environment sets of it."""
@@ -983,7 +999,7 @@ def print_first_contact_facts(device: str, symm_timeout_s: float) -> None:
     print(f"\n== torch's symmetric memory, as torch_symm_mem will find it on {where}")
     for what, value in torch_symm_mem.first_contact_facts(where):
         print(f"  {what}: {value}")
-    for name, value in _rank_env(device, symm_timeout_s).items():
+    for name, value in _rank_env(device, symm_timeout_s, cuda_max_connections).items():
         print(f"  the ranks' environment sets {name}={value}")
     sys.stdout.flush()
 
@@ -1047,6 +1063,15 @@ def _parser() -> argparse.ArgumentParser:
         help="deadline of one row on every rank, compiling included (default 120)",
     )
     p.add_argument(
+        "--cuda-max-connections",
+        type=int,
+        choices=range(1, 33),
+        metavar="N",
+        help="CUDA_DEVICE_MAX_CONNECTIONS of the ranks (default: the driver's, 8); 1 puts every "
+        "stream in one hardware queue, where a stream wait ahead of the work it waits for "
+        "would never end",
+    )
+    p.add_argument(
         "--symm-timeout-s",
         type=_seconds,
         default=60.0,
@@ -1087,7 +1112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"TEST HOOK {FAULT_ENV}={os.environ[FAULT_ENV]}: that backend's all_gather_matmul "
             "returns a wrong element; its checks must FAIL"
         )
-    print_first_contact_facts(args.device, args.symm_timeout_s)
+    print_first_contact_facts(args.device, args.symm_timeout_s, args.cuda_max_connections)
     failed: list[str] = []
     for world_size in args.worlds:
         started = time.perf_counter()
