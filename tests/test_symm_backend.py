@@ -711,6 +711,7 @@ def test_chunks_are_the_models_fastest_or_the_setting(monkeypatch):
     assert symm_gather.chunk_rows(1024, 1, interpret=False) == 1024
     assert symm_gather.chunk_rows(1024, 3, interpret=False) == 512  # 2 chunks
     assert symm_gather.chunk_rows(40, 4, interpret=True) == 16  # 3 chunks
+    assert symm_gather.chunk_rows(0, 1, interpret=False) == 1  # never a zero divisor
     for m in (1, 5, 255, 256, 257, 1000, 4096, 5000):
         for chunks in range(1, symm_gather.MAX_CHUNKS + 1):
             rows = symm_gather.chunk_rows(m, chunks, interpret=False)
@@ -810,6 +811,33 @@ def test_cuda_copier_enqueues_chunks_then_words_after_the_barrier(monkeypatch):
         ("record event", "side"),
     ]
     assert copies._event == "event" and copies._thread is None
+
+
+def test_a_call_on_another_stream_waits_for_the_previous_calls_stream(monkeypatch):
+    """Every reuse rule rests on the current stream having joined the last call's side streams;
+    a call on another CUDA stream first waits for the stream the group's last call ran on
+    (and a call on the same stream waits for nothing)."""
+    import types
+
+    waits = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            waits.append((self.name, other.name))
+
+    state = types.SimpleNamespace(broken=None, status=None, last_stream=None)
+    current = [Stream("s1")]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+    monkeypatch.setattr(symm_backend, "_state", lambda group, device: state)
+    group, cuda = dist.group.WORLD, torch.device("cuda", 0)
+    for name in ("s1", "s1", "s2", "s2", "s1"):
+        current[0] = current[0] if current[0].name == name else Stream(name)
+        assert symm_backend._usable_state(group, cuda, "a test call") is state
+    assert waits == [("s2", "s1"), ("s1", "s2")]
 
 
 def test_cuda_copies_are_joined_on_their_devices_current_stream(monkeypatch):

@@ -220,7 +220,9 @@ class _ProbeStream:
     device = torch.device("cpu")  # where the probe word is made, here
 
     def synchronize(self):
-        pass
+        # The pusher's stream is one of torch's pooled streams, which may carry others' work
+        # (an unbounded wait): the probe never synchronizes the host.
+        raise AssertionError("the probe synchronized the host with its stream")
 
 
 def test_stream_waiter_waits_for_equality_or_reports_no_stream_memory_operations(monkeypatch):

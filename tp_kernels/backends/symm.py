@@ -178,6 +178,8 @@ class _GroupState:
         # The re-gathers (see _regather): their own count, and the copies of the one in flight.
         self.regather_seq = 0
         self.regather_copies: symm_gather.Copies | None = None
+        # CUDA: the stream of the last call (see _follow_last_stream).
+        self.last_stream: torch.cuda.Stream | None = None
         self.broken: str | None = None
 
     def grow(self, group: dist.ProcessGroup, nbytes: int) -> None:
@@ -294,7 +296,21 @@ def _usable_state(group: dist.ProcessGroup, device: torch.device, what: str) -> 
             f"group failed at its deadline ({state.broken}); the peers' state is unknown, "
             "so this group cannot use the symm backend any more"
         )
+    if device.type == "cuda":
+        _follow_last_stream(state, device)
     return state
+
+
+def _follow_last_stream(state: _GroupState, device: torch.device) -> None:
+    """Order a call after the group's previous one when it runs on another stream. Every reuse
+    rule (the halves by parity, staging, the progress words and counters, the re-gather's
+    halves) rests on the current stream having joined the previous call's side streams; a call
+    on another stream (a user's stream switch, an overlapping schedule) would not follow that
+    join without this wait."""
+    current = torch.cuda.current_stream(device)
+    if state.last_stream is not None and current != state.last_stream:
+        current.wait_stream(state.last_stream)
+    state.last_stream = current
 
 
 def _begin(

@@ -75,7 +75,7 @@ def chunk_rows(m: int, chunks: int, *, interpret: bool) -> int:
     tiles (256 rows on a GPU, 16 in the interpreter), so the shard may take fewer chunks."""
     align = _INTERPRETER_ROW_ALIGN if interpret else _GPU_ROW_ALIGN
     rows = -(-m // chunks)
-    return -(-rows // align) * align
+    return max(-(-rows // align) * align, 1)
 
 
 def new_progress(world_size: int, device: torch.device) -> torch.Tensor:

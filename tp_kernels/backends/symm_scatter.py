@@ -85,14 +85,15 @@ class _StreamWaiter:
         wait.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
         waiter = cls(wait)
         # A word that already holds the value: returns at once, or says "not supported". (The
-        # stream's context makes its device current, as the driver call needs.)
+        # stream's context makes its device current, as the driver call needs.) No host sync:
+        # the probe word, allocated on the stream, is reused only by work queued after the wait,
+        # and the stream, one of torch's pooled streams, may carry others' work.
         with torch.cuda.stream(stream):
             probe = torch.zeros(1, dtype=torch.int32, device=stream.device)
             code = waiter._enqueue(stream, probe.data_ptr(), 0)
             if code == _CUDA_ERROR_NOT_SUPPORTED:
                 return None
             waiter._check(code)
-            stream.synchronize()  # once per group: the probe word may go after this
         return waiter
 
     def _enqueue(self, stream: torch.cuda.Stream, address: int, value: int) -> int:
