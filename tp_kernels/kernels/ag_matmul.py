@@ -216,6 +216,8 @@ def _ag_matmul_kernel(
                     _fence_proxy_async(epoch)
         if TRACE:
             _note_first_touch(trace_ptr, src, world_size)
+        # One call per product: a tensor descriptor cannot be picked at run time, so each
+        # operand has its own (inlined) tile loop, pruned by NUM_B.
         if j == 0:
             _consumer_tile(
                 a, a_ptr, b0, c0, src, m_tile, col_tile, tiles_per_shard, m, K, N0, stride_b0k,
