@@ -30,10 +30,11 @@ def test_check_ptx_names_what_is_missing():
 
 
 def test_waiting_and_signalling_kernels_compile_for_sm_90(tmp_path):
-    """The signal, the barrier and the reduction (waits), and a 16-bit all-gather consumer whose
-    B goes through pointers (its first launch waits on progress words; both read A with TMA)
-    compile for sm_90 and pass their checks; every PTX file is written."""
-    only = ("signal_ready", "wait_ready", "reduce_slots[bf16,1024,w4]", "ag_matmul[bf16,B=ptr")
+    """The barrier (signals and waits; with and without clearing the words), the reduction
+    (waits), and a 16-bit all-gather consumer whose B goes through pointers (its first launch
+    waits on progress words; both read A with TMA) compile for sm_90 and pass their checks;
+    every PTX file is written."""
+    only = ("barrier", "reduce_slots[bf16,1024,w4]", "ag_matmul[bf16,B=ptr")
     args = ["--out", str(tmp_path), "--jobs", "1"] + [x for o in only for x in ("--only", o)]
     done = run_without_interpreter(
         f"""
@@ -47,9 +48,10 @@ def test_waiting_and_signalling_kernels_compile_for_sm_90(tmp_path):
     usage = re.findall(r"regs +(\d+) +spills +(\d+) B", done.stdout)
     assert len(usage) == 5 and all(int(regs) > 0 for regs, _ in usage), done.stdout
     written = sorted(p.name for p in Path(tmp_path, "sm_90").iterdir())
-    assert "signal_ready.ptx" in written and len(written) == 5, written
-    ptx = Path(tmp_path, "sm_90", "signal_ready.ptx").read_text()
-    assert "atom.global.sys.release.exch" in ptx
+    assert "barrier_clear_.ptx" in written and len(written) == 5, written
+    ptx = Path(tmp_path, "sm_90", "barrier_clear_.ptx").read_text()
+    # The peer's word raised at system scope, after the own slot words are cleared.
+    assert "atom.global.sys.release.exch" in ptx and "atom.global.sys.relaxed.exch" in ptx
     # B is read through pointers, so the TMA copies are A's; the waiting launch fences the
     # async proxy after its acquire, the other launch neither waits nor fences.
     consumers = {p.name: p.read_text() for p in Path(tmp_path, "sm_90").glob("ag_matmul*")}
@@ -66,12 +68,12 @@ def test_a_variant_that_lacks_a_pattern_fails_by_name(tmp_path):
         from tp_kernels.kernels import compile_check
         compile_check.SIGNAL_PATTERNS = (("wgmma", "a pattern no signal has"),)
         raise SystemExit(compile_check.main(
-            ["--out", {str(tmp_path)!r}, "--jobs", "1", "--only", "signal_ready"]
+            ["--out", {str(tmp_path)!r}, "--jobs", "1", "--only", "barrier"]
         ))
         """
     )
     assert done.returncode == 1, done.stdout
-    assert "signal_ready" in done.stderr and "FAILED" in done.stderr, done.stderr
+    assert "barrier" in done.stderr and "FAILED" in done.stderr, done.stderr
     assert "PTX lacks a pattern no signal has" in done.stdout, done.stdout
 
 

@@ -27,7 +27,7 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tp_kernels import cost, kernels  # noqa: E402
+from tp_kernels import cost, kernels, signals  # noqa: E402
 from tp_kernels.bench import gpu_check as gc  # noqa: E402
 from tp_kernels.testing import RankError  # noqa: E402
 
@@ -330,7 +330,7 @@ TINY_GEMMS = ((32, 16, 24), (48, 40, 20))
 
 def test_calibration_times_the_consumer_as_built_in_the_interpreter(monkeypatch):
     """The measurement end to end on a CPU: the consumer launched as rank 0 of 2, every progress
-    word already holding the epoch, checked against torch.mm (it raises otherwise), then timed
+    word already raised, checked against torch.mm (it raises otherwise), then timed
     by the injected clock; its tiles (the interpreter's one 16x16 config) and waves (tiles over
     the interpreter's 2 persistent programs) as launched."""
     assert kernels.INTERPRET, "tp_kernels.kernels was imported before TRITON_INTERPRET=1"
@@ -353,31 +353,29 @@ def test_calibration_times_the_consumer_as_built_in_the_interpreter(monkeypatch)
         cost.GemmTiming(48, 40, 20, returned[5], 128, 256, 1),
     ]
     # One checked launch and 5 timed ones (--quick) per shape, each as rank 0 of 2 with one
-    # chunk per shard and the epoch its progress words hold.
+    # chunk per shard and its progress words raised.
     assert len(calls) == 2 * (1 + 5)
-    assert {(c["rank"], c["world_size"], c["epoch"]) for c in calls} == {
-        (0, 2, gc.CALIBRATION_EPOCH)
-    }
+    assert {(c["rank"], c["world_size"]) for c in calls} == {(0, 2)}
     assert [c["chunk_rows"] for c in calls] == [16] * 6 + [24] * 6
-    assert all(c["progress"].tolist() == [gc.CALIBRATION_EPOCH] * 2 for c in calls)
+    assert all(c["progress"].tolist() == [signals.RAISED] * 2 for c in calls)
 
 
 @pytest.mark.parametrize(
     ("wrong", "error"),
     [
-        ("epoch", "a tile waited past 0.05 s for a progress word that holds the epoch"),
+        ("words", "a tile waited past 0.05 s for a progress word already raised"),
         ("output", "its output differs from torch.mm by"),
     ],
 )
 def test_a_wrong_consumer_launch_fails_the_calibration(monkeypatch, wrong, error):
-    """The check before the timing sees a launch that waits (words holding another epoch than
-    the launch's) and one whose output is wrong (an element off)."""
+    """The check before the timing sees a launch that waits (words not raised) and one whose
+    output is wrong (an element off)."""
     assert kernels.INTERPRET, "tp_kernels.kernels was imported before TRITON_INTERPRET=1"
     real = kernels.ag_matmul_consumer
 
     def launch(a, bs, outs, **kw):
-        if wrong == "epoch":
-            kw = {**kw, "epoch": kw["epoch"] + 1}
+        if wrong == "words":
+            kw = {**kw, "progress": torch.zeros_like(kw["progress"])}
         real(a, bs, outs, **kw)
         if wrong == "output":
             outs[0][0, 0] += 1.0

@@ -15,7 +15,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from _processes import run_without_interpreter  # noqa: E402
 
-from tp_kernels import config, symmetric_memory  # noqa: E402
+from tp_kernels import config, signals, symmetric_memory  # noqa: E402
 from tp_kernels.backends import symm as symm_backend  # noqa: E402
 
 
@@ -42,13 +42,13 @@ def test_fp32_precision_set_the_new_way_is_read_without_raising():
 
 def test_call_varying_scalars_are_never_specialized():
     """Triton compiles a new variant for an int argument equal to 1 or a multiple of 16 unless
-    it is in ``do_not_specialize``: rank, channel, epoch (the call number), the status address
-    and the deadline must not be, or calls 1, 16, 32, ... would each compile mid-run."""
+    it is in ``do_not_specialize``: rank, channel, the status address and the deadline must not
+    be, or rank 1 would compile a kernel of its own (and an address's alignment pick one)."""
     done = run_without_interpreter(
         """
         from tp_kernels import kernels
         from tp_kernels.kernels import ag_matmul, matmul_rs
-        kernels_ = [ag_matmul._signal_ready_kernel, ag_matmul._wait_ready_kernel,
+        kernels_ = [ag_matmul._barrier_kernel,
                     ag_matmul._ag_matmul_kernel.fn, matmul_rs._matmul_rs_kernel,
                     matmul_rs._reduce_slots_kernel.fn]
         for k in kernels_:
@@ -60,8 +60,9 @@ def test_call_varying_scalars_are_never_specialized():
     assert done.returncode == 0, done.stderr
     lines = done.stdout.split("\n")
     seen = [line for line in lines if line]
-    # Every varying argument of every kernel (the consumer waits on local words: no channel).
-    assert len(seen) == 3 + 5 + 4 + 3 + 5, seen
+    # Every varying argument of every kernel (the consumer waits on local words: no channel; the
+    # producer waits for nothing: no status, no deadline).
+    assert len(seen) == 4 + 3 + 2 + 4, seen
     assert all(line.endswith(" True") for line in seen), seen
 
 
@@ -92,19 +93,47 @@ class _Group:
     group_name = "tp"
 
 
-def test_graph_capture_is_refused_before_anything_runs(monkeypatch):
-    """A captured graph would replay the epochs of the capture and wait for stale signals: the
-    symm backend refuses, on CUDA, before it allocates, signals or launches anything."""
+def test_capture_without_state_is_refused_before_anything_runs(monkeypatch):
+    """Under CUDA graph capture a call that would have to make the group's state (a collective
+    allocation) is refused, on CUDA, before it allocates, signals or launches anything, naming
+    the bytes to reserve."""
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
 
     def no_state(*args):
         raise AssertionError("touched the group's state")
 
     monkeypatch.setattr(symm_backend, "_state", no_state)
-    with pytest.raises(RuntimeError, match=r"cannot be captured in a CUDA graph.*nothing was"):
+    with pytest.raises(
+        RuntimeError, match=r"cannot be captured in a CUDA graph now: no call on this group"
+    ) as info:
         symm_backend._begin(
             _Group(), torch.device("cuda", 0), symm_backend._AG, torch.float16, (8, 4, 0), 64
         )
+    assert "tp_kernels.reserve(group, nbytes=256)" in str(info.value), info.value
+
+
+def test_capture_is_taken_when_the_state_holds_the_call(monkeypatch):
+    """The symm backend captures a call whose workspaces and state the warmup (or
+    tp_kernels.reserve) made large enough; one that needs more is refused before anything
+    runs (before the capture-safe protocol, every capture was refused)."""
+    import types
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "capture stream")
+    group, cuda = _Group(), torch.device("cuda", 0)
+    state = symm_backend._GroupState.__new__(symm_backend._GroupState)
+    state.data = types.SimpleNamespace(nbytes=2 * 1024)
+    state.words = state.copier = state.pusher = object()
+    state.staging = torch.empty(1024, dtype=torch.uint8)
+    state.status = None
+    state.broken = None
+    state.last_stream = "the warmup's stream"
+    monkeypatch.setitem(symm_backend._states, group, {str(cuda): state})
+    assert symm_backend._usable_state(group, cuda, "a test call", need_half=1024) is state
+    # A capture may not wait for work outside it (the warmup's stream).
+    assert state.last_stream == "capture stream"
+    with pytest.raises(RuntimeError, match=r"holds 1024 bytes per call and this call needs 2048"):
+        symm_backend._usable_state(group, cuda, "a test call", need_half=2048)
 
 
 def _recorded_timeout_raises_at_next_call() -> dict:
@@ -120,8 +149,8 @@ def _recorded_timeout_raises_at_next_call() -> dict:
         symm_backend.BACKEND.all_gather_matmul(a, bs, group, return_a=False)  # sets up
         dist.barrier()
         if rank == 0:
-            status, _ = symm_backend._state(group, torch.device("cpu")).kernel_state()
-            status[1] = 7  # what a kernel stores when its wait for rank 1's epoch 7 timed out
+            status, _, _ = symm_backend._state(group, torch.device("cpu")).kernel_state()
+            status[1] = signals.WAIT_CHUNK  # what a wait for rank 1's chunk stores at its deadline
             report["unraised"] = symm_backend.unraised_timeouts()
             try:
                 symm_backend.BACKEND.all_gather_matmul(a, bs, group, return_a=False)
@@ -142,7 +171,7 @@ def _recorded_timeout_raises_at_next_call() -> dict:
 def test_recorded_timeout_is_raised_at_the_next_call(worlds):
     report = worlds(2).run(_recorded_timeout_raises_at_next_call)[0]
     assert report["peer"] == 1, report
-    assert "signal of rank(s) [1] (epoch 7" in report["error"], report["error"]
+    assert "for rank(s) [1] (rank 1: a chunk of its shard" in report["error"], report["error"]
     assert "cannot use the symm backend any more" in report["next"], report
     # Until raised, the record is what the exit report prints; once raised, it is not repeated.
     assert len(report["unraised"]) == 1 and "rank(s) [1]" in report["unraised"][0], report
@@ -197,14 +226,12 @@ def _launch_arguments() -> list[dict]:
 
 
 def test_triton_path_makes_no_per_call_tables_or_weight_copies(worlds):
-    """The host side of a call builds nothing on the device: the progress words of each call
-    parity and the status are made once and reused (consecutive calls alternate the two rows of
-    words, as the signals alternate channels); the weight goes in as it is (its strides), not
-    copied."""
+    """The host side of a call builds nothing on the device: the progress words and the status
+    are made once and every call uses the same ones (the start barrier clears the words: no
+    per-call row or value); the weight goes in as it is (its strides), not copied."""
     for seen in worlds(2).run(_launch_arguments):
         assert len(seen) == 4
-        words = [s["progress"] for s in seen]
-        assert words[0] == words[2] != words[1] == words[3], words
+        assert len({s["progress"] for s in seen}) == 1, seen
         assert len({s["status"] for s in seen}) == 1
         assert all(s["b_is_w_t"] == [True, True] for s in seen), seen
         assert all(s["b_is_the_weight"] == [True, True] for s in seen), seen

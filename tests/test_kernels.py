@@ -23,7 +23,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from _numerics import check_close  # noqa: E402
 
-from tp_kernels import kernels  # noqa: E402
+from tp_kernels import kernels, signals  # noqa: E402
 from tp_kernels.backends import symm_gather, symm_scatter  # noqa: E402
 
 
@@ -38,7 +38,9 @@ def _require_interpreter() -> None:
 _require_interpreter()
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# The slot words' channel, and the two barriers' (as the symm backend numbers them).
 CHANNEL = 1
+START, PUBLISHED = 2, 3
 NAN = float("nan")
 
 
@@ -46,17 +48,26 @@ def _addresses(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
 
 
-def _pads(world_size: int, channels: int = 2) -> tuple[list[torch.Tensor], torch.Tensor]:
+def _pads(world_size: int, channels: int = 4) -> tuple[list[torch.Tensor], torch.Tensor]:
     pads = [torch.zeros(channels * world_size, dtype=torch.int32) for _ in range(world_size)]
     return pads, _addresses(pads)
 
 
 def _progress(world_size: int) -> torch.Tensor:
-    """The consumer's progress words for one call, fresh (zero)."""
-    return symm_gather.new_progress(world_size, torch.device("cpu"))[0]
+    """The consumer's progress words for one call, clear (zero)."""
+    return torch.zeros(world_size * symm_gather.MAX_CHUNKS, dtype=torch.int32)
 
 
-def _copy_in(shards, a_out, rank, rows, progress, epoch, delay_s=0.0) -> threading.Thread:
+def _arrive(pads: list[torch.Tensor], rank: int, channel: int) -> None:
+    """What every peer's barrier on ``channel`` does to ``rank``'s pad: raise its word."""
+    world_size = len(pads)
+    row = pads[rank].view(-1, world_size)[channel]
+    for s in range(world_size):
+        if s != rank:
+            row[s] = signals.RAISED
+
+
+def _copy_in(shards, a_out, rank, rows, progress, delay_s=0.0) -> threading.Thread:
     """The copier as the symm backend runs it: rank's own rows first (before the consumer), then
     on a host thread, after ``delay_s`` (so that the consumer's tiles wait), every peer's rows in
     chunks of ``rows``, each chunk's progress word after it. Join the returned thread."""
@@ -67,7 +78,7 @@ def _copy_in(shards, a_out, rank, rows, progress, epoch, delay_s=0.0) -> threadi
 
     def run():
         time.sleep(delay_s)
-        copier.start([(s, shards[s]) for s in peers], a_out, rows, progress, epoch).join()
+        copier.start([(s, shards[s]) for s in peers], a_out, rows, progress).join()
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
@@ -123,29 +134,31 @@ def _fixed_order_sum(slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     ],
 )
 def test_ag_matmul_consumer(dtype, world_size, rank, m, k, ns, rows):
-    """The barrier, then a copier thread that starts late (the consumer's tiles of peer rows
-    wait on its progress words) beside the consumer: chunks of 16 rows (several per shard, tiles
-    on their boundaries), of 8 rows (shards smaller than a tile) and of 2 rows (a tile spans
-    chunks and waits for its last row's). Several ``bs`` share a launch (three at most: the
-    fourth is a launch of its own after them), a width of 1 among them."""
+    """The barrier (the peers' arrivals raised by hand), then a copier thread that starts late
+    (the consumer's tiles of peer rows wait on its progress words) beside the consumer: chunks
+    of 16 rows (several per shard, tiles on their boundaries), of 8 rows (shards smaller than a
+    tile) and of 2 rows (a tile spans chunks and waits for its last row's). Several ``bs`` share
+    a launch (three at most: the fourth is a launch of its own after them), a width of 1 among
+    them."""
     gen = torch.Generator().manual_seed(world_size * 100 + m)
     a = torch.randn(world_size * m, k, generator=gen).to(dtype)
     shards = [a[s * m : (s + 1) * m].clone() for s in range(world_size)]
     bs = [torch.randn(k, n, generator=gen).to(dtype) for n in ns]
     pads, signal_ptrs = _pads(world_size)
-    for s in range(world_size):
-        kernels.signal_ready(signal_ptrs, rank=s, world_size=world_size, channel=CHANNEL, epoch=7)
-    assert all(p.view(-1, world_size)[CHANNEL].eq(7).all() for p in pads)
+    _arrive(pads, rank, PUBLISHED)
     status = kernels.new_status(world_size, torch.device("cpu"))
-    kernels.wait_ready(
-        signal_ptrs, status=status, rank=rank, world_size=world_size, channel=CHANNEL, epoch=7
-    )
+    kernels.barrier(signal_ptrs, status=status, rank=rank, world_size=world_size, channel=PUBLISHED)
+    # The barrier consumed its peers' words and raised its own word in every peer's pad.
+    words = [p.view(-1, world_size)[PUBLISHED].tolist() for p in pads]
+    assert words == [
+        [int(d != rank and s == rank) for s in range(world_size)] for d in range(world_size)
+    ], words
 
     outs = [torch.full((world_size * m, n), NAN, dtype=dtype) for n in ns]
     a_out = torch.full((world_size * m, k), NAN, dtype=dtype)
     order = torch.empty(world_size, dtype=torch.int64)
     progress = _progress(world_size)
-    copier = _copy_in(shards, a_out, rank, rows, progress, epoch=7, delay_s=0.3)
+    copier = _copy_in(shards, a_out, rank, rows, progress, delay_s=0.3)
     kernels.ag_matmul_consumer(
         a_out,
         bs,
@@ -155,7 +168,6 @@ def test_ag_matmul_consumer(dtype, world_size, rank, m, k, ns, rows):
         status=status,
         rank=rank,
         world_size=world_size,
-        epoch=7,
         order_out=order,
     )
     copier.join()
@@ -164,13 +176,11 @@ def test_ag_matmul_consumer(dtype, world_size, rank, m, k, ns, rows):
     assert torch.equal(a_out, a)
     chunks = -(-m // rows)
     # One word per chunk of every peer, none for the own rows (in place before the launch).
-    want = [0 if s == rank else 7 for s in range(world_size) for _ in range(chunks)]
+    want = [0 if s == rank else 1 for s in range(world_size) for _ in range(chunks)]
     assert progress[: world_size * chunks].tolist() == want
     for j, (b, c) in enumerate(zip(bs, outs, strict=True)):
         reference = _ag_reference(a, b)
         assert (problem := check_close(f"outs[{j}]", c, *reference)) is None, problem
-    # Waiting does not consume: the words still hold the epoch.
-    assert all(p.view(-1, world_size)[CHANNEL].eq(7).all() for p in pads)
 
 
 def test_right_hand_matrices_share_launches_by_layout_three_at_most():
@@ -183,14 +193,14 @@ def test_right_hand_matrices_share_launches_by_layout_three_at_most():
     assert groups(["cr", "pointer", "pointer", "cr"]) == [[0], [1, 2], [3]]
 
 
-def _push_by_hand(staging, buffers, pads, rank: int, epoch: int) -> None:
+def _push_by_hand(staging, buffers, pads, rank: int) -> None:
     """What the pusher does for ``rank`` (tested in test_symm_backend.py): each peer's block of
     its staging into slot ``rank`` of the peer's buffer, then the peer's word."""
     world_size = len(buffers)
     for d in range(world_size):
         if d != rank:
             buffers[d][rank].copy_(staging[d])
-            pads[d].view(-1, world_size)[CHANNEL, rank] = epoch
+            pads[d].view(-1, world_size)[CHANNEL, rank] = signals.RAISED
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -220,15 +230,14 @@ def test_matmul_rs_producer_and_reduce(dtype, world_size, m, k, n):
             rank=r,
             world_size=world_size,
             channel=CHANNEL,
-            epoch=3,
             order_out=order,
         )
         assert order.tolist() == _rotation(r + 1, world_size)
         # One word per block, raised once the block is complete: the own block's in the own
         # pad, the peers' in the local progress words; no peer's pad or buffer is written.
-        assert progress[r].tolist() == [0 if d == r else 3 for d in range(world_size)]
+        assert progress[r].tolist() == [0 if d == r else 1 for d in range(world_size)]
         assert [p.view(-1, world_size)[CHANNEL].tolist() for p in pads] == [
-            [3 if (d == s and s <= r) else 0 for s in range(world_size)] for d in range(world_size)
+            [1 if (d == s and s <= r) else 0 for s in range(world_size)] for d in range(world_size)
         ]
         assert all(buffers[d][r].isnan().all() for d in range(world_size) if d != r)
         assert stagings[r][r].isnan().all()
@@ -239,7 +248,7 @@ def test_matmul_rs_producer_and_reduce(dtype, world_size, m, k, n):
             problem = check_close(f"block {d} of rank {r}", got, *reference)
             assert problem is None, problem
     for r in range(world_size):
-        _push_by_hand(stagings[r], buffers, pads, r, epoch=3)
+        _push_by_hand(stagings[r], buffers, pads, r)
     for dst in range(world_size):
         out = torch.full((m, n), NAN, dtype=dtype)
         status = kernels.new_status(world_size, torch.device("cpu"))
@@ -251,7 +260,6 @@ def test_matmul_rs_producer_and_reduce(dtype, world_size, m, k, n):
             rank=dst,
             world_size=world_size,
             channel=CHANNEL,
-            epoch=3,
         )
         assert status.tolist() == [0] * world_size
         assert torch.equal(out, _fixed_order_sum(buffers[dst], dtype))
@@ -307,7 +315,7 @@ def test_gemms_read_each_layout_of_their_operands(dtype, monkeypatch):
     a_out = torch.full((world_size * m, k), NAN, dtype=dtype)
     status = kernels.new_status(world_size, torch.device("cpu"))
     progress = _progress(world_size)
-    _copy_in(shards, a_out, rank, 16, progress, epoch=2).join()
+    _copy_in(shards, a_out, rank, 16, progress).join()
     kernels.ag_matmul_consumer(
         a_out,
         bs,
@@ -317,7 +325,6 @@ def test_gemms_read_each_layout_of_their_operands(dtype, monkeypatch):
         status=status,
         rank=rank,
         world_size=world_size,
-        epoch=2,
     )
     # The gathered A once (TMA in every launch), then each launch's B.
     assert chosen == ["rc", "cr", "pointer", "pointer"], chosen
@@ -340,7 +347,6 @@ def test_gemms_read_each_layout_of_their_operands(dtype, monkeypatch):
             rank=0,
             world_size=world_size,
             channel=CHANNEL,
-            epoch=2,
         )
         for dst in range(world_size):
             reference = _ag_reference(a_t[dst * m : (dst + 1) * m], b)
@@ -351,50 +357,72 @@ def test_gemms_read_each_layout_of_their_operands(dtype, monkeypatch):
 
 def test_reduce_slots_casts_to_out_dtype():
     slots = torch.randn(3, 5, 7, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    _, signal_ptrs = _pads(3)
-    for s in range(3):
-        kernels.signal_ready(signal_ptrs, rank=s, world_size=3, channel=0, epoch=1)
+    pads, signal_ptrs = _pads(3)
+    pads[2].view(-1, 3)[0] = signals.RAISED  # every slot pushed, the own one too
     out = torch.empty(5, 7, dtype=torch.float32)
     status = kernels.new_status(3, torch.device("cpu"))
-    kernels.reduce_slots(
-        slots, out, signal_ptrs, status=status, rank=2, world_size=3, channel=0, epoch=1
-    )
+    kernels.reduce_slots(slots, out, signal_ptrs, status=status, rank=2, world_size=3, channel=0)
     assert torch.equal(out, _fixed_order_sum(slots, torch.float32))
 
 
-def test_stale_or_missing_signal_times_out():
-    """A word left at an older epoch (the previous call) or never set must not satisfy a wait:
-    neither a peer's ready word (the barrier) nor a progress word (the consumer). Each records
-    the epoch it waited for, and the host raises from that record alone."""
+def test_start_barrier_clears_the_words_before_it_arrives():
+    """The start barrier zeroes every progress word and this rank's slot words (the previous
+    call's raised values), raises its arrival in every peer's pad and consumes the peers'
+    arrivals in its own, so nothing of the previous call satisfies a wait of the next."""
+    world_size, rank = 3, 1
+    pads, signal_ptrs = _pads(world_size)
+    for p in pads:
+        p.view(-1, world_size)[CHANNEL] = signals.RAISED  # the last call's pushes
+    words = torch.ones(world_size * (symm_gather.MAX_CHUNKS + 1), dtype=torch.int32)
+    _arrive(pads, rank, START)
+    status = kernels.new_status(world_size, torch.device("cpu"))
+    kernels.barrier(
+        signal_ptrs,
+        status=status,
+        rank=rank,
+        world_size=world_size,
+        channel=START,
+        clear=(words, CHANNEL),
+        wait=signals.WAIT_START,
+    )
+    assert status.tolist() == [0] * world_size
+    assert words.eq(0).all(), words
+    rows = [p.view(-1, world_size) for p in pads]
+    assert rows[rank][CHANNEL].eq(0).all() and rows[rank][START].eq(0).all()
+    for d in (0, 2):  # the peers' own words are theirs to clear; this rank's arrival is raised
+        assert rows[d][CHANNEL].eq(1).all()
+        assert rows[d][START].tolist() == [int(s == rank) for s in range(world_size)]
+
+
+def test_unraised_signal_times_out():
+    """A word never raised (a peer that did not arrive, a chunk not copied, a slot not pushed)
+    does not satisfy a wait: each records which wait it was, and the host raises from that
+    record alone."""
     world_size, m, k, n = 3, 32, 20, 18
     gen = torch.Generator().manual_seed(5)
     shards = [torch.randn(m, k, generator=gen) for _ in range(world_size)]
     b = torch.randn(k, n, generator=gen)
     pads, signal_ptrs = _pads(world_size)
-    for s, epoch in ((0, 2), (1, 2), (2, 1)):
-        kernels.signal_ready(
-            signal_ptrs, rank=s, world_size=world_size, channel=CHANNEL, epoch=epoch
-        )
+    pads[0].view(-1, world_size)[START, 1] = signals.RAISED  # rank 2 never arrives
     status = kernels.new_status(world_size, torch.device("cpu"))
     started = time.monotonic()
-    kernels.wait_ready(
+    kernels.barrier(
         signal_ptrs,
         status=status,
         rank=0,
         world_size=world_size,
-        channel=CHANNEL,
-        epoch=2,
+        channel=START,
         timeout_s=0.2,
+        wait=signals.WAIT_START,
     )
     assert 0.2 <= time.monotonic() - started < 5.0
-    assert status.tolist() == [0, 0, 2]
+    assert status.tolist() == [0, 0, signals.WAIT_START]
 
-    # The consumer: rank 1's two chunks copied (epoch 2), rank 2's words left at epoch 1.
+    # The consumer: rank 1's two chunks copied, rank 2's words never raised.
     a_out = torch.full((world_size * m, k), NAN)
     a_out[: 2 * m] = torch.cat(shards[:2])
     progress = _progress(world_size)
-    progress[2:4] = 2
-    progress[4:6] = 1
+    progress[2:4] = signals.RAISED
     out = torch.full((world_size * m, n), NAN)
     status = kernels.new_status(world_size, torch.device("cpu"))
     started = time.monotonic()
@@ -407,26 +435,20 @@ def test_stale_or_missing_signal_times_out():
         status=status,
         rank=0,
         world_size=world_size,
-        epoch=2,
         timeout_s=0.2,
     )
     # Rank 2's first tile waits 0.2 s; its later tiles see the record and give up at once.
     assert 0.2 <= time.monotonic() - started < 5.0
-    assert status.tolist() == [0, 0, 2]
+    assert status.tolist() == [0, 0, signals.WAIT_CHUNK]
     message = (
-        r"ag_matmul_consumer on rank 0 of group 'tp': waited 0.2 s for the signal of "
-        r"rank\(s\) \[2\] \(epoch 2, channel 1, signal words \[5\] of rank 0's pad\)"
+        r"ag_matmul_consumer on rank 0 of group 'tp': waited 0.2 s for rank\(s\) \[2\] "
+        r"\(rank 2: a chunk of its shard copied into this rank's gathered A \(a progress word\)\)"
     )
     with pytest.raises(kernels.PeerWaitTimeout, match=message) as info:
         kernels.raise_on_timeout(
-            status,
-            what="ag_matmul_consumer",
-            rank=0,
-            channel=CHANNEL,
-            timeout_s=0.2,
-            group_name="tp",
+            status, what="ag_matmul_consumer", rank=0, timeout_s=0.2, group_name="tp"
         )
-    assert (info.value.peers, info.value.epoch) == ([2], 2)
+    assert (info.value.peers, info.value.waits) == ([2], {2: signals.WAIT_CHUNK})
     # The ranks that did signal are computed; only rank 2's rows are undefined.
     for s in (0, 1):
         rows = slice(s * m, (s + 1) * m)
@@ -434,9 +456,8 @@ def test_stale_or_missing_signal_times_out():
         assert (problem := check_close(f"rows of {s}", out[rows], *reference)) is None, problem
 
     slots = torch.zeros(world_size, m, n)
-    pads[1].zero_()
-    kernels.signal_ready(signal_ptrs, rank=0, world_size=world_size, channel=0, epoch=4)
-    kernels.signal_ready(signal_ptrs, rank=2, world_size=world_size, channel=0, epoch=4)
+    row = pads[1].view(-1, world_size)[CHANNEL]
+    row[0] = row[2] = signals.RAISED  # rank 1's own block was never produced
     status = kernels.new_status(world_size, torch.device("cpu"))
     kernels.reduce_slots(
         slots,
@@ -445,11 +466,10 @@ def test_stale_or_missing_signal_times_out():
         status=status,
         rank=1,
         world_size=world_size,
-        channel=0,
-        epoch=4,
+        channel=CHANNEL,
         timeout_s=0.2,
     )
-    assert status.tolist() == [0, 4, 0]
+    assert status.tolist() == [0, signals.WAIT_SLOT, 0]
 
 
 def _bad_ag(**change):
@@ -463,23 +483,21 @@ def _bad_ag(**change):
         status=kernels.new_status(world_size, torch.device("cpu")),
         rank=0,
         world_size=world_size,
-        epoch=1,
     )
     args.update(change)
     kernels.ag_matmul_consumer(**args)
 
 
-def _bad_wait(**change):
+def _bad_barrier(**change):
     args = dict(
         signal_ptrs=torch.zeros(3, dtype=torch.int64),
         status=kernels.new_status(2, torch.device("cpu")),
         rank=0,
         world_size=2,
         channel=0,
-        epoch=1,
     )
     args.update(change)
-    kernels.wait_ready(**args)
+    kernels.barrier(**args)
 
 
 def _bad_rs(**change):
@@ -494,7 +512,6 @@ def _bad_rs(**change):
         rank=1,
         world_size=2,
         channel=0,
-        epoch=1,
     )
     args.update(change)
     kernels.matmul_rs_producer(**args)
@@ -509,20 +526,19 @@ def _bad_reduce(**change):
         rank=0,
         world_size=2,
         channel=0,
-        epoch=1,
     )
     args.update(change)
     kernels.reduce_slots(**args)
 
 
 # The launchers check what the symm backend makes (address tables, scratch, timeout record, rank,
-# channel, epoch). Operand shapes and dtypes are the ops layer's checks (test_ops.py), which the
+# channel). Operand shapes and dtypes are the ops layer's checks (test_ops.py), which the
 # launchers trust since issue 12: cases that fed them bad operands went with their checks.
 @pytest.mark.parametrize(
     ("call", "change", "message"),
     [
         (
-            _bad_wait,
+            _bad_barrier,
             {},
             r"signal_ptrs: .* shape \(3,\), expected int64 of shape \(2,\)",
         ),
@@ -539,7 +555,15 @@ def _bad_reduce(**change):
             dict(status=torch.zeros(3, dtype=torch.int32)),
             r"status: got torch.int32 of shape \(3,\), expected torch.int32 of shape \(2,\)",
         ),
-        (_bad_ag, dict(epoch=0), r"epoch: got 0, expected 1 <= epoch"),
+        (
+            _bad_barrier,
+            dict(
+                signal_ptrs=torch.zeros(2, dtype=torch.int64),
+                clear=(torch.zeros(4, dtype=torch.int64), 1),
+            ),
+            r"clear\[0\] \(the words\): got torch.int64 of shape \(4,\) on cpu, expected a "
+            r"contiguous int32",
+        ),
         (_bad_ag, dict(rank=2), r"rank: got 2, expected 0 <= rank < world_size=2"),
         (_bad_ag, dict(timeout_s=0.0), r"timeout_s: got 0.0"),
         (
@@ -592,16 +616,6 @@ def test_bad_input_is_named(call, change, message):
 # ---------------------------------------------------------------- across processes
 
 
-# Per-process epoch counters, one per (workspace tag, channel): the ranks persist across tests,
-# and every call must wait for a value no earlier call has left in the pads.
-_EPOCHS: dict[str, int] = {}
-
-
-def _next_epoch(tag: str) -> int:
-    _EPOCHS[tag] = _EPOCHS.get(tag, 0) + 1
-    return _EPOCHS[tag]
-
-
 def _workspace(tag: str, nbytes: int):
     import torch.distributed as dist
 
@@ -617,7 +631,7 @@ def _workspace(tag: str, nbytes: int):
 
 
 # One call per dtype, each with a different late rank (the last call has none); the late rank
-# sleeps with its buffer full of NaN and its word still at the previous call's epoch.
+# sleeps with its buffer full of NaN and its words cleared (the previous call's values gone).
 _CALLS = ((torch.float32, -1), (torch.bfloat16, 0), (torch.float16, None))
 
 
@@ -638,34 +652,27 @@ def _rank_ag(m: int, k: int, ns: tuple[int, ...]) -> list[str]:
         gen = torch.Generator().manual_seed(call)
         a = torch.randn(world_size * m, k, generator=gen).to(dtype)
         bs = [torch.randn(k, n, generator=gen).to(dtype) for n in ns]
-        epoch = _next_epoch(tag)
         mine = ws.buffer(rank, (m, k), dtype)
-        dist.barrier()  # every rank is done reading the previous call's shards
+        status = kernels.new_status(world_size, torch.device("cpu"))
+        barrier = functools.partial(
+            kernels.barrier, signal_ptrs, status=status, rank=rank, world_size=world_size
+        )
+        # The protocol of the symm backend's _ag_triton: the start barrier (every rank is done
+        # reading the previous call's shards; the progress words cleared), publish, the
+        # publish barrier, then the copier from the peers' mappings beside the consumer.
+        barrier(channel=START, clear=(progress, CHANNEL), timeout_s=60.0)
         mine.fill_(NAN)
         if rank == _late(world_size, late):
             time.sleep(1.0)
         mine.copy_(a[rank * m : (rank + 1) * m])
-        kernels.signal_ready(
-            signal_ptrs, rank=rank, world_size=world_size, channel=CHANNEL, epoch=epoch
-        )
+        barrier(channel=PUBLISHED, timeout_s=60.0)
         outs = [torch.full((world_size * m, n), NAN, dtype=dtype) for n in ns]
         a_out = torch.full((world_size * m, k), NAN, dtype=dtype)
         a_out[rank * m : (rank + 1) * m].copy_(mine)
         order = torch.empty(world_size, dtype=torch.int64)
-        status = kernels.new_status(world_size, torch.device("cpu"))
-        # The barrier, then the copier from the peers' mappings beside the consumer.
-        kernels.wait_ready(
-            signal_ptrs,
-            status=status,
-            rank=rank,
-            world_size=world_size,
-            channel=CHANNEL,
-            epoch=epoch,
-            timeout_s=60.0,
-        )
         peers = [(rank + j) % world_size for j in range(1, world_size)]
         sources = [(s, ws.buffer(s, (m, k), dtype)) for s in peers]
-        copies = copier.start(sources, a_out, 16, progress, epoch)
+        copies = copier.start(sources, a_out, 16, progress)
         kernels.ag_matmul_consumer(
             a_out,
             bs,
@@ -675,7 +682,6 @@ def _rank_ag(m: int, k: int, ns: tuple[int, ...]) -> list[str]:
             status=status,
             rank=rank,
             world_size=world_size,
-            epoch=epoch,
             timeout_s=60.0,
             order_out=order,
         )
@@ -705,7 +711,7 @@ def _rank_rs(m: int, k: int, n: int) -> list[str]:
     status = kernels.new_status(world_size, torch.device("cpu"))
     pads = [ws.signal_pad(s) for s in range(world_size)]
     pusher = symm_scatter.Pusher(torch.device("cpu"), pads, "test_kernels")
-    progress = symm_scatter.new_progress(world_size, torch.device("cpu"))[0]
+    progress = torch.zeros(world_size, dtype=torch.int32)
     peers = [(rank + j) % world_size for j in range(1, world_size)]
     problems = []
     for call, (dtype, late) in enumerate(_CALLS):
@@ -714,14 +720,24 @@ def _rank_rs(m: int, k: int, n: int) -> list[str]:
             torch.randn(world_size * m, k, generator=gen).to(dtype) for _ in range(world_size)
         ]
         parts_b = [torch.randn(k, n, generator=gen).to(dtype) for _ in range(world_size)]
-        epoch = _next_epoch(tag)
         slots = ws.buffer(rank, (world_size, m, n), dtype)
         staging = torch.full((world_size, m, n), NAN, dtype=dtype)
-        dist.barrier()  # every rank is done reducing the previous call's slots
+        # No peer pushes into this buffer before this rank's start barrier (the previous call's
+        # pushes all landed before its reduction), so the NaN goes in first.
         slots.fill_(NAN)
-        dist.barrier()  # no peer writes into this buffer before the NaN is in
         if rank == _late(world_size, late):
             time.sleep(1.0)
+        # The protocol of the symm backend's _rs_triton: the start barrier (clearing the
+        # progress and slot words), then the producer beside the pusher, then the reduction.
+        kernels.barrier(
+            signal_ptrs,
+            status=status,
+            rank=rank,
+            world_size=world_size,
+            channel=START,
+            timeout_s=60.0,
+            clear=(progress, CHANNEL),
+        )
         order = torch.empty(world_size, dtype=torch.int64)
 
         produce = functools.partial(
@@ -736,11 +752,10 @@ def _rank_rs(m: int, k: int, n: int) -> list[str]:
             rank=rank,
             world_size=world_size,
             channel=CHANNEL,
-            epoch=epoch,
             order_out=order,
         )
         pushes = [(d, staging[d], ws.buffer(d, (world_size, m, n), dtype)[rank]) for d in peers]
-        copies = pusher.run(produce, pushes, progress, CHANNEL * world_size + rank, epoch)
+        copies = pusher.run(produce, pushes, progress, CHANNEL * world_size + rank)
         out = torch.full((m, n), NAN, dtype=dtype)
         kernels.reduce_slots(
             slots,
@@ -750,7 +765,6 @@ def _rank_rs(m: int, k: int, n: int) -> list[str]:
             rank=rank,
             world_size=world_size,
             channel=CHANNEL,
-            epoch=epoch,
             timeout_s=60.0,
         )
         copies.join()

@@ -322,7 +322,8 @@ def _launched_twice(lag_rank: int, lag_s: float):
     while its second launch still waits on this call's signals."""
     from tp_kernels import kernels
 
-    names = ("wait_ready", "ag_matmul_consumer", "matmul_rs_producer", "reduce_slots")
+    # The barrier is not relaunched: it is never autotuned, and it consumes its words.
+    names = ("ag_matmul_consumer", "matmul_rs_producer", "reduce_slots")
     originals = {name: getattr(kernels, name) for name in names}
 
     def twice(launch):
@@ -348,17 +349,14 @@ def _launched_twice(lag_rank: int, lag_s: float):
 GROUP_PATTERN = (0, 0, 1, 0, 1, 1, 0, 0, 0, 1, 0, 1, 1, 1, 0, 1, 0, 0, 1, 1, 0, 1)
 
 
-def _run_ahead(
-    lag_rank: int, lag_s: float, channels: tuple[int, int], timeout_s: float, calls: int
-) -> dict:
+def _run_ahead(lag_rank: int, lag_s: float, timeout_s: float, calls: int) -> dict:
     """``calls`` consecutive calls through the symm backend's Triton path (AG, AG, RS, ...) on two
     process groups used in :data:`GROUP_PATTERN`, shapes growing and shrinking, with
     :func:`_launched_twice`. Returns the problems, the first error, and each call's start and
     end time on this rank (to show that peers really ran ahead)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     groups = [dist.new_group(list(range(world))) for _ in range(2)]
-    saved_channels, saved_timeout = symm_backend._KERNEL_CHANNELS, symmetric_memory.get_timeout()
-    symm_backend._KERNEL_CHANNELS = channels
+    saved_timeout = symmetric_memory.get_timeout()
     symmetric_memory.set_timeout(timeout_s)
     report: dict = {"problems": [], "error": None, "times": []}
     try:
@@ -382,7 +380,6 @@ def _run_ahead(
     except symmetric_memory.SymmTimeoutError as exc:
         report["error"] = str(exc)
     finally:
-        symm_backend._KERNEL_CHANNELS = saved_channels
         symmetric_memory.set_timeout(saved_timeout)
         for group in groups:
             dist.destroy_process_group(group)
@@ -402,24 +399,40 @@ def _ran_ahead(reports: list[dict], lag_rank: int) -> bool:
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_triton_path_survives_a_lagging_rank(worlds, world_size):
-    """The race of one signal word per source: peers run ahead by a call while the lagging rank
-    launches each kernel a second time. With the channels alternating by call parity, 22 calls
-    on two groups all give the right values; the peers did run ahead."""
-    reports = worlds(world_size).run(_run_ahead, 0, LAG_S, symm_backend._KERNEL_CHANNELS, 60.0, 22)
+    """Peers run ahead by a call while the lagging rank launches each kernel a second time (as
+    autotuning does): its second reduction still reads its slots and its second consumer its
+    progress words. The next call's start barrier holds the peers until the lagging rank has
+    finished, so 22 calls on two groups all give the right values; the peers did run ahead."""
+    reports = worlds(world_size).run(_run_ahead, 0, LAG_S, 60.0, 22)
     for rank, report in enumerate(reports):
         assert report["error"] is None and report["problems"] == [], (rank, report)
         assert len(report["times"]) == 22
     assert _ran_ahead(reports, 0), [r["times"] for r in reports]
 
 
-def test_one_channel_loses_the_lagging_rank(worlds):
-    """The control that shows the test above exercises the race: with both parities on ONE
-    channel (the protocol before the fix), the lagging rank's second launch waits for a word its
-    peer has already overwritten with the next call's epoch, and runs into its deadline."""
-    reports = worlds(2).run(_run_ahead, 0, CONTROL_LAG_S, (2, 2), 3.0, 2)
-    error = reports[0]["error"]
-    assert error is not None and "signal of rank(s) [1]" in error, reports[0]
-    assert "never came" in error, error
+def _run_ahead_without_start_barrier(lag_rank: int, lag_s: float, calls: int) -> dict:
+    """:func:`_run_ahead` with every start barrier skipped (the progress and slot words then
+    keep the previous call's raised values, and nothing holds a fast peer back)."""
+    original = symm_backend._barrier
+
+    def no_start(state, pads, rank, world, channel, *, clear):
+        if channel != symm_backend._START:
+            original(state, pads, rank, world, channel, clear=clear)
+
+    symm_backend._barrier = no_start
+    try:
+        return _run_ahead(lag_rank, lag_s, 3.0, calls)
+    finally:
+        symm_backend._barrier = original
+
+
+def test_without_the_start_barrier_the_lagging_rank_is_lost(worlds):
+    """The control of the test above: without the start barrier, the peers' next calls push
+    into the lagging rank's slots while its second reduction reads them, and its consumers find
+    the previous call's progress words raised: some call gives wrong values (or a wait ends at
+    its deadline)."""
+    reports = worlds(2).run(_run_ahead_without_start_barrier, 0, CONTROL_LAG_S, 6)
+    assert any(r["problems"] or r["error"] for r in reports), reports
 
 
 # ---------------------------------------------------------------- the backward's re-gather
@@ -644,7 +657,11 @@ def test_peer_killed_mid_copy_is_named_at_the_deadline(tmp_path):
         report = json.loads(Path(tmp_path, f"rank{rank}.json").read_text())
         assert report["problems"] == [], report
         assert report["peer"] == 2, report
-        assert "waited 2 s for the signal of rank(s) [2]" in report["error"], report["error"]
+        # The first wait that timed out is named: the next call's start barrier.
+        assert (
+            "waited 2 s for rank(s) [2] (rank 2: its arrival at the call's start barrier"
+            in report["error"]
+        ), report["error"]
         assert 2.0 <= report["waited"] < 30.0, report
         assert "cannot use the symm backend any more" in report["next_call"], report
 
@@ -730,25 +747,30 @@ def test_progress_falls_back_to_a_copy_without_stream_memory_operations(monkeypa
         calls.append(("stream_write", word, value))
         raise RuntimeError("CUDA driver error: operation not supported")
 
-    def host_word(value):
-        calls.append(("copy", value))
-        return torch.tensor([value], dtype=torch.int32)  # pinned on a CUDA build
-
     monkeypatch.setattr(torch.ops.symm_mem, "stream_write_value32_", refused)
-    monkeypatch.setattr(symm_gather, "_pinned_word", host_word)
+    # The raised value in (pinned, on a CUDA build) host memory is made once, with the writer,
+    # outside any capture: no host allocation per word.
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
     write = symm_gather._StreamWriter()
     progress = torch.zeros(4, dtype=torch.int32)
-    write(progress, 1, 7)
-    write(progress, 2, 7)
-    assert calls == [("stream_write", 1, 7), ("copy", 7), ("copy", 7)]
-    assert progress.tolist() == [0, 7, 7, 0]
+    real_copy = torch.Tensor.copy_
+
+    def copy(dst, src, non_blocking=False):
+        calls.append(("copy", src.data_ptr() == write._raised.data_ptr(), non_blocking))
+        return real_copy(dst, src)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", copy)
+    write(progress, 1)
+    write(progress, 2)
+    assert calls == [("stream_write", 1, 1), ("copy", True, True), ("copy", True, True)]
+    assert progress.tolist() == [0, 1, 1, 0]
 
     def broken(words, word, value):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     monkeypatch.setattr(torch.ops.symm_mem, "stream_write_value32_", broken)
     with pytest.raises(RuntimeError, match="illegal memory access"):
-        symm_gather._StreamWriter()(progress, 0, 8)
+        symm_gather._StreamWriter()(progress, 0)
 
 
 class _Rows:
@@ -792,22 +814,22 @@ def test_cuda_copier_enqueues_chunks_then_words_after_the_barrier(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(
-        symm_gather, "_StreamWriter", lambda: lambda words, w, e: log.append(("word", w, e))
+        symm_gather, "_StreamWriter", lambda: lambda words, w: log.append(("word", words, w))
     )
     copier = symm_gather.Copier(torch.device("cuda", 0))
     sources = [(s, _Rows(log, f"shard{s}", rows=5)) for s in (2, 0)]
-    copies = copier.start(sources, _Rows(log, "A"), 3, "progress", 9)
+    copies = copier.start(sources, _Rows(log, "A"), 3, "progress")
     assert log == [
         ("wait", "side", "current"),
         ("record_stream", "A", "side"),
         ("copy", "shard2[0:3]", "A[10:13]"),
-        ("word", 4, 9),
+        ("word", "progress", 4),
         ("copy", "shard2[3:5]", "A[13:15]"),
-        ("word", 5, 9),
+        ("word", "progress", 5),
         ("copy", "shard0[0:3]", "A[0:3]"),
-        ("word", 0, 9),
+        ("word", "progress", 0),
         ("copy", "shard0[3:5]", "A[3:5]"),
-        ("word", 1, 9),
+        ("word", "progress", 1),
         ("record event", "side"),
     ]
     assert copies._event == "event" and copies._thread is None
@@ -836,7 +858,7 @@ def test_a_call_on_another_stream_waits_for_the_previous_calls_stream(monkeypatc
     group, cuda = dist.group.WORLD, torch.device("cuda", 0)
     for name in ("s1", "s1", "s2", "s2", "s1"):
         current[0] = current[0] if current[0].name == name else Stream(name)
-        assert symm_backend._usable_state(group, cuda, "a test call") is state
+        assert symm_backend._usable_state(group, cuda, "a test call", need_half=64) is state
     assert waits == [("s2", "s1"), ("s1", "s2")]
 
 

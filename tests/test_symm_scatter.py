@@ -26,12 +26,13 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from test_symm_backend import BACKEND, _rs_check, _rs_problem  # noqa: E402
 
-from tp_kernels import config, symmetric_memory  # noqa: E402
+from tp_kernels import config, signals, symmetric_memory  # noqa: E402
 from tp_kernels.backends import symm as symm_backend  # noqa: E402
 from tp_kernels.backends import symm_gather, symm_scatter  # noqa: E402
 from tp_kernels.testing import LocalWorld, RankError  # noqa: E402
 
-WORLD, RANK, CHANNEL, EPOCH = 3, 0, 2, 5
+WORLD, RANK, CHANNEL = 3, 0, 2
+RAISED = signals.RAISED
 WORD = CHANNEL * WORLD + RANK  # this rank's word in a peer's pad
 
 
@@ -42,12 +43,12 @@ def _pusher_threads() -> list[threading.Thread]:
 def _cpu_pusher() -> tuple[symm_scatter.Pusher, list[torch.Tensor], torch.Tensor]:
     pads = [torch.zeros(4 * WORLD, dtype=torch.int32) for _ in range(WORLD)]
     pusher = symm_scatter.Pusher(torch.device("cpu"), pads, "symm test on group 'g'")
-    return pusher, pads, symm_scatter.new_progress(WORLD, torch.device("cpu"))[1]
+    return pusher, pads, torch.zeros(WORLD, dtype=torch.int32)
 
 
 def test_pusher_copies_each_block_after_its_word_then_signals():
     """The producer fills each block, then (later) its word: each peer's slot gets the block's
-    final values, and its pad word the epoch; the own word and block are not the pusher's."""
+    final values, and its pad word is raised; the own word and block are not the pusher's."""
     pusher, pads, progress = _cpu_pusher()
     blocks = torch.zeros(WORLD, 2, 3)
     slots = [torch.full((2, 3), -1.0) for _ in range(WORLD)]
@@ -57,12 +58,12 @@ def test_pusher_copies_each_block_after_its_word_then_signals():
         for d in reversed(peers):  # block 2 completes before block 1, which the pusher takes first
             time.sleep(0.2)
             blocks[d].fill_(10.0 + d)  # a pusher that did not wait would copy the zeros
-            symm_gather._store_release(progress, d, EPOCH)
+            symm_gather._store_release(progress, d)
 
     pushes = [(d, blocks[d], slots[d]) for d in peers]
-    pusher.run(produce, pushes, progress, WORD, EPOCH).join()
+    pusher.run(produce, pushes, progress, WORD).join()
     assert [s.unique().tolist() for s in slots] == [[-1.0], [11.0], [12.0]]
-    assert [p[WORD].item() for p in pads] == [0, EPOCH, EPOCH]
+    assert [p[WORD].item() for p in pads] == [0, RAISED, RAISED]
     assert sum(int(p.count_nonzero()) for p in pads) == 2
 
 
@@ -77,7 +78,7 @@ def test_pusher_stops_when_the_producer_fails():
 
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="the producer failed"):
-        pusher.run(produce, [(1, torch.ones(3), slot)], progress, WORD, EPOCH)
+        pusher.run(produce, [(1, torch.ones(3), slot)], progress, WORD)
     assert time.monotonic() - start < 5.0
     assert slot.eq(0).all() and all(p.eq(0).all() for p in pads)
     assert _pusher_threads() == []  # joined before the error was raised
@@ -88,11 +89,11 @@ def test_pusher_waits_for_a_word_at_most_the_deadline():
     peer; the block is not pushed."""
     pusher, pads, progress = _cpu_pusher()
     slot = torch.zeros(3)
-    progress[2] = EPOCH - 2  # the call before last's word: stale, not this call's
+    # Never raised (the start barrier cleared it, and the producer never got to it).
     saved = symmetric_memory.get_timeout()
     symmetric_memory.set_timeout(0.3)
     try:
-        copies = pusher.run(lambda: None, [(2, torch.ones(3), slot)], progress, WORD, EPOCH)
+        copies = pusher.run(lambda: None, [(2, torch.ones(3), slot)], progress, WORD)
         start = time.monotonic()
         with pytest.raises(symmetric_memory.SymmTimeoutError) as caught:
             copies.join()
@@ -101,7 +102,7 @@ def test_pusher_waits_for_a_word_at_most_the_deadline():
     assert time.monotonic() - start < 5.0
     message = str(caught.value)
     assert caught.value.peer == 2 and "group 'g'" in message, message
-    assert "block owed to peer rank 2 (progress word 2 holds 3, needed 5)" in message, message
+    assert "block owed to peer rank 2 (progress word 2 holds 0, needed 1)" in message, message
     assert slot.eq(0).all() and all(p.eq(0).all() for p in pads)
     assert _pusher_threads() == []
 
@@ -136,11 +137,11 @@ def _fake_cuda(monkeypatch, log: _Log, waits: bool) -> symm_scatter.Pusher:
 
     current = Stream(name="current")
 
-    def waiter(stream, progress, word, epoch):
-        log.op("wait", word, epoch)
+    def waiter(stream, progress, word):
+        log.op("wait", word)
 
-    def writer(pad, word, epoch):
-        log.op("write", pad, word, epoch)
+    def writer(pad, word):
+        log.op("write", pad, word)
 
     monkeypatch.setattr(torch.cuda, "Stream", Stream)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
@@ -169,10 +170,10 @@ def test_cuda_pusher_enqueues_the_cpu_pushers_steps(monkeypatch, waits):
     log = _Log()
     pusher = _fake_cuda(monkeypatch, log, waits)
     pushes = [(d, _Block(log, f"staging[{d}]"), _Block(log, f"slot of {d}")) for d in (1, 2)]
-    copies = pusher.run(lambda: log.op("produce"), pushes, "progress", WORD, EPOCH)
+    copies = pusher.run(lambda: log.op("produce"), pushes, "progress", WORD)
     steps = [
-        [("wait", d, EPOCH)] * waits
-        + [("copy", f"staging[{d}]", f"slot of {d}"), ("write", f"pad{d}", WORD, EPOCH)]
+        [("wait", d)] * waits
+        + [("copy", f"staging[{d}]", f"slot of {d}"), ("write", f"pad{d}", WORD)]
         for d in (1, 2)
     ]
     pushed = [step for per_peer in steps for step in per_peer]
@@ -196,7 +197,7 @@ def test_cuda_pusher_leaves_no_wait_behind_a_producer_that_fails_to_launch(monke
         raise RuntimeError("Triton Error [CUDA]: out of resources")
 
     with pytest.raises(RuntimeError, match="out of resources"):
-        pusher.run(produce, pushes, "progress", WORD, EPOCH)
+        pusher.run(produce, pushes, "progress", WORD)
     assert not [step for step in log if step[0] in ("wait", "copy", "write")], log
 
 
@@ -227,7 +228,7 @@ class _ProbeStream:
 
 def test_stream_waiter_waits_for_equality_or_reports_no_stream_memory_operations(monkeypatch):
     """The probe (a word that already holds 0) finds out once whether the driver has stream
-    memory operations; a wait is cuStreamWaitValue32(stream, &progress[word], epoch, EQ);
+    memory operations; a wait is cuStreamWaitValue32(stream, &progress[word], RAISED, EQ);
     another error is raised."""
     calls = _fake_libcuda(monkeypatch, symm_scatter._CUDA_ERROR_NOT_SUPPORTED)
     assert symm_scatter._StreamWaiter.load(_ProbeStream()) is None
@@ -236,8 +237,8 @@ def test_stream_waiter_waits_for_equality_or_reports_no_stream_memory_operations
     calls = _fake_libcuda(monkeypatch, symm_scatter._CUDA_SUCCESS)
     waiter = symm_scatter._StreamWaiter.load(_ProbeStream())
     progress = torch.zeros(4, dtype=torch.int32)
-    waiter(_ProbeStream(), progress, 2, EPOCH)
-    assert calls[1] == (99, progress.data_ptr() + 8, EPOCH, symm_scatter._CU_STREAM_WAIT_VALUE_EQ)
+    waiter(_ProbeStream(), progress, 2)
+    assert calls[1] == (99, progress.data_ptr() + 8, RAISED, symm_scatter._CU_STREAM_WAIT_VALUE_EQ)
 
     _fake_libcuda(monkeypatch, 1)  # CUDA_ERROR_INVALID_VALUE
     with pytest.raises(RuntimeError, match="cuStreamWaitValue32 failed with CUresult 1"):
@@ -315,8 +316,9 @@ def test_peer_killed_mid_push_is_named_at_the_deadline(tmp_path):
         assert "cannot use the symm backend any more" in report["next_call"], (rank, report)
     # Rank 1 never got the dead rank's word: its first call fails, naming it.
     assert reports[1]["failed_call"] == 1 and reports[1]["calls"] == 0, reports[1]
-    assert reports[1]["peer"] == 2 and "signal of rank(s) [2]" in reports[1]["error"], reports[1]
+    assert reports[1]["peer"] == 2, reports[1]
+    assert "for rank(s) [2] (rank 2: its partial pushed" in reports[1]["error"], reports[1]
     # Rank 0 got the block before the rank died: that call is complete and right; its next one
-    # waits for rank 2, and for rank 1, which stopped at its own error.
+    # waits at its start barrier for rank 2, and for rank 1, which stopped at its own error.
     assert reports[0]["failed_call"] == 2 and reports[0]["calls"] == 1, reports[0]
-    assert "signal of rank(s) [1, 2]" in reports[0]["error"], reports[0]
+    assert "for rank(s) [1, 2] (rank 1: its arrival at the call's start" in reports[0]["error"]

@@ -451,7 +451,7 @@ class SymmWorkspace(abc.ABC):
     @abc.abstractmethod
     def signal_pad(self, rank: int) -> torch.Tensor:
         """int32 ``[num_signals * world_size]`` on :attr:`device`: a view of ``rank``'s signal
-        pad (this rank's or a peer's), for writers that store epochs into its words (the
+        pad (this rank's or a peer's), for writers that raise its words from the host side (the
         ``symm`` backend's pusher); valid while this workspace lives."""
 
     @abc.abstractmethod
@@ -773,6 +773,14 @@ def _on_device(device: torch.device) -> contextlib.AbstractContextManager[Any]:
     ):
         return torch.cuda.device(device)
     return contextlib.nullcontext()
+
+
+def cached_workspace(
+    group: dist.ProcessGroup, device: torch.device | str, tag: str
+) -> SymmWorkspace | None:
+    """The workspace :func:`get_workspace` holds for ``(group, tag, device)``, or None; never
+    communicates (what a call under CUDA graph capture may ask)."""
+    return _workspaces.get(group, {}).get((tag, str(_as_device(device))))
 
 
 def get_workspace(

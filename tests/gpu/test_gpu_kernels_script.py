@@ -65,14 +65,14 @@ def test_result_rows_rates_and_ratios():
         gk.Result(gk.BASELINE, "reference", True, flops, times_ms=[1.0, 2.0, 3.0]),
         gk.Result("ag_matmul_consumer", "ok", True, flops, times_ms=[4.0, 4.0, 4.0]),
         gk.Result("reduce_slots", "ok", True, 4e9, "GB/s", times_ms=[2.0]),
-        gk.Result("signal_ready", "ok", True, times_ms=[0.01]),
+        gk.Result("barrier", "ok", True, times_ms=[0.01]),
         gk.Result("matmul_rs_producer", "MISMATCH", False, flops),
     ]
     rows = {row[0]: row for row in gk.result_rows(results)}
     assert rows[gk.BASELINE][1:6] == ("2.0000", "1.4000", "2.6000", "1.0 TFLOP/s", "1.00x")
     assert rows["ag_matmul_consumer"][4:6] == ("0.5 TFLOP/s", "0.50x")
     assert rows["reduce_slots"][4:6] == ("2000.0 GB/s", "-")
-    assert rows["signal_ready"][4:] == ("-", "-", "ok")
+    assert rows["barrier"][4:] == ("-", "-", "ok")
     assert rows["matmul_rs_producer"][1:] == ("-",) * 5 + ("MISMATCH",)
 
 
@@ -82,10 +82,10 @@ def _fake_launchers(p: gk.Problem, *, producer_scale: float, producer_signals: b
     def producer() -> None:
         p.slots[0].copy_(p.want * producer_scale)
         if producer_signals:
-            p.pad[gk.RS_CHANNEL] = gk.EPOCH
+            p.pad[gk.RS_CHANNEL] = 1
 
     return {
-        "signal_ready": lambda: p.pad.__setitem__(gk.AG_CHANNEL, gk.EPOCH),
+        "barrier": lambda: (p.pad.__setitem__(gk.AG_CHANNEL, 0), p.progress.zero_()),
         "ag_matmul_consumer": lambda: p.c.copy_(p.want),
         "matmul_rs_producer": producer,
         "reduce_slots": lambda: p.reduced.copy_(p.slots[0]),
@@ -99,7 +99,7 @@ def test_check_all_flags_wrong_results_and_missing_signals():
     good = gk.check_all(p, _fake_launchers(p, producer_scale=1.0, producer_signals=True), tol)
     assert [r.name for r in good] == [
         gk.BASELINE,
-        "signal_ready",
+        "barrier",
         "ag_matmul_consumer",
         "matmul_rs_producer",
         "matmul_rs_producer's signal",
@@ -112,7 +112,7 @@ def test_check_all_flags_wrong_results_and_missing_signals():
     verdicts = {r.name: r for r in bad}
     assert not verdicts["matmul_rs_producer"].ok
     assert verdicts["matmul_rs_producer"].check.startswith("MISMATCH, max err")
-    assert verdicts["matmul_rs_producer's signal"].check == "FAILED, pad word 0 != epoch 1"
+    assert verdicts["matmul_rs_producer's signal"].check == "FAILED, pad word 0 != 1"
     assert verdicts["ag_matmul_consumer"].ok and verdicts["reduce_slots"].ok
 
 
@@ -164,7 +164,7 @@ def test_interpreted_run_checks_every_real_launcher():
     lines = proc.stdout.splitlines()
     names = [
         gk.BASELINE,
-        "signal_ready",
+        "barrier",
         "ag_matmul_consumer",
         "matmul_rs_producer",
         "matmul_rs_producer's signal",

@@ -16,12 +16,24 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from tp_kernels import deadline
 from tp_kernels._compat import all_gather_single
+
+
+@dataclass(frozen=True)
+class CaptureNeed:
+    """What a call asks of a backend's state under CUDA graph capture: its op
+    (``"all_gather_matmul"``, ``"matmul_reduce_scatter"`` or ``"all_gather"``), the bytes of its
+    largest symmetric buffer and its dtype."""
+
+    op: str
+    nbytes: int
+    dtype: torch.dtype
 
 
 class PendingGather:

@@ -30,12 +30,16 @@ Two paths run this protocol:
   :class:`~tp_kernels.symmetric_memory.SymmTimeoutError`.
 * the Triton path (default on CUDA; on CPU only with ``TP_KERNELS_SYMM_TRITON=1`` and
   ``TRITON_INTERPRET=1``, since the interpreter is slow and serves to test the kernels'
-  signalling across processes): the launchers of :mod:`tp_kernels.kernels`, whose epoch signals
-  alternate between the channels :data:`_KERNEL_CHANNELS` by call parity (see the protocol in
-  :mod:`tp_kernels.kernels`; never shared with the 0/1 signals), and the copier of
-  :mod:`tp_kernels.backends.symm_gather` (all-gather) or the pusher of
-  :mod:`tp_kernels.backends.symm_scatter` (reduce-scatter), whose progress words alternate
-  between two rows by the same parity. The host does exactly the same on CPU and CUDA (but that
+  signalling across processes): the launchers of :mod:`tp_kernels.kernels`, whose words go
+  0 -> 1 -> 0 on fixed channels (:data:`_START`, :data:`_PUBLISHED`, :data:`_SLOTS`; see the
+  protocol in :mod:`tp_kernels.kernels`; never shared with the torch path's 0/1 signals), and
+  the copier of :mod:`tp_kernels.backends.symm_gather` (all-gather) or the pusher of
+  :mod:`tp_kernels.backends.symm_scatter` (reduce-scatter), whose progress words the call's
+  start barrier clears. Every call opens with that barrier: a rank arrives only after its
+  previous call ended, so past it no peer reads anything of the previous call. Nothing any of
+  them launches, copies, writes or waits for depends on the call (no epoch, no parity), so a
+  CUDA graph that captured calls replays them correctly, and an eager call runs the very
+  protocol a replay does. The host does exactly the same on CPU and CUDA (but that
   the CPU's copier and pusher are threads, the GPU's side streams): no handshake of its own,
   nothing that synchronizes with the device, tables, progress words, staging and the side
   streams made once, the weight read through its strides. It covers fp32, fp16 and bf16;
@@ -45,14 +49,17 @@ Two paths run this protocol:
 A call is opened by ``_begin``, which refuses what cannot run before anything is signalled and
 returns its two parts: a ``_Round`` (the call's number, its header and its signals to and from each
 peer: numbering and agreement) and a ``_Half`` (its half of the data workspace, grown when too
-small); ``_kernel_args`` derives the launchers' arguments from the round. The torch path's order
+small). The torch path's order
 of work is :mod:`tp_kernels.backends.schedule`'s, with ``_Arrivals`` and ``_Slots`` as transport.
 
 Timeouts of the Triton path are recorded by the kernels in a per-group status in host memory
 (pinned on CUDA) and raised at the start of the next call on the group, without waiting for the
 device (on CPU the kernels have finished when the launcher returns, so also right after them).
-The symm backend refuses to be captured in a CUDA graph, before launching anything: its epochs
-are host counters baked into each launch, so a replayed graph would wait for stale epochs.
+
+CUDA graph capture: a captured call must not allocate, grow a workspace (a collective) or make
+its state, so one that would have to is refused before anything is launched, naming the bytes
+that :meth:`SymmBackend.reserve` (``tp_kernels.reserve``) or an eager warmup call provides;
+:meth:`SymmBackend.capture_unready_reason` tells the ops layer (and ``auto``) beforehand.
 
 Agreement (torch path on CPU): next to its data every rank writes a header (call number, op,
 dtype, the shape that lays out the buffers, bytes needed) into a small control workspace that
@@ -67,14 +74,17 @@ same; otherwise all raise. The Triton path and CUDA do not check headers (on CUD
 synchronize the host on every call): the ops layer's consistency check (on by default for CPU
 tensors, ``TP_KERNELS_CHECK_CONSISTENCY=1`` on CUDA) is what catches mismatched calls there.
 
-Buffer reuse: double buffering. Call ``c`` uses half ``c % 2`` of the data and header
-workspaces. A rank signals in call ``c`` only after returning from call ``c-1``, so once rank
-``r`` has received every peer's signal of call ``c-1`` (it always has, mismatch or not), no peer
-still reads anything of call ``c-2``: ``r`` may overwrite that half (its own shard, or its slots
-in the peers' buffers) in call ``c``. The alternative, one buffer and a barrier at the end of
-every call, makes every rank wait for the slowest at the end of each call instead of letting the
-next call's own-shard work absorb the skew (measured in benchmarks/README.md). Double buffering
-costs only a second half of memory.
+Buffer reuse. The Triton path needs none of its own: its start barrier orders every write of a
+call after every peer's reads of the previous one, whatever region it uses. The torch path
+(host signals, CPU only, never captured) double-buffers: call ``c`` uses half ``c % 2`` of the
+data and header workspaces. A rank signals in call ``c`` only after returning from call
+``c-1``, so once rank ``r`` has received every peer's signal of call ``c-1`` (it always has,
+mismatch or not), no peer still reads anything of call ``c-2``: ``r`` may overwrite that half
+(its own shard, or its slots in the peers' buffers) in call ``c``, and the next call's own-shard
+work absorbs the skew instead of a barrier at the end of each call (measured in
+benchmarks/README.md). The Triton path takes its half by the same parity, so that the two
+paths interleave on one group (on CPU a dtype the kernels lack takes the torch path), but its
+correctness does not rest on it: a captured call keeps the half of its capture.
 
 After a deadline error the group's state is unknown (a peer may be dead or a signal outstanding),
 so every later call on that group raises at once.
@@ -98,19 +108,21 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from tp_kernels import config, symmetric_memory
+from tp_kernels import config, signals, symmetric_memory
 from tp_kernels.backends import schedule, symm_gather, symm_scatter
-from tp_kernels.backends.base import Backend, PendingGather
+from tp_kernels.backends.base import Backend, CaptureNeed, PendingGather
 
 _CTL_TAG = "tp_kernels.backends.symm.ctl"
 _DATA_TAG = "tp_kernels.backends.symm.data"
 _REGATHER_TAG = "tp_kernels.backends.symm.regather"
 # The re-gather workspace's halves: re-gather g uses half g % 2 (see _regather).
 _REGATHER_HALVES = 2
-# Channel 0 is left to SymmWorkspace.barrier (used when a workspace is set up).
+# Channel 0 is left to SymmWorkspace.barrier (used when a workspace is set up); 1 is the torch
+# path's 0/1 host signals.
 _READY = 1
-# The kernels' epoch signals: call c uses _KERNEL_CHANNELS[c % 2].
-_KERNEL_CHANNELS = (2, 3)
+# The Triton path's channels (see tp_kernels.kernels): the start barrier, the publish barrier
+# and the reduce-scatter's slot words. Fixed, so a replayed call signals on the same words.
+_START, _PUBLISHED, _SLOTS = 2, 3, 4
 # Header words: call number, op, dtype code, three dims, bytes of one half needed.
 _HEADER_WORDS = 7
 _CTL_BYTES = 4096
@@ -160,8 +172,12 @@ def _grown_size(need_half: int) -> int:
 class _GroupState:
     """Per (group, device): the control workspace, the data workspace, the call counter and,
     for the kernels, the address tables of the data halves, the timeout status, the
-    reduce-scatter producer's tile counters, the all-gather's copier and progress words, and the
-    reduce-scatter's pusher, progress words and staging (each made once, not per call)."""
+    reduce-scatter producer's tile counters, the progress words, the all-gather's copier, and
+    the reduce-scatter's pusher and staging (each made once, not per call, and never under
+    ``torch.inference_mode``: later calls write them in place).
+
+    The progress words are one int32 vector, ``[W * MAX_CHUNKS]`` for the all-gather's chunks
+    then ``[W]`` for the reduce-scatter's blocks, so that the start barrier clears them all."""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
         self.ctl = symmetric_memory.get_workspace(group, _CTL_BYTES, device, tag=_CTL_TAG)
@@ -169,10 +185,9 @@ class _GroupState:
         self.half_ptrs: tuple[torch.Tensor, torch.Tensor] | None = None
         self.status: torch.Tensor | None = None
         self.counters: torch.Tensor | None = None
+        self.words: torch.Tensor | None = None
         self.copier: symm_gather.Copier | None = None
-        self.progress: torch.Tensor | None = None
         self.pusher: symm_scatter.Pusher | None = None
-        self.scatter_progress: torch.Tensor | None = None
         self.staging: torch.Tensor | None = None
         self.seq = 0
         # The re-gathers (see _regather): their own count, and the copies of the one in flight.
@@ -190,39 +205,71 @@ class _GroupState:
         ptrs = data.buffer_ptrs()
         self.half_ptrs = (ptrs.clone(), ptrs + data.nbytes // 2)
 
-    def kernel_state(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(status, counters)`` of the kernels, made on first use."""
-        if self.status is None or self.counters is None:
+    def kernel_state(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(status, counters, words)`` of the kernels, made on first use."""
+        if self.status is None or self.counters is None or self.words is None:
             from tp_kernels import kernels
 
             world, device = self.ctl.world_size, self.ctl.device
-            self.status = kernels.new_status(world, device)
-            self.counters = kernels.new_counters(world, device)
-        return self.status, self.counters
+            with torch.inference_mode(False):
+                self.status = kernels.new_status(world, device)
+                self.counters = kernels.new_counters(world, device)
+                self.words = torch.zeros(
+                    world * (symm_gather.MAX_CHUNKS + 1), dtype=torch.int32, device=device
+                )
+        return self.status, self.counters, self.words
 
-    def gather_state(self) -> tuple[symm_gather.Copier, torch.Tensor]:
-        """``(copier, progress)`` of the all-gather, made on first use."""
-        if self.copier is None or self.progress is None:
-            self.copier = symm_gather.Copier(self.ctl.device)
-            self.progress = symm_gather.new_progress(self.ctl.world_size, self.ctl.device)
-        return self.copier, self.progress
+    def progress_words(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The all-gather's chunk words and the reduce-scatter's block words (views of
+        :attr:`words`)."""
+        _, _, words = self.kernel_state()
+        split = self.ctl.world_size * symm_gather.MAX_CHUNKS
+        return words[:split], words[split:]
 
-    def scatter_state(self) -> tuple[symm_scatter.Pusher, torch.Tensor, torch.Tensor]:
-        """``(pusher, progress, staging)`` of the reduce-scatter, made on first use; ``staging``
-        (uint8, the producer's local blocks) is as large as one half of the data workspace and
-        grows with it."""
+    def copier_state(self) -> symm_gather.Copier:
+        """The all-gather's copier, made on first use."""
+        if self.copier is None:
+            with torch.inference_mode(False):
+                self.copier = symm_gather.Copier(self.ctl.device)
+        return self.copier
+
+    def scatter_state(self) -> tuple[symm_scatter.Pusher, torch.Tensor]:
+        """``(pusher, staging)`` of the reduce-scatter, made on first use; ``staging`` (uint8, the
+        producer's local blocks) is as large as one half of the data workspace and grows with
+        it."""
         world, device = self.ctl.world_size, self.ctl.device
-        if self.pusher is None or self.scatter_progress is None:
-            pads = [self.ctl.signal_pad(s) for s in range(world)]
-            where = f"symm matmul_reduce_scatter on group {self.ctl.group.group_name!r}"
-            self.pusher = symm_scatter.Pusher(device, pads, where)
-            self.scatter_progress = symm_scatter.new_progress(world, device)
-        half = self.data.nbytes // 2
-        if self.staging is None or self.staging.numel() < half:
-            # The old staging may still be read by the previous call's copies: the current
-            # stream has waited for them, and the allocator reuses it in that stream's order.
-            self.staging = torch.empty(half, dtype=torch.uint8, device=device)
-        return self.pusher, self.scatter_progress, self.staging
+        with torch.inference_mode(False):
+            if self.pusher is None:
+                pads = [self.ctl.signal_pad(s) for s in range(world)]
+                where = f"symm matmul_reduce_scatter on group {self.ctl.group.group_name!r}"
+                self.pusher = symm_scatter.Pusher(device, pads, where)
+            half = self.data.nbytes // 2
+            if self.staging is None or self.staging.numel() < half:
+                if self.staging is not None and device.type == "cuda":
+                    # The old block goes back to the pool of the stream it was made on, which
+                    # need not follow the pusher's reads of it; the current stream does (it
+                    # joined the last call's side streams, or followed the stream that did).
+                    self.staging.record_stream(torch.cuda.current_stream(device))
+                self.staging = torch.empty(half, dtype=torch.uint8, device=device)
+        return self.pusher, self.staging
+
+    def capture_unready_reason(self, need_half: int, *, regather: bool) -> str | None:
+        """Why a captured call needing ``need_half`` bytes of a data half would have to make or
+        grow something first (what the warmup or :meth:`SymmBackend.reserve` does), or None."""
+        if self.data is None or self.data.nbytes // 2 < need_half:
+            have = 0 if self.data is None else self.data.nbytes // 2
+            return f"the data workspace holds {have} bytes per call and this call needs {need_half}"
+        if self.words is None or self.copier is None or self.pusher is None:
+            return "its kernels' state (progress words, copier, pusher) is not made yet"
+        if self.staging is None or self.staging.numel() < need_half:
+            return "its reduce-scatter staging is smaller than this call needs"
+        if regather:
+            ws = symmetric_memory.cached_workspace(self.ctl.group, self.ctl.device, _REGATHER_TAG)
+            need = _REGATHER_HALVES * need_half
+            if ws is None or ws.nbytes < need:
+                have = 0 if ws is None else ws.nbytes
+                return f"the re-gather workspace holds {have} bytes and this call needs {need}"
+        return None
 
     def headers(self, rank: int) -> torch.Tensor:
         """``rank``'s two headers, int64 [2, _HEADER_WORDS]."""
@@ -255,7 +302,7 @@ def unraised_timeouts() -> list[str]:
                 with contextlib.suppress(RuntimeError):
                     torch.cuda.synchronize(device)
             if state.status.any():
-                peers = [s for s, epoch in enumerate(state.status.tolist()) if epoch]
+                peers = [s for s, code in enumerate(state.status.tolist()) if code]
                 found.append(
                     f"tp_kernels symm: on group {group.group_name!r} ({device}) a kernel waited "
                     f"past its deadline for rank(s) {peers} (status {state.status.tolist()}); "
@@ -277,16 +324,41 @@ def _use_triton(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cuda" or config.SYMM_TRITON.get()
 
 
-def _usable_state(group: dist.ProcessGroup, device: torch.device, what: str) -> _GroupState:
-    """The group's state, or a refusal before anything is signalled: CUDA graph capture, or a
-    group broken by an earlier deadline (raising a timeout a kernel recorded first)."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            f"symm {what} on group {group.group_name!r}: cannot be captured in a "
-            "CUDA graph (its signals carry call numbers counted on the host, so a replay "
-            "would wait for stale ones); nothing was launched. Inside graphs use "
-            "backend='reference' or 'pipelined', whose NCCL collectives can be captured"
-        )
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _capture_unready_reason(
+    group: dist.ProcessGroup, device: torch.device, need_half: int, *, regather: bool
+) -> str | None:
+    """Why a call needing ``need_half`` bytes per data half cannot be captured now (it would
+    allocate, grow a workspace collectively or make its state), or None."""
+    state = _states.get(group, {}).get(str(device))
+    if state is None:
+        return "no call on this group has run yet, so its workspaces and state are not made"
+    return state.capture_unready_reason(need_half, regather=regather)
+
+
+def _usable_state(
+    group: dist.ProcessGroup,
+    device: torch.device,
+    what: str,
+    *,
+    need_half: int,
+    regather: bool = False,
+) -> _GroupState:
+    """The group's state, or a refusal before anything is signalled: a CUDA graph capture that
+    would have to make or grow something first, or a group broken by an earlier deadline
+    (raising a timeout a kernel recorded first)."""
+    if _capturing(device):
+        why = _capture_unready_reason(group, device, need_half, regather=regather)
+        if why is not None:
+            raise RuntimeError(
+                f"symm {what} on group {group.group_name!r}: cannot be captured in a CUDA "
+                f"graph now: {why}; nothing was launched. Run the step once eagerly before "
+                f"capturing it (a warmup), or call tp_kernels.reserve(group, nbytes={need_half}) "
+                "on every rank before the capture"
+            )
     state = _state(group, device)
     if state.broken is None:
         _raise_recorded_timeout(state, group, what)
@@ -308,7 +380,9 @@ def _follow_last_stream(state: _GroupState, device: torch.device) -> None:
     on another stream (a user's stream switch, an overlapping schedule) would not follow that
     join without this wait."""
     current = torch.cuda.current_stream(device)
-    if state.last_stream is not None and current != state.last_stream:
+    # A capture may not wait for work outside it; torch.cuda.graph synchronizes the device
+    # before capturing, so the last call has finished anyway.
+    if state.last_stream is not None and current != state.last_stream and not _capturing(device):
         current.wait_stream(state.last_stream)
     state.last_stream = current
 
@@ -331,7 +405,7 @@ def _begin(
             f"symm {_OP_NAMES[op]}: dtype {dtype} is not supported; expected one of "
             f"{[str(d) for d in _DTYPES]}"
         )
-    state = _usable_state(group, device, _OP_NAMES[op])
+    state = _usable_state(group, device, _OP_NAMES[op], need_half=_half_bytes(nbytes))
     state.seq += 1
     header = [state.seq, op, _DTYPES.index(dtype), *dims, _half_bytes(nbytes)]
     # See the module docstring: headers are checked where the host can read them cheaply,
@@ -443,24 +517,6 @@ class _Half:
         return self.state.half_ptrs[self.round.parity]
 
 
-def _kernel_args(round_: _Round) -> dict:
-    """The arguments every launcher takes for ``round_``: :func:`_signal_args`."""
-    return _signal_args(round_.rank, round_.world, round_.seq)
-
-
-def _signal_args(rank: int, world: int, seq: int) -> dict:
-    """This rank, call ``seq``'s channel (alternating by call parity) and epoch (the call number,
-    wrapped into the kernels' epoch range)."""
-    from tp_kernels import kernels
-
-    return {
-        "rank": rank,
-        "world_size": world,
-        "channel": _KERNEL_CHANNELS[seq % 2],
-        "epoch": (seq - 1) % kernels.MAX_EPOCH + 1,
-    }
-
-
 def _raise_recorded_timeout(state: _GroupState, group: dist.ProcessGroup, op: str) -> None:
     """Raise the deadline error a kernel of this group recorded (in host memory: no wait for the
     device), and mark the group broken."""
@@ -474,7 +530,6 @@ def _raise_recorded_timeout(state: _GroupState, group: dist.ProcessGroup, op: st
             status,
             what="a symm kernel",
             rank=group.rank(),
-            channel=_KERNEL_CHANNELS[0],
             timeout_s=symmetric_memory.get_timeout(),
             group_name=group.group_name,
         )
@@ -483,7 +538,6 @@ def _raise_recorded_timeout(state: _GroupState, group: dist.ProcessGroup, op: st
         raise symmetric_memory.SymmTimeoutError(
             f"{exc} (recorded by a kernel; raised by the next symm call on the group, {op})",
             peer=exc.peers[0],
-            channel=exc.channel,
             timeout_s=exc.timeout_s,
         ) from None
 
@@ -522,6 +576,36 @@ class SymmBackend(Backend):
         if device.type != "cpu" or config.SYMM_TRITON.get():
             return _kernels_unavailable_reason(device)
         return None
+
+    def capture_unready_reason(
+        self, group: dist.ProcessGroup, device: torch.device, need: CaptureNeed
+    ) -> str | None:
+        """Why a call needing ``need`` cannot be captured in a CUDA graph now (its workspaces,
+        staging or state would have to be made or grown: collective allocations), or None. The
+        ops layer asks before launching anything; :meth:`reserve` or one eager call makes them."""
+        if group.size() == 1:
+            return None
+        return _capture_unready_reason(
+            group, torch.device(device), _half_bytes(need.nbytes), regather=need.op == "all_gather"
+        )
+
+    def reserve(self, group: dist.ProcessGroup, device: torch.device, nbytes: int) -> None:
+        """Make, on every rank of ``group`` (collective), what calls of up to ``nbytes`` per
+        buffer need: the data workspace (both halves), the re-gather's workspace, the progress
+        words, the copier, the pusher and its staging. Call it outside any capture. (The kernels
+        tune themselves on a shape's first call, which the ops layer requires to be eager.)"""
+        device = torch.device(device)
+        if group.size() == 1:
+            return
+        need = _half_bytes(nbytes)
+        state = _state(group, device)
+        if state.data is None or state.data.nbytes // 2 < need:
+            state.grow(group, _grown_size(need))
+        symmetric_memory.get_workspace(group, _REGATHER_HALVES * need, device, tag=_REGATHER_TAG)
+        if _use_triton(device, torch.float32):
+            state.kernel_state()
+            state.copier_state()
+            state.scatter_state()
 
     def all_gather_matmul(
         self,
@@ -644,6 +728,27 @@ class _Slots:
         return self._half.view(self._round.rank, self._shape, self._dtype)
 
 
+def _barrier(
+    state: _GroupState, pads: torch.Tensor, rank: int, world: int, channel: int, *, clear: bool
+) -> None:
+    """The barrier on ``channel`` (:data:`_START` or :data:`_PUBLISHED`) of the ranks whose signal
+    pads are ``pads`` (:func:`kernels.barrier`); ``clear``: clear the group's progress and slot
+    words first (a fused call's start barrier)."""
+    from tp_kernels import kernels
+
+    status, _, words = state.kernel_state()
+    kernels.barrier(
+        pads,
+        status=status,
+        rank=rank,
+        world_size=world,
+        channel=channel,
+        timeout_s=symmetric_memory.get_timeout(),
+        clear=(words, _SLOTS) if clear else None,
+        wait=signals.WAIT_START if channel == _START else signals.WAIT_PUBLISHED,
+    )
+
+
 def _ag_triton(
     round_: _Round,
     half: _Half,
@@ -653,27 +758,27 @@ def _ag_triton(
     a: torch.Tensor,
 ) -> None:
     """The all-gather-matmul of :class:`SymmBackend` on the copy-engine protocol
-    (:mod:`tp_kernels.backends.symm_gather`): publish the shard, signal, barrier, then the copies
-    into ``a`` beside :func:`kernels.ag_matmul_consumer`, which waits on their progress words."""
+    (:mod:`tp_kernels.backends.symm_gather`): the start barrier, publish the shard, the publish
+    barrier, then the copies into ``a`` beside :func:`kernels.ag_matmul_consumer`, which waits
+    on their progress words. Every launch, copy and word is the same in every call of this
+    shape: a CUDA graph replays it."""
     from tp_kernels import kernels
 
-    state, rank = round_.state, round_.rank
+    state, rank, world = round_.state, round_.rank, round_.world
     m, k = a_shard.shape
+    pads = state.ctl.signal_pad_ptrs()
+    status, _, _ = state.kernel_state()
+    words, _ = state.progress_words()
+    copier = state.copier_state()
+    _barrier(state, pads, rank, world, _START, clear=True)
     half.view(rank, (m, k), a_shard.dtype).copy_(a_shard)
     a[rank * m : (rank + 1) * m].copy_(a_shard)
-    pads = state.ctl.signal_pad_ptrs()
-    status, _ = state.kernel_state()
-    copier, progress = state.gather_state()
-    args = _kernel_args(round_)
-    timeout_s = symmetric_memory.get_timeout()
-    kernels.signal_ready(pads, **args)
-    kernels.wait_ready(pads, status=status, timeout_s=timeout_s, **args)
+    _barrier(state, pads, rank, world, _PUBLISHED, clear=False)
     ns = tuple(b.shape[1] for b in bs)
-    chunks = symm_gather.chunks_per_shard(m, k, ns, a.dtype, round_.world, a.device)
+    chunks = symm_gather.chunks_per_shard(m, k, ns, a.dtype, world, a.device)
     rows = symm_gather.chunk_rows(m, chunks, interpret=kernels.INTERPRET)
-    words = progress[round_.parity]
     sources = [(s, half.view(s, (m, k), a_shard.dtype)) for s in round_.peers()]
-    copies = copier.start(sources, a, rows, words, args["epoch"])
+    copies = copier.start(sources, a, rows, words)
     try:
         kernels.ag_matmul_consumer(
             a,
@@ -683,9 +788,8 @@ def _ag_triton(
             chunk_rows=rows,
             status=status,
             rank=rank,
-            world_size=round_.world,
-            epoch=args["epoch"],
-            timeout_s=timeout_s,
+            world_size=world,
+            timeout_s=symmetric_memory.get_timeout(),
         )
     finally:
         copies.join()
@@ -697,30 +801,41 @@ def _rs_triton(
     round_: _Round, half: _Half, a: torch.Tensor, b: torch.Tensor, m: int, n: int
 ) -> torch.Tensor:
     """The matmul-reduce-scatter of :class:`SymmBackend` on the copy-engine protocol
-    (:mod:`tp_kernels.backends.symm_scatter`): :func:`kernels.matmul_rs_producer` stores the
-    peers' blocks into local staging beside the pusher, which copies each into its peer's slot
-    once complete and signals it; then :func:`kernels.reduce_slots`."""
+    (:mod:`tp_kernels.backends.symm_scatter`): the start barrier (after which no peer reads its
+    slots of the previous call), then :func:`kernels.matmul_rs_producer` stores the peers'
+    blocks into local staging beside the pusher, which copies each into its peer's slot once
+    complete and signals it; then :func:`kernels.reduce_slots`."""
     from tp_kernels import kernels
 
     state, rank, world = round_.state, round_.rank, round_.world
     pads = state.ctl.signal_pad_ptrs()
-    status, counters = state.kernel_state()
-    pusher, progress, staging_bytes = state.scatter_state()
-    args = _kernel_args(round_)
+    status, counters, _ = state.kernel_state()
+    _, words = state.progress_words()
+    pusher, staging_bytes = state.scatter_state()
     shape = (world, m, n)
     staging = staging_bytes[: world * m * n * a.element_size()].view(a.dtype).view(shape)
     own = half.view(rank, shape, a.dtype)
-    words = progress[round_.parity]
     pushes = [(d, staging[d], half.view(d, shape, a.dtype)[rank]) for d in round_.peers()]
+    _barrier(state, pads, rank, world, _START, clear=True)
 
     def produce() -> None:
-        kernels.matmul_rs_producer(a, b, staging, own, words, pads, counters=counters, **args)
+        kernels.matmul_rs_producer(
+            a, b, staging, own, words, pads, counters=counters, rank=rank, world_size=world,
+            channel=_SLOTS,
+        )  # fmt: skip
 
     out = a.new_empty((m, n))
-    copies = pusher.run(produce, pushes, words, args["channel"] * world + rank, args["epoch"])
+    copies = pusher.run(produce, pushes, words, _SLOTS * world + rank)
     try:
         kernels.reduce_slots(
-            own, out, pads, status=status, timeout_s=symmetric_memory.get_timeout(), **args
+            own,
+            out,
+            pads,
+            status=status,
+            rank=rank,
+            world_size=world,
+            channel=_SLOTS,
+            timeout_s=symmetric_memory.get_timeout(),
         )
     finally:
         try:
@@ -746,54 +861,56 @@ class _CopiesInFlight(PendingGather):
 
 
 def _regather(group: dist.ProcessGroup, a_shard: torch.Tensor) -> PendingGather:
-    """Backward's re-gather of ``a_shard`` [m, ...] on the all-gather's protocol: publish it in
-    this re-gather's half of the group's re-gather workspace, signal, barrier (``wait_ready`` on
-    the Triton path, the host's signals on the torch path), then the copier pulls every peer's
-    shard into ``A`` (no progress words: ``wait`` joins the copies instead).
+    """Backward's re-gather of ``a_shard`` [m, ...] on the all-gather's protocol: on the Triton
+    path the start barrier, publish it in the group's re-gather workspace, the publish barrier
+    (both on that workspace's pad); on the torch path publish, then the host's signals. Then
+    the copier pulls every peer's shard into ``A`` (no progress words: ``wait`` joins the copies
+    instead).
 
-    Its region is its own, double-buffered by the re-gathers' own count, because its copies are
-    joined only after the fused call it overlaps (the input grad's reduce-scatter), which uses
-    the data workspace meanwhile. The reuse rule is the data workspace's, one level up: re-gather
+    Its region is its own because its copies are joined only after the fused call it overlaps
+    (the input grad's reduce-scatter), which uses the data workspace meanwhile. One re-gather is
+    in flight per group: a new one first joins the last one's copies, so this rank arrives at
+    the next start barrier only after them, and a peer overwrites its region only after that
+    barrier (the Triton path: any region is safe, so a CUDA graph may replay it). The torch
+    path relies on the regions alternating by the re-gathers' own count instead: re-gather
     ``g+2`` overwrites half ``g % 2`` only after this rank has every peer's signal of ``g+1``,
-    which each peer raises after it joined its copies of ``g`` (stream order on CUDA), so no
-    peer still reads it. That needs one re-gather in flight per group: a new one joins the last.
-    Headers are not checked: the re-gather belongs to a fused call's backward, whose forward the
-    ranks agreed on."""
+    which each peer raises after it joined its copies of ``g``. Headers are not checked: the
+    re-gather belongs to a fused call's backward, whose forward the ranks agreed on."""
     device, dtype = a_shard.device, a_shard.dtype
     what = "all_gather (backward's re-gather)"
-    state = _usable_state(group, device, what)
+    need_half = _half_bytes(a_shard.nbytes)
+    state = _usable_state(group, device, what, need_half=need_half, regather=True)
     if state.regather_copies is not None:
         state.regather_copies.join()
     state.regather_seq += 1
     rank, world, m = group.rank(), group.size(), a_shard.shape[0]
     shape = tuple(a_shard.shape)
     ws = symmetric_memory.get_workspace(
-        group, _REGATHER_HALVES * _half_bytes(a_shard.nbytes), device, tag=_REGATHER_TAG
+        group, _REGATHER_HALVES * need_half, device, tag=_REGATHER_TAG
     )
     offset = (state.regather_seq % _REGATHER_HALVES) * (ws.nbytes // _REGATHER_HALVES)
     out = a_shard.new_empty((world * m, *shape[1:]))
-    ws.buffer(rank, shape, dtype, offset=offset).copy_(a_shard)
+    mine = ws.buffer(rank, shape, dtype, offset=offset)
     out[rank * m : (rank + 1) * m].copy_(a_shard)
     peers = [(rank + k) % world for k in range(1, world)]
     where = f"symm {what} on rank {rank} of group {group.group_name!r}"
     if _use_triton(device, dtype):
-        from tp_kernels import kernels
-
-        status, _ = state.kernel_state()
+        # The all-gather's order: the start barrier (every peer joined its copies of the last
+        # re-gather, so none still reads this region), publish, the publish barrier.
         pads = ws.signal_pad_ptrs()
-        args = _signal_args(rank, world, state.regather_seq)
-        kernels.signal_ready(pads, **args)
-        kernels.wait_ready(pads, status=status, timeout_s=symmetric_memory.get_timeout(), **args)
-        if device.type == "cpu":  # the barrier has finished: no reason to wait for later
+        _barrier(state, pads, rank, world, _START, clear=False)
+        mine.copy_(a_shard)
+        _barrier(state, pads, rank, world, _PUBLISHED, clear=False)
+        if device.type == "cpu":  # the barriers have finished: no reason to wait for later
             _raise_recorded_timeout(state, group, what)
     else:
+        mine.copy_(a_shard)
         for peer in peers:
             _timed_signal(state, ws.put_signal, peer, where, "put_signal")
         for peer in peers:
             _timed_signal(state, ws.wait_signal, peer, where, "wait_signal")
-    copier, _ = state.gather_state()
     sources = [(s, ws.buffer(s, shape, dtype, offset=offset)) for s in peers]
-    state.regather_copies = copier.start(sources, out, m, None, 0)
+    state.regather_copies = state.copier_state().start(sources, out, m, None)
     return _CopiesInFlight(out, state.regather_copies)
 
 

@@ -1,24 +1,25 @@
 """The ``symm`` backend's all-gather producer: peers' shards copied into the local gathered A in
 chunks, each chunk followed by a progress word that the consumer GEMM waits on.
 
-Rank ``r`` of ``W``, once the barrier (:func:`tp_kernels.kernels.wait_ready`) has seen every
-peer's shard published in its symmetric buffer: for ``s = r+1, r+2, ...`` (mod W) and chunk
+Rank ``r`` of ``W``, once the publish barrier (:func:`tp_kernels.kernels.barrier`) has seen
+every peer's shard published in its symmetric buffer: for ``s = r+1, r+2, ...`` (mod W) and chunk
 ``j = 0, 1, ...`` of ``s``'s ``m`` rows, copy rows ``[j*c, min((j+1)*c, m))`` of ``s``'s buffer
-into rows ``s*m + ...`` of ``A`` [W*m, K], then store the call's epoch into progress word
-``s * chunks + j`` (:func:`tp_kernels.kernels.ag_matmul_consumer` documents the consumer's
+into rows ``s*m + ...`` of ``A`` [W*m, K], then raise progress word ``s * chunks + j`` (to
+:data:`tp_kernels.signals.RAISED`, the same value in every call: the call's start barrier clears
+the words) (:func:`tp_kernels.kernels.ag_matmul_consumer` documents the consumer's
 side). Each remote byte is read once, by a copy; the copies of a call run one after another.
 
-* CUDA: the copies are ``copy_`` of the peer's view (``cudaMemcpyAsync`` device to device: the
-  copy engine, no SM) on a side stream that first waits for the current stream (so it starts
-  after the barrier), and each progress word is written by a stream memory operation,
+* CUDA: the copies are ``copy_`` of the peer's view (``cudaMemcpyAsync`` device to device: the copy
+  engine, no SM) on a side stream that first waits for the current stream (so it starts after the
+  barrier), and each progress word is written by a stream memory operation,
   ``torch.ops.symm_mem.stream_write_value32_`` (``cuStreamWriteValue32``, which fences at system
   scope before the write; in every torch this package supports, >= 2.7). A driver without stream
-  memory operations (``NVreg_EnableStreamMemOPs`` off: "operation not supported") gets a 4-byte
-  copy of the epoch from pinned host memory instead, which stream order puts after the chunk's
-  copy. Neither needs an SM; a kernel (or a memset, which the driver may run as one) could not
-  be trusted to, since the persistent consumer may hold every SM while it waits for the word.
-  The current stream waits for the side stream before the call returns, so the call's results
-  (and its A) include the copies.
+  memory operations (``NVreg_EnableStreamMemOPs`` off: "operation not supported") gets a 4-byte copy
+  of the raised value from pinned host memory instead (made once, with the writer), which stream
+  order puts after the chunk's copy. Neither needs an SM; a kernel (or a memset, which the driver
+  may run as one) could not be trusted to, since the persistent consumer may hold every SM while it
+  waits for the word. The current stream waits for the side stream before the call returns, so the
+  call's results (and its A) include the copies.
 * CPU: the same copies (``copy_`` from the peer's mapping) on a host thread while the consumer
   runs in Triton's interpreter on the calling thread, each word a release store
   (``tp_kernels._C.store_release``); the thread is joined before the call returns.
@@ -39,7 +40,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tp_kernels import config, cost
+from tp_kernels import config, cost, signals
 
 # Most chunks per shard (the progress words per shard).
 MAX_CHUNKS = config.SYMM_MAX_CHUNKS
@@ -78,42 +79,33 @@ def chunk_rows(m: int, chunks: int, *, interpret: bool) -> int:
     return max(-(-rows // align) * align, 1)
 
 
-def new_progress(world_size: int, device: torch.device) -> torch.Tensor:
-    """Zeroed progress words for both call parities: int32 [2, W * MAX_CHUNKS] on ``device``
-    (never reset; each call waits for its own epoch, in its parity's row, as the signal pads'
-    two channels: a late tile of call c never sees call c+1's value)."""
-    return torch.zeros((2, world_size * MAX_CHUNKS), dtype=torch.int32, device=device)
-
-
-def _pinned_word(value: int) -> torch.Tensor:
-    """``value`` as int32 [1] in pinned host memory (torch's host allocator keeps the block
-    until the copies reading it have run)."""
-    return torch.tensor([value], dtype=torch.int32).pin_memory()
-
-
 class _StreamWriter:
-    """Progress words on CUDA: a fenced stream write, or, where the driver has none, a copy of
-    the word from pinned host memory (the copy engine again, ordered after the chunk's copy)."""
+    """Progress and signal words on CUDA: raised by a fenced stream write, or, where the driver
+    has none, by a copy of the raised value from pinned host memory (the copy engine again,
+    ordered after the chunk's copy). Made outside any capture: the pinned word is its own."""
 
     def __init__(self) -> None:
         self._stream_ops = True
+        self._raised = torch.tensor([signals.RAISED], dtype=torch.int32).pin_memory()
 
-    def __call__(self, progress: torch.Tensor, word: int, epoch: int) -> None:
+    def __call__(self, words: torch.Tensor, word: int) -> None:
         if self._stream_ops:
             try:
-                torch.ops.symm_mem.stream_write_value32_(progress.view(torch.uint32), word, epoch)
+                torch.ops.symm_mem.stream_write_value32_(
+                    words.view(torch.uint32), word, signals.RAISED
+                )
                 return
             except RuntimeError as exc:
                 if "not supported" not in str(exc):
                     raise
                 self._stream_ops = False  # NVreg_EnableStreamMemOPs=0: once, then copies
-        progress[word : word + 1].copy_(_pinned_word(epoch), non_blocking=True)
+        words[word : word + 1].copy_(self._raised, non_blocking=True)
 
 
-def _store_release(progress: torch.Tensor, word: int, epoch: int) -> None:
+def _store_release(words: torch.Tensor, word: int) -> None:
     from tp_kernels import _C
 
-    _C.store_release(progress.data_ptr() + word * progress.element_size(), epoch)
+    _C.store_release(words.data_ptr() + word * words.element_size(), signals.RAISED)
 
 
 class Copies:
@@ -159,12 +151,11 @@ class Copier:
         a: torch.Tensor,
         rows: int,
         progress: torch.Tensor | None,
-        epoch: int,
     ) -> Copies:
         """Copy each ``(s, shard_s)`` of ``sources`` (in order; ``shard_s`` [m, K] a view of rank
         ``s``'s buffer) into rows ``[s*m, (s+1)*m)`` of ``a`` [W*m, K] in chunks of ``rows``
-        rows, writing ``epoch`` into ``progress[s * chunks + j]`` after chunk ``j`` (no words
-        when ``progress`` is None: nothing waits on them, only on :meth:`Copies.join`)."""
+        rows, raising ``progress[s * chunks + j]`` after chunk ``j`` (no words when
+        ``progress`` is None: nothing waits on them, only on :meth:`Copies.join`)."""
 
         def copy_all() -> None:
             for s, shard in sources:
@@ -174,7 +165,7 @@ class Copier:
                     lo, hi = j * rows, min((j + 1) * rows, m)
                     a[s * m + lo : s * m + hi].copy_(shard[lo:hi])
                     if progress is not None:
-                        self._write(progress, s * chunks + j, epoch)
+                        self._write(progress, s * chunks + j)
 
         if self._stream is not None:
             current = torch.cuda.current_stream(self.device)

@@ -1,27 +1,32 @@
 """The ``symm`` backend's reduce-scatter pusher: each block of partials the producer GEMM stored
 locally is copied into its destination's symmetric buffer, then the destination is signalled.
 
-Rank ``r`` of ``W``, call epoch ``e``, signal channel ``ch``: the producer
+Rank ``r`` of ``W``, slot channel ``ch``: the producer
 (:func:`tp_kernels.kernels.matmul_rs_producer`) stores the rows owed to rank ``d != r`` into
-block ``d`` of a local ``staging [W, m, N]`` and then ``e`` into the local progress word ``d``.
-For ``d = r+1, r+2, ...`` (mod W, not ``r``), the pusher waits for word ``d == e``, copies
-``staging[d]`` into slot ``r`` of ``d``'s buffer (this call's half), then stores ``e`` into word
-``ch * W + r`` of ``d``'s signal pad, the word :func:`tp_kernels.kernels.reduce_slots` waits on.
+block ``d`` of a local ``staging [W, m, N]`` and then raises the local progress word ``d``.
+For ``d = r+1, r+2, ...`` (mod W, not ``r``), the pusher waits until word ``d`` is raised,
+copies ``staging[d]`` into slot ``r`` of ``d``'s buffer, then raises word ``ch * W + r`` of
+``d``'s signal pad, the word :func:`tp_kernels.kernels.reduce_slots` waits on. Every word holds
+:data:`tp_kernels.signals.RAISED` when raised, in every call (the call's start barrier clears
+them), so what the side stream enqueues is the same in every call: a CUDA graph replays it.
 Each partial crosses the link once, by a copy, while the GEMM computes the next blocks.
 
-* CUDA: on a cached high-priority side stream that first waits for the current stream as it
-  was before the producer (so the copies come after the previous call's reads of this call's
-  half and of staging), enqueued after the producer (a stream wait stalls its hardware queue,
-  which the producer's stream may share), each wait is
-  the driver's ``cuStreamWaitValue32`` (through ctypes: torch has no stream wait-value op), each
-  copy a ``copy_`` of the staging block (``cudaMemcpyAsync`` device to device: the copy engine),
-  each signal the fenced stream write of :mod:`tp_kernels.backends.symm_gather`. None needs an
-  SM, and the persistent producer may hold every SM. The waits have no deadline of their own:
-  they wait for this device's producer, which waits for nothing; a dead peer shows up in
-  :func:`reduce_slots`' bounded waits instead. A driver without stream memory operations
+* CUDA: on a cached high-priority side stream that first waits for the current stream as it was
+  before the producer (so the copies come after the start barrier, which every peer passes only
+  after its previous call's reads of its slots, and after the previous call's reads of staging),
+  enqueued after the producer (a stream wait stalls its hardware queue, which the producer's stream
+  may share), each wait is the driver's ``cuStreamWaitValue32`` (through ctypes: torch has no stream
+  wait-value op), each copy a ``copy_`` of the staging block (``cudaMemcpyAsync`` device to device:
+  the copy engine), each signal the fenced stream write of :mod:`tp_kernels.backends.symm_gather`.
+  None needs an SM, and the persistent producer may hold every SM. The waits have no deadline of
+  their own: they wait for this device's producer, which waits for nothing; a dead peer shows up in
+  :func:`reduce_slots`' bounded waits instead. The producer raises every word it owes whatever
+  happens (it runs after the start barrier, whose waits end at the deadline, and waits for nothing
+  itself), and a producer that fails to launch leaves no wait behind (they are enqueued after its
+  launch), so these waits end when the producer does. A driver without stream memory operations
   (``NVreg_EnableStreamMemOPs`` off) cannot wait on a word without an SM: there the side stream
-  waits for the whole producer instead (no overlap of the copies with the GEMM, still no SM),
-  and the signals are pinned-memory copies as in the all-gather.
+  waits for the whole producer instead (no overlap of the copies with the GEMM, still no SM), and
+  the signals are pinned-memory copies as in the all-gather.
 * CPU: a host thread does the same while the producer runs in Triton's interpreter on the
   calling thread: it polls each word until the deadline (:func:`tp_kernels.symmetric_memory.
   get_timeout`; past it, a :class:`~tp_kernels.symmetric_memory.SymmTimeoutError` naming the
@@ -43,7 +48,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from tp_kernels import symmetric_memory
+from tp_kernels import signals, symmetric_memory
 from tp_kernels.backends import symm_gather
 
 # cuStreamWaitValue32's flag for "wait until *addr == value".
@@ -58,14 +63,8 @@ _POLL_S = 20e-6
 Push = tuple[int, torch.Tensor, torch.Tensor]
 
 
-def new_progress(world_size: int, device: torch.device) -> torch.Tensor:
-    """Zeroed progress words for both call parities: int32 [2, W] on ``device`` (never reset;
-    each call waits for its own epoch in its parity's row, as the all-gather's words)."""
-    return torch.zeros((2, world_size), dtype=torch.int32, device=device)
-
-
 class _StreamWaiter:
-    """``cuStreamWaitValue32(stream, &word, epoch, EQ)``, or ``None`` from :meth:`load` where
+    """``cuStreamWaitValue32(stream, &word, RAISED, EQ)``, or ``None`` from :meth:`load` where
     the driver has no stream memory operations."""
 
     def __init__(self, wait: Callable[..., int]) -> None:
@@ -104,11 +103,9 @@ class _StreamWaiter:
         if code != _CUDA_SUCCESS:
             raise RuntimeError(f"cuStreamWaitValue32 failed with CUresult {code}")
 
-    def __call__(
-        self, stream: torch.cuda.Stream, progress: torch.Tensor, word: int, epoch: int
-    ) -> None:
+    def __call__(self, stream: torch.cuda.Stream, progress: torch.Tensor, word: int) -> None:
         address = progress.data_ptr() + word * progress.element_size()
-        self._check(self._enqueue(stream, address, epoch))
+        self._check(self._enqueue(stream, address, signals.RAISED))
 
 
 class Pusher:
@@ -133,16 +130,15 @@ class Pusher:
         pushes: Sequence[Push],
         progress: torch.Tensor,
         word: int,
-        epoch: int,
     ) -> symm_gather.Copies:
         """Launch ``produce`` (the producer GEMM, on the calling thread and current stream) and,
-        beside it, for each ``(d, block, slot)`` of ``pushes`` in order: wait for
-        ``progress[d] == epoch``, ``slot.copy_(block)``, store ``epoch`` into word ``word`` of
-        ``d``'s pad. Returns the copies, to be joined before the call returns."""
+        beside it, for each ``(d, block, slot)`` of ``pushes`` in order: wait until
+        ``progress[d]`` is raised, ``slot.copy_(block)``, raise word ``word`` of ``d``'s pad.
+        Returns the copies, to be joined before the call returns."""
 
         def push(d: int, block: torch.Tensor, slot: torch.Tensor) -> None:
             slot.copy_(block)
-            self._write(self._pads[d], word, epoch)
+            self._write(self._pads[d], word)
 
         if self._stream is not None:
             stream, current = self._stream, torch.cuda.current_stream(self.device)
@@ -162,7 +158,7 @@ class Pusher:
             with torch.cuda.stream(stream):
                 for d, block, slot in pushes:
                     if self._wait is not None:
-                        self._wait(stream, progress, d, epoch)
+                        self._wait(stream, progress, d)
                     push(d, block, slot)
             return symm_gather.Copies(event=stream.record_event(), device=self.device)
 
@@ -171,7 +167,7 @@ class Pusher:
 
         def push_all() -> None:
             for d, block, slot in pushes:
-                if not self._poll(progress, d, epoch, timeout_s, stop):
+                if not self._poll(progress, d, timeout_s, stop):
                     return  # the producer failed: its error is the call's
                 push(d, block, slot)
 
@@ -193,12 +189,12 @@ class Pusher:
         return copies
 
     def _poll(
-        self, progress: torch.Tensor, d: int, epoch: int, timeout_s: float, stop: threading.Event
+        self, progress: torch.Tensor, d: int, timeout_s: float, stop: threading.Event
     ) -> bool:
-        """CPU: wait until ``progress[d] == epoch`` (True) or ``stop`` is set (False); raise past
-        the deadline."""
+        """CPU: wait until ``progress[d]`` is raised (True) or ``stop`` is set (False); raise
+        past the deadline."""
         start = time.monotonic()
-        while int(progress[d]) != epoch:
+        while int(progress[d]) != signals.RAISED:
             if stop.is_set():
                 return False
             waited = time.monotonic() - start
@@ -207,7 +203,7 @@ class Pusher:
                     f"{self._where}: the pusher gave up after {waited:.3g} s (timeout "
                     f"{timeout_s:g} s) waiting for this rank's producer to finish the block owed "
                     f"to peer rank {d} (progress word {d} holds {int(progress[d])}, needed "
-                    f"{epoch}); rank {d} did not get it",
+                    f"{signals.RAISED}); rank {d} did not get it",
                     peer=d,
                     timeout_s=timeout_s,
                 )

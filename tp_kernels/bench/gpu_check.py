@@ -34,7 +34,7 @@ What runs (``--device cuda``, the default, on a machine with one GPU):
    too), timed on the device by events: device-to-device copies of chunk sizes, and at the Llama
    shapes (:data:`CALIBRATION_GEMMS`) the all-gather's consumer kernel
    (:func:`tp_kernels.kernels.ag_matmul_consumer`) launched as rank 0 of 8 with every progress
-   word already holding the epoch, so that no tile waits, each launch first checked against
+   word already raised, so that no tile waits, each launch first checked against
    ``torch.mm``; and ``torch.mm`` (cuBLAS) at the same shapes. :func:`tp_kernels.cost.calibrated`
    fits ``gemm_efficiency`` and ``tile_overhead_s`` from the consumer's time per wave of its
    autotuned tiles, and ``copy_latency_s`` from the copies; they are printed beside the assumed
@@ -122,7 +122,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from tp_kernels import cost
+from tp_kernels import cost, signals
 from tp_kernels.bench.protocol import DTYPES, render_table
 from tp_kernels.testing import LocalWorld, RankError
 
@@ -788,10 +788,9 @@ CALIBRATION_GEMMS = (
 
 
 # The consumer is timed as rank 0 of the Llama shapes' TP=8 world: its gathered A [W*m, K] is 8
-# shards of m rows, each peer tile acquiring its progress word (which already holds the epoch),
-# as in a call whose copies keep ahead of the tiles.
+# shards of m rows, each peer tile acquiring its progress word (already raised), as in a call
+# whose copies keep ahead of the tiles.
 CALIBRATION_WORLD = 8
-CALIBRATION_EPOCH = 1
 # No tile of a calibration launch waits: one that passes this deadline means wrong arguments.
 CALIBRATION_WAIT_S = 5.0
 # ``timer(fn, reps)``: the median seconds of ``reps`` runs of ``fn``.
@@ -837,7 +836,7 @@ def _time_consumer(
 ) -> cost.GemmTiming:
     """The consumer's first launch (the one whose peer tiles wait for the copies: ``WAIT``) of
     ``a`` [W*m, K] @ ``b`` [K, N] as rank 0 of ``world_size``, one chunk per shard, every
-    progress word already holding the epoch: each peer tile acquires its word and finds its rows
+    progress word already raised: each peer tile acquires its word and finds its rows
     landed, so no tile waits and the time is the tiles'. Run once and checked first (against
     ``want`` within one rounding to the dtype, and no wait past :data:`CALIBRATION_WAIT_S`), then
     timed by ``timer(fn, reps)``; its tiles are those the autotuner chose for the shape."""
@@ -849,14 +848,14 @@ def _time_consumer(
 
     rows, k = a.shape
     n, m = b.shape[1], rows // world_size
-    progress = torch.full((world_size,), CALIBRATION_EPOCH, dtype=torch.int32, device=a.device)
+    progress = torch.full((world_size,), signals.RAISED, dtype=torch.int32, device=a.device)
     status = kernels.new_status(world_size, a.device)
     out = torch.full_like(want, math.nan)
 
     def launch() -> None:
         kernels.ag_matmul_consumer(
             a, [b], [out], progress=progress, chunk_rows=m, status=status, rank=0,
-            world_size=world_size, epoch=CALIBRATION_EPOCH, timeout_s=CALIBRATION_WAIT_S,
+            world_size=world_size, timeout_s=CALIBRATION_WAIT_S,
         )  # fmt: skip
 
     launch()  # the first launch of a shape also compiles and autotunes
@@ -864,7 +863,7 @@ def _time_consumer(
     if status.any():
         raise RuntimeError(
             f"the consumer at {rows}x{k}x{n}: a tile waited past {CALIBRATION_WAIT_S} s for a "
-            "progress word that holds the epoch; its launch arguments are wrong"
+            "progress word already raised; its launch arguments are wrong"
         )
     tol = matmul_tolerance(a.dtype, k, roundings=1)
     ratio = error_ratio(out, want, tol)

@@ -5,7 +5,8 @@ A device check for a single GPU, with no process group. Every launcher of
 buffer and signal pad, and each signal a kernel waits for is set before it runs, so no wait
 blocks and what is measured is compute, not communication. With ``A [M, K]``, ``B [K, N]``:
 
-* ``signal_ready``: word ``AG_CHANNEL`` of the pad = ``EPOCH`` (what the consumer waits for);
+* ``barrier``: with one rank nothing to wait for; it clears the progress word and word
+  ``AG_CHANNEL`` of the pad, as a call's start barrier clears the previous call's words;
 * ``ag_matmul_consumer``: ``C [M, N] = A @ B``, ``A`` the (local) gathered A, read with TMA on
   sm_90; with one rank every row is the own shard's, so no tile waits for a progress word;
 * ``matmul_rs_producer``: slot 0 of the buffer ``slots [1, M, N]`` = ``A @ B``, then its signal;
@@ -46,6 +47,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tp_kernels import signals
 from tp_kernels.bench.ops import matmul_tolerance
 from tp_kernels.bench.protocol import (
     DTYPES,
@@ -72,7 +74,6 @@ __all__ = [
 
 NO_CUDA_MESSAGE = "no CUDA device: nothing to measure"
 AG_CHANNEL, RS_CHANNEL = 0, 1
-EPOCH = 1
 # Every wait is satisfied before it starts; a protocol slip then fails the check within this.
 WAIT_TIMEOUT_S = 30.0
 UNIT_SCALE = {"TFLOP/s": 1e12, "GB/s": 1e9}
@@ -218,10 +219,12 @@ def kernels_module():
 def launchers(p: Problem) -> dict[str, Callable[[], None]]:
     """Zero-argument calls of each launcher on ``p`` (and of ``torch.mm``), by kernel name."""
     kernels = kernels_module()
-    one = {"rank": 0, "world_size": 1, "epoch": EPOCH}
+    one = {"rank": 0, "world_size": 1}
     wait = {"timeout_s": WAIT_TIMEOUT_S, "status": p.status}
     return {
-        "signal_ready": lambda: kernels.signal_ready(p.pad_ptrs, channel=AG_CHANNEL, **one),
+        "barrier": lambda: kernels.barrier(
+            p.pad_ptrs, channel=AG_CHANNEL, clear=(p.progress, AG_CHANNEL), **one, **wait
+        ),
         "ag_matmul_consumer": lambda: kernels.ag_matmul_consumer(
             p.a, [p.b], [p.c], progress=p.progress, chunk_rows=p.a.shape[0], **one, **wait
         ),
@@ -258,13 +261,16 @@ def check_all(p: Problem, run: dict[str, Callable[[], None]], tol: float) -> lis
 
     def signal(name: str, channel: int) -> Result:
         word = p.pad[channel].item()
-        ok = word == EPOCH
-        check = "ok, pad = epoch" if ok else f"FAILED, pad word {word} != epoch {EPOCH}"
+        ok = word == signals.RAISED
+        check = "ok, pad word raised" if ok else f"FAILED, pad word {word} != {signals.RAISED}"
         return Result(name, check, ok)
 
     results = [Result(BASELINE, "reference", True, p.flops)]
-    run["signal_ready"]()
-    results.append(signal("signal_ready", AG_CHANNEL))
+    p.pad[AG_CHANNEL] = p.progress[0] = signals.RAISED  # a previous call's words
+    run["barrier"]()
+    cleared = p.pad[AG_CHANNEL].item() == 0 and p.progress[0].item() == 0
+    check = "ok, words cleared" if cleared else "FAILED, words not cleared"
+    results.append(Result("barrier", check, cleared and not p.timed_out()))
     results.append(gemm("ag_matmul_consumer", p.c))
     results.append(gemm("matmul_rs_producer", p.slots[0]))
     results.append(signal("matmul_rs_producer's signal", RS_CHANNEL))

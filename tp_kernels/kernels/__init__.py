@@ -21,25 +21,24 @@ in the interpreter):
   entry ``s`` is the address, *in this process*, of rank ``s``'s symmetric buffer or signal pad.
   Callers build a table once per buffer and reuse it: building one is a host-to-device copy.
 * A signal pad is an array of int32 words; word ``channel * W + src`` of rank ``d``'s pad is
-  written by rank ``src`` to tell ``d`` something is ready. A writer stores the call's **epoch**
-  (release, system scope); a waiter polls its own pad until the word *equals* the epoch it expects
-  (acquire, system scope). Nobody resets a word: the caller numbers its calls 1, 2, 3, ...
-  (wrapping from ``MAX_EPOCH`` back to 1; pads start zeroed). Waiting never consumes a word, so
-  every tile that needs rank ``s`` may wait on the same word, and a kernel may run several times
-  for one call (autotuning does).
-* **Consecutive calls use different channels** (the caller alternates two, by call parity). With
-  one channel a fast peer that has finished call ``c`` stores ``c + 1`` into the word while this
-  rank's late tiles of call ``c`` still wait for ``c``: they would spin to the deadline. With two,
-  the peer's next store into this word is call ``c + 2``'s, and no rank can start call ``c + 2``
-  before every rank has finished call ``c``: every call waits for a signal of every peer, and a
-  rank signals call ``c + 1`` only after its call ``c`` (stream order on a GPU).
-* What the kernels do not order: a rank must not overwrite a buffer that peers may still be
-  reading for the previous call (write-after-read). The caller guarantees it, e.g. by alternating
-  two buffer halves by call parity (the argument above then covers the buffers too).
-* Waits are bounded: a wait that runs past ``timeout_s`` stores the epoch it waited for into
-  ``status[s]`` (int32 [W], zero until then, never reset) and the kernel finishes with rank
-  ``s``'s part undefined; a later wait for ``s`` that would have to spin gives up at once. The
-  launchers never read ``status``: on a GPU it lives in pinned host memory (see
+  written by rank ``src`` to tell ``d`` something is ready. Every word the kernels wait on, in a
+  pad or local (progress words), goes **0 -> 1 -> 0** (:mod:`tp_kernels.signals`): a writer
+  raises it (release, system scope), a waiter polls until it is raised (acquire, system
+  scope), and it is cleared by its only reader (a barrier's word) or by the next call's start
+  barrier (progress and slot words, which many tiles wait on). No value depends on the call,
+  so a CUDA graph that captured a call replays it correctly: there is no epoch or channel that
+  the host fixes per call and a replay would repeat.
+* **Every call starts with a barrier** (:func:`barrier` on the start channel, which also clears
+  the call's progress and slot words). A rank arrives only after its previous call ended in
+  stream order, so after the barrier no peer still reads anything of the previous call (the
+  write-after-read rule for the symmetric buffers, whatever region a call uses), and a peer's
+  signal of this call can only come after this rank's arrival, so the clear cannot erase it.
+  Barrier words alternate with other channels (start, then publish, then start again), so a
+  fast peer never raises a barrier word twice before its reader cleared it.
+* Waits are bounded: a wait that runs past ``timeout_s`` stores what it waited for (a
+  ``WAIT_*`` code) into ``status[s]`` (int32 [W], zero until then, never reset) and the kernel
+  finishes with rank ``s``'s part undefined; a later wait for ``s`` that would have to spin gives
+  up at once. The launchers never read ``status``: on a GPU it lives in pinned host memory (see
   :func:`new_status`), so the host reads it without synchronizing, at the caller's next call;
   :func:`raise_on_timeout` turns it into :class:`PeerWaitTimeout`.
 * Launches go to the operands' device (not the current one), and on its current stream.
@@ -47,14 +46,13 @@ in the interpreter):
   dtypes and devices as each docstring states. The ops layer has checked the user's tensors
   (:mod:`tp_kernels.ops._checks`) and the ``symm`` backend allocates the rest from them, so a
   launcher does not check them again. It checks what only the backend makes, cheaply and before
-  launching: rank, channel and epoch, the address tables, the scratch (progress words, counters)
+  launching: rank and channel, the address tables, the scratch (progress words, counters)
   and the timeout record, whose mistakes would send a kernel to a wrong address or a wrong word.
 """
 
 from tp_kernels.kernels._shared import (
     DEFAULT_TIMEOUT_S,
     INTERPRET,
-    MAX_EPOCH,
     MIN_TRITON,
     VARYING_ARGS,
     PeerWaitTimeout,
@@ -67,8 +65,7 @@ from tp_kernels.kernels._shared import (
 )
 from tp_kernels.kernels.ag_matmul import (
     ag_matmul_consumer,
-    signal_ready,
-    wait_ready,
+    barrier,
 )
 from tp_kernels.kernels.matmul_rs import (
     matmul_rs_producer,
@@ -79,11 +76,11 @@ from tp_kernels.kernels.matmul_rs import (
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "INTERPRET",
-    "MAX_EPOCH",
     "MIN_TRITON",
     "VARYING_ARGS",
     "PeerWaitTimeout",
     "ag_matmul_consumer",
+    "barrier",
     "dot_precision",
     "matmul_rs_producer",
     "new_counters",
@@ -91,8 +88,6 @@ __all__ = [
     "on_device",
     "raise_on_timeout",
     "reduce_slots",
-    "signal_ready",
     "tma_layout",
     "triton_unsupported_reason",
-    "wait_ready",
 ]

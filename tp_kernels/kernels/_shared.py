@@ -14,17 +14,22 @@ import torch
 import triton
 import triton.language as tl
 
-from tp_kernels import config
+from tp_kernels import config, signals
 
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET") == "1"
-MAX_EPOCH: int = 2**31 - 1
 DEFAULT_TIMEOUT_S: float = config.TIMEOUT_S.default
 # The oldest Triton whose kernels compile_check has compiled and read (torch 2.10/2.11 pin it).
 MIN_TRITON: tuple[int, int] = (3, 6)
-# Scalar arguments that change from call to call, or are the same on no two ranks: Triton must
-# not compile a variant for the values 1 and multiples of 16 (that would compile mid-run, on
-# calls 1, 16, 32, ...), so every kernel lists them in ``do_not_specialize``.
-VARYING_ARGS: tuple[str, ...] = ("rank", "channel", "epoch", "status_addr", "timeout_ns")
+# Scalar arguments that are the same on no two ranks, or are addresses: Triton must not compile
+# a variant for the values 1 and multiples of 16 (rank 1 would get a kernel of its own, and an
+# address's alignment would pick one), so every kernel lists them in ``do_not_specialize``.
+VARYING_ARGS: tuple[str, ...] = ("rank", "channel", "status_addr", "timeout_ns")
+# The protocol's values (see tp_kernels.signals), as constants the kernels can use.
+RAISED = tl.constexpr(signals.RAISED)
+WAIT_START = tl.constexpr(signals.WAIT_START)
+WAIT_PUBLISHED = tl.constexpr(signals.WAIT_PUBLISHED)
+WAIT_CHUNK = tl.constexpr(signals.WAIT_CHUNK)
+WAIT_SLOT = tl.constexpr(signals.WAIT_SLOT)
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
@@ -47,16 +52,16 @@ def triton_unsupported_reason(version: str = triton.__version__) -> str | None:
 class PeerWaitTimeout(TimeoutError):
     """A kernel waited for a peer's signal past its deadline.
 
-    Attributes: ``peers`` (the ranks that never signalled), ``channel``, ``epoch``, ``timeout_s``.
+    Attributes: ``peers`` (the ranks that never signalled), ``waits`` (what was waited for from
+    each, a ``WAIT_*`` code), ``timeout_s``.
     """
 
     def __init__(
-        self, message: str, *, peers: list[int], channel: int, epoch: int, timeout_s: float
+        self, message: str, *, peers: list[int], waits: dict[int, int], timeout_s: float
     ) -> None:
         super().__init__(message)
         self.peers = peers
-        self.channel = channel
-        self.epoch = epoch
+        self.waits = waits
         self.timeout_s = timeout_s
 
 
@@ -198,19 +203,14 @@ def set_block_shape(operand: object, layout: str, block_r: int, block_c: int) ->
         operand.block_shape = [block_c, block_r]
 
 
-def check_world(rank: int, world_size: int, channel: int, epoch: int) -> None:
-    """Validate the rank/channel/epoch arguments every launcher takes."""
+def check_world(rank: int, world_size: int, channel: int = 0) -> None:
+    """Validate the rank/world/channel arguments the launchers take."""
     if world_size < 1:
         raise ValueError(f"world_size: got {world_size}, expected >= 1")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank: got {rank}, expected 0 <= rank < world_size={world_size}")
     if channel < 0:
         raise ValueError(f"channel: got {channel}, expected >= 0")
-    if not 1 <= epoch <= MAX_EPOCH:
-        raise ValueError(
-            f"epoch: got {epoch}, expected 1 <= epoch <= {MAX_EPOCH} "
-            "(0 is the value of a fresh pad, so it would never be waited for)"
-        )
 
 
 def check_ptr_table(
@@ -282,7 +282,6 @@ def raise_on_timeout(
     *,
     what: str,
     rank: int,
-    channel: int,
     timeout_s: float,
     group_name: str | None,
 ) -> None:
@@ -290,22 +289,19 @@ def raise_on_timeout(
 
     Reads host memory only: it never synchronizes with a device (a kernel still running may
     record a timeout after this returns; the next check sees it)."""
-    failed = {s: epoch for s, epoch in enumerate(status.tolist()) if epoch}
-    if not failed:
+    waits = {s: code for s, code in enumerate(status.tolist()) if code}
+    if not waits:
         return
-    world_size = status.shape[0]
-    peers = sorted(failed)
+    peers = sorted(waits)
     group = f" of group {group_name!r}" if group_name else ""
-    epochs = sorted(set(failed.values()))
-    words = [channel * world_size + s for s in peers]
+    waited = "; ".join(
+        f"rank {s}: {signals.WAIT_NAMES.get(code, f'wait {code}')}" for s, code in waits.items()
+    )
     raise PeerWaitTimeout(
-        f"{what} on rank {rank}{group}: waited {timeout_s:g} s for the signal of rank(s) {peers} "
-        f"(epoch {', '.join(map(str, epochs))}, channel {channel}, signal words {words} of rank "
-        f"{rank}'s pad) and it never came; the peer did not reach this call, or signalled "
-        "another epoch",
+        f"{what} on rank {rank}{group}: waited {timeout_s:g} s for rank(s) {peers} ({waited}) "
+        "and the signal never came; the peer did not reach this call, or failed in it",
         peers=peers,
-        channel=channel,
-        epoch=epochs[0],
+        waits=waits,
         timeout_s=timeout_s,
     )
 
@@ -329,17 +325,17 @@ if INTERPRET:
         time.sleep(20e-6)  # the interpreter polls from Python: leave the core to the peer
 
     @triton.jit
-    def _poll_acquire(word_ptr, epoch, timeout_ns, status_ptr):
+    def _poll_acquire(word_ptr, value, timeout_ns, status_ptr):
         """The interpreter's body of the poll below: the same words, the host's clock."""
         seen = tl.atomic_add(word_ptr, 0, sem="acquire", scope="sys")
-        ok = seen == epoch
+        ok = seen == value
         if not ok:
             if tl.load(status_ptr, volatile=True) == 0:
                 deadline = _host_clock_ns() + timeout_ns
-                while (seen != epoch) & (_host_clock_ns() < deadline):
+                while (seen != value) & (_host_clock_ns() < deadline):
                     _host_pause()
                     seen = tl.atomic_add(word_ptr, 0, sem="acquire", scope="sys")
-                ok = seen == epoch
+                ok = seen == value
         return ok.to(tl.int32)
 
     @triton.jit
@@ -349,9 +345,9 @@ if INTERPRET:
 
 else:
     # Every thread polls on its own (no barrier inside, so no thread can wait for a thread that
-    # left): a word already at the epoch costs one load; otherwise read the peer's timeout
+    # left): a word already at the value costs one load; otherwise read the peer's timeout
     # record once (a peer already given up on is not waited for again), then spin on an acquire
-    # load until the word equals the epoch or %globaltimer says the deadline passed. ${:uid}
+    # load until the word equals the value or %globaltimer says the deadline passed. ${:uid}
     # makes the labels unique where the poll is inlined several times.
     _POLL_PTX = tl.constexpr(
         """
@@ -383,13 +379,13 @@ else:
     )
 
     @triton.jit
-    def _poll_acquire(word_ptr, epoch, timeout_ns, status_ptr):
-        """1 once ``*word_ptr == epoch`` (acquire, system scope); 0 at the deadline, or at once
+    def _poll_acquire(word_ptr, value, timeout_ns, status_ptr):
+        """1 once ``*word_ptr == value`` (acquire, system scope); 0 at the deadline, or at once
         if ``*status_ptr`` already records a timeout."""
         return tl.inline_asm_elementwise(
             _POLL_PTX,
             "=r,l,r,l,l",
-            [word_ptr, epoch, status_ptr, timeout_ns],
+            [word_ptr, value, status_ptr, timeout_ns],
             dtype=tl.int32,
             is_pure=False,
             pack=1,
@@ -411,12 +407,18 @@ else:
 
 
 @triton.jit
-def _wait_signal(word_ptr, epoch, timeout_ns, status_ptr):
-    """Block until ``*word_ptr == epoch`` (acquire, system scope), at most ``timeout_ns``.
+def _wait_signal(word_ptr, timeout_ns, status_ptr, WAIT: tl.constexpr):
+    """Block until ``*word_ptr`` is raised (``== RAISED``; acquire, system scope), at most
+    ``timeout_ns``. Does not clear the word.
 
-    On timeout store ``epoch`` into ``*status_ptr`` (the caller's record for this source)."""
-    ok = _poll_acquire(word_ptr, epoch, timeout_ns.to(tl.int64), status_ptr)
-    tl.store(status_ptr, epoch, mask=ok == 0)
+    On timeout store ``WAIT`` (which wait this was) into ``*status_ptr`` (the caller's record for
+    this source), unless an earlier wait for the source already recorded its own: the first wait
+    that timed out is the one the error names (later ones give up at once, see the poll)."""
+    raised = tl.full((), RAISED, tl.int32)
+    ok = _poll_acquire(word_ptr, raised, timeout_ns.to(tl.int64), status_ptr)
+    if ok == 0:
+        first = tl.load(status_ptr, volatile=True) == 0
+        tl.store(status_ptr, WAIT, mask=first)
 
 
 @triton.jit

@@ -1,16 +1,16 @@
 """All-gather consumer GEMM: ``C = all_gather(A_s, s = 0..W-1) @ B`` from a local gathered ``A``
 that a copy engine fills chunk by chunk.
 
-Rank ``s`` publishes its shard ``A_s [m, K]`` in its symmetric buffer, then calls
-:func:`signal_ready`, which stores the call's epoch into word ``channel * W + s`` of every rank's
-pad (its own included). :func:`wait_ready` is the barrier that follows: it returns once this
-rank's pad holds the epoch from every peer (each wait bounded by the deadline), so from then on
-every peer's shard may be read. A copier outside the kernels (the copy engine on a side stream
-on a GPU, a host thread on a CPU: see :mod:`tp_kernels.backends.symm_gather`) then copies each
-peer's shard, ``r+1, r+2, ...`` (mod W), in chunks of ``chunk_rows`` rows into the local gathered
-``A`` [W*m, K], and after each chunk stores the epoch into a local **progress word** (word
-``s * chunks + j`` for chunk ``j`` of rank ``s``; a system-scope fenced stream write on a GPU, a
-release store on a CPU). The copies of one call run in order, one after another.
+A call opens with :func:`barrier` on the start channel (which also clears the progress words:
+every peer has finished its previous call, so none still reads this rank's buffer), then rank
+``s`` publishes its shard ``A_s [m, K]`` in its symmetric buffer and a second :func:`barrier`
+on the publish channel returns once every peer's shard is there. A copier outside the kernels
+(the copy engine on a side stream on a GPU, a host thread on a CPU: see
+:mod:`tp_kernels.backends.symm_gather`) then copies each peer's shard, ``r+1, r+2, ...`` (mod
+W), in chunks of ``chunk_rows`` rows into the local gathered ``A`` [W*m, K], and after each
+chunk raises a local **progress word** (word ``s * chunks + j`` for chunk ``j`` of rank ``s``; a
+system-scope fenced stream write on a GPU, a release store on a CPU). The copies of one call run
+in order, one after another.
 
 :func:`ag_matmul_consumer` on rank ``r`` walks its output tiles starting with rank ``r``'s rows
 (in ``A`` before the launch: stream order), then ``r+1``'s, ... . A tile of rank ``s``'s rows
@@ -33,10 +33,13 @@ import torch
 import triton
 import triton.language as tl
 
+from tp_kernels import signals
 from tp_kernels.kernels._shared import (
     DEFAULT_TIMEOUT_S,
     GROUP_M,
     INTERPRET,
+    RAISED,
+    WAIT_CHUNK,
     _accumulate,
     _fence_proxy_async,
     _note_first_touch,
@@ -62,23 +65,31 @@ from tp_kernels.kernels._shared import (
 )
 
 
-@triton.jit(do_not_specialize=["rank", "channel", "epoch"])
-def _signal_ready_kernel(signal_ptrs, rank, world_size, channel, epoch):
-    """``pad_d[channel * W + rank] = epoch`` for the rank ``d = program_id(0)`` (release, sys)."""
-    dst = tl.program_id(0)
-    pad = tl.load(signal_ptrs + dst).to(tl.pointer_type(tl.int32))
-    tl.atomic_xchg(pad + channel * world_size + rank, epoch, sem="release", scope="sys")
-
-
-@triton.jit(do_not_specialize=["rank", "channel", "epoch", "status_addr", "timeout_ns"])
-def _wait_ready_kernel(signal_ptrs, status_addr, rank, world_size, channel, epoch, timeout_ns):
-    """Program ``s != rank``: wait until ``pad_rank[channel * W + s] == epoch`` (acquire, sys);
-    past ``timeout_ns`` store ``epoch`` into ``status[s]``."""
+@triton.jit(do_not_specialize=["rank", "channel", "status_addr", "timeout_ns"])
+def _barrier_kernel(
+    signal_ptrs, words, status_addr, rank, world_size, channel, n_words, slot_channel, timeout_ns,
+    CLEAR: tl.constexpr, WORDS_PER_PROGRAM: tl.constexpr, WAIT: tl.constexpr,
+):  # fmt: skip
+    """Program ``s`` of W: with ``CLEAR``, zero the local words ``words[s], words[s + W], ...``
+    (of ``n_words``) and word ``slot_channel * W + s`` of this rank's pad; then, for ``s !=
+    rank``, raise word ``channel * W + rank`` of ``s``'s pad (release, sys), wait until word
+    ``channel * W + s`` of this rank's pad is raised (acquire, sys; past ``timeout_ns``:
+    ``status[s] = WAIT``) and clear it: this program is its only reader."""
     src = tl.program_id(0)
+    own_pad = tl.load(signal_ptrs + rank).to(tl.pointer_type(tl.int32))
+    if CLEAR:
+        # Before the release below: a peer writes into this rank's slot word only after it saw
+        # this rank arrive, so the clear cannot land on the peer's signal of this call.
+        offsets = src + world_size * tl.arange(0, WORDS_PER_PROGRAM)
+        tl.store(words + offsets, tl.zeros((WORDS_PER_PROGRAM,), tl.int32), mask=offsets < n_words)
+        tl.atomic_xchg(own_pad + slot_channel * world_size + src, 0, sem="relaxed", scope="sys")
     if src != rank:
-        pad = tl.load(signal_ptrs + rank).to(tl.pointer_type(tl.int32))
+        pad = tl.load(signal_ptrs + src).to(tl.pointer_type(tl.int32))
+        tl.atomic_xchg(pad + channel * world_size + rank, RAISED, sem="release", scope="sys")
         status = status_addr.to(tl.pointer_type(tl.int32))
-        _wait_signal(pad + channel * world_size + src, epoch, timeout_ns, status + src)
+        word = own_pad + channel * world_size + src
+        _wait_signal(word, timeout_ns, status + src, WAIT)
+        tl.atomic_xchg(word, 0, sem="relaxed", scope="sys")
 
 
 # Right-hand matrices one launch of the consumer takes at most (QKV: 3; w1/w3: 2).
@@ -126,7 +137,7 @@ def _consumer_tile(
     configs=gemm_configs(pre_hook=_set_block_shapes),
     key=["m", "K", "N0", "N1", "N2", "DTYPE", "WAIT", "A_LAYOUT", "B_LAYOUT", "NUM_B"],
 )
-@triton.jit(do_not_specialize=["rank", "epoch", "status_addr", "timeout_ns"])
+@triton.jit(do_not_specialize=["rank", "status_addr", "timeout_ns"])
 def _ag_matmul_kernel(
     a,
     b0,
@@ -154,7 +165,6 @@ def _ag_matmul_kernel(
     stride_b2n,
     chunk_rows,
     chunks,
-    epoch,
     timeout_ns,
     DTYPE: tl.constexpr,
     WAIT: tl.constexpr,
@@ -178,8 +188,9 @@ def _ag_matmul_kernel(
     Tiles go shard by shard, rank ``s = (rank + step) % W`` at step ``step``, so the first tiles
     use this rank's own rows; inside a shard, B_0's tiles, then B_1's, then B_2's, each in
     :func:`_tile_coords`'s order. WAIT (the call's first launch): a tile of a peer's rows first
-    waits for ``epoch`` in progress word ``s * chunks + (last row // chunk_rows)`` (int32 at
-    ``progress_addr``; acquire, system scope); on a timeout ``status[s] = epoch``. Persistent:
+    waits until progress word ``s * chunks + (last row // chunk_rows)`` (int32 at
+    ``progress_addr``) is raised (acquire, system scope); on a timeout ``status[s] =
+    WAIT_CHUNK``. Persistent:
     the grid has at most :func:`~._shared.persistent_programs` programs, each taking every
     ``num_programs``-th tile.
     """
@@ -210,10 +221,10 @@ def _ag_matmul_kernel(
                 last = tl.minimum((m_tile % tiles_per_shard) * BLOCK_M + BLOCK_M, m) - 1
                 word = progress_addr.to(tl.pointer_type(tl.int32)) + src * chunks
                 status = status_addr.to(tl.pointer_type(tl.int32))
-                _wait_signal(word + last // chunk_rows, epoch, timeout_ns, status + src)
+                _wait_signal(word + last // chunk_rows, timeout_ns, status + src, WAIT_CHUNK)
                 if A_LAYOUT == "rc":
                     # TMA reads through the async proxy: order it after the acquire.
-                    _fence_proxy_async(epoch)
+                    _fence_proxy_async(src)
         if TRACE:
             _note_first_touch(trace_ptr, src, world_size)
         # One call per product: a tensor descriptor cannot be picked at run time, so each
@@ -253,52 +264,69 @@ def _launch_groups(layouts: Sequence[str]) -> list[list[int]]:
     return groups
 
 
-def signal_ready(
-    signal_ptrs: torch.Tensor, *, rank: int, world_size: int, channel: int, epoch: int
-) -> None:
-    """Announce "rank ``rank``'s data for ``epoch`` is ready" to every rank, itself included.
-
-    Stores ``epoch`` into word ``channel * W + rank`` of every pad ``signal_ptrs[d]`` with release
-    semantics at system scope. Call it after the data is in place (on a GPU: on the stream that
-    wrote it, so stream order puts the writes first).
-
-    Args:
-        signal_ptrs: int64 [W], address of each rank's signal pad (int32 words) in this process.
-    """
-    check_world(rank, world_size, channel, epoch)
-    check_ptr_table(signal_ptrs, world_size, signal_ptrs.device, argument="signal_ptrs")
-    with on_device(signal_ptrs.device):
-        _signal_ready_kernel[(world_size,)](signal_ptrs, rank, world_size, channel, epoch)
-
-
-def wait_ready(
+def barrier(
     signal_ptrs: torch.Tensor,
     *,
     status: torch.Tensor,
     rank: int,
     world_size: int,
     channel: int,
-    epoch: int,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    clear: tuple[torch.Tensor, int] | None = None,
+    wait: int = signals.WAIT_PUBLISHED,
 ) -> None:
-    """The barrier after :func:`signal_ready`: wait until word ``channel * W + s`` of this rank's
-    pad holds ``epoch`` for every peer ``s`` (acquire, system scope; one program per peer, each
-    bounded by ``timeout_s``: a wait that passes it stores ``epoch`` into ``status[s]``).
+    """A barrier of the group on signal channel ``channel``: returns (in stream order) once every
+    peer has reached its own barrier on that channel. One program per rank; word ``channel * W +
+    s`` of rank ``d``'s pad is raised by ``s`` (release, system scope) and waited for and
+    cleared by ``d`` (acquire, bounded by ``timeout_s``: a wait past it stores ``wait``, a
+    ``WAIT_*`` code, into ``status[s]``). Nothing depends on the call: a replayed launch is the
+    same barrier. A peer's next raise of the word comes after its next barrier on another
+    channel, which needs this rank's arrival, made after this barrier ended: so a word is never
+    raised twice before it is cleared.
 
-    On a GPU it runs on the current stream: whatever that stream runs next (the copies' start, the
-    consumer) follows every peer's publication. Nothing here synchronizes with the device.
+    ``clear=(words, slot_channel)``: before arriving, zero the local int32 ``words`` (the
+    progress words, contiguous, on the pad's device) and this rank's slot words (word
+    ``slot_channel * W + s`` of its pad, raised by peer ``s`` for the reduce-scatter), each
+    peer's before this rank's arrival is released to that peer. The start barrier of a call
+    clears them: every reader and writer of the previous call is finished in stream order, and
+    no peer writes one for this call before it sees this rank arrive.
+
+    On a GPU it runs on the current stream; nothing here synchronizes with the device.
+
+    Args:
+        signal_ptrs: int64 [W], address of each rank's signal pad (int32 words) in this process.
+        status: the timeout record (:func:`tp_kernels.kernels.new_status`).
     """
-    check_world(rank, world_size, channel, epoch)
+    check_world(rank, world_size, channel)
     check_ptr_table(signal_ptrs, world_size, signal_ptrs.device, argument="signal_ptrs")
     check_status(status, world_size)
-    wait_ns = timeout_ns(timeout_s)
+    if clear is None:
+        words, slot_channel, n_words = signal_ptrs, 0, 0  # not read (CLEAR=False)
+    else:
+        words, slot_channel = clear
+        n_words = words.numel()
+        check_progress(words, n_words, signal_ptrs.device, argument="clear[0] (the words)")
+    per_program = triton.next_power_of_2(max(-(-n_words // world_size), 1))
     with on_device(signal_ptrs.device):
-        _wait_ready_kernel[(world_size,)](
-            signal_ptrs, status.data_ptr(), rank, world_size, channel, epoch, wait_ns
+        _barrier_kernel[(world_size,)](
+            signal_ptrs,
+            words,
+            status.data_ptr(),
+            rank,
+            world_size,
+            channel,
+            n_words,
+            slot_channel,
+            timeout_ns(timeout_s),
+            CLEAR=clear is not None,
+            WORDS_PER_PROGRAM=per_program,
+            WAIT=wait,
         )
 
 
-def check_progress(progress: torch.Tensor, words: int, device: torch.device) -> None:
+def check_progress(
+    progress: torch.Tensor, words: int, device: torch.device, *, argument: str = "progress"
+) -> None:
     """``progress`` must be a contiguous int32 (or uint32) vector of at least ``words`` words on
     ``device``: the call's progress words, one per chunk of each rank's shard."""
     if (
@@ -309,9 +337,9 @@ def check_progress(progress: torch.Tensor, words: int, device: torch.device) -> 
         or not progress.is_contiguous()
     ):
         raise ValueError(
-            f"progress: got {progress.dtype} of shape {tuple(progress.shape)} on "
+            f"{argument}: got {progress.dtype} of shape {tuple(progress.shape)} on "
             f"{progress.device}, expected a contiguous int32 vector of at least {words} words "
-            f"(world_size * chunks) on {device}"
+            f"on {device}"
         )
 
 
@@ -325,7 +353,6 @@ def ag_matmul_consumer(
     status: torch.Tensor,
     rank: int,
     world_size: int,
-    epoch: int,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     order_out: torch.Tensor | None = None,
 ) -> None:
@@ -336,7 +363,7 @@ def ag_matmul_consumer(
     Shapes (W = ``world_size``, m rows per rank): ``a`` is the gathered A [W*m, K], contiguous,
     local; its rows ``[rank*m, (rank+1)*m)`` are in place before the launch (on a GPU: written
     on the same stream). Rows ``[s*m + j*chunk_rows, s*m + min((j+1)*chunk_rows, m))`` of a peer
-    ``s`` may be read once ``progress[s * chunks + j] == epoch``, with ``chunks = cdiv(m,
+    ``s`` may be read once ``progress[s * chunks + j]`` is raised, with ``chunks = cdiv(m,
     chunk_rows)``, and the chunks of one call complete in order. ``bs[j]`` is [K, N_j] with any
     strides (on sm_90 and newer read with TMA when its layout allows, see
     :func:`tp_kernels.kernels.tma_layout`, else through its strides; so is ``a``); ``outs[j]`` is
@@ -345,16 +372,16 @@ def ag_matmul_consumer(
 
     Args:
         progress: int32 (uint32 on CUDA, as stream writes take it), at least ``W * chunks``
-            words on the device, never reset: each call waits for its own epoch.
+            words on the device, zero before the call (the start barrier clears them).
         chunk_rows: rows per chunk of a shard (>= 1).
         status: the timeout record (:func:`tp_kernels.kernels.new_status`): a wait for rank s
-            that passes ``timeout_s`` stores ``epoch`` into ``status[s]``; read it with
+            that passes ``timeout_s`` stores ``WAIT_CHUNK`` into ``status[s]``; read it with
             :func:`tp_kernels.kernels.raise_on_timeout`.
         timeout_s: deadline of each wait.
         order_out: optional int [W]; receives the source ranks in the order the kernel first
             touched them (a trace for tests and debugging; adds one atomic per tile).
     """
-    check_world(rank, world_size, 0, epoch)
+    check_world(rank, world_size)
     dtype, device = a.dtype, a.device
     m, K = a.shape[0] // world_size, a.shape[1]
     if not isinstance(chunk_rows, int) or chunk_rows < 1:
@@ -403,7 +430,6 @@ def ag_matmul_consumer(
                 *[0, 0] * unused,
                 chunk_rows,
                 chunks,
-                epoch,
                 wait_ns,
                 DTYPE=DTYPE,
                 WAIT=wait,

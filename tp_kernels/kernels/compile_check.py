@@ -6,10 +6,10 @@ Every variant the launchers can choose is compiled with Triton's ``ASTSource`` f
 (16-byte aligned pointers, sizes and strides that are multiples of 16) and the autotuner's
 configs. Each PTX file is written to ``--out`` and checked:
 
-* a kernel that waits polls with ``ld.acquire.sys`` and reads ``%globaltimer`` (its deadline):
-  the barrier (``wait_ready``), the reduction, and the all-gather consumer's first launch, which
-  waits for the copy engine's progress words (and, reading A with TMA, fences the async proxy
-  after the acquire);
+* a kernel that waits polls with ``ld.acquire.sys`` and reads ``%globaltimer`` (its deadline): the
+  barrier (``barrier``, which also raises its peers' words with a system-scope release), the
+  reduction, and the all-gather consumer's first launch, which waits for the copy engine's progress
+  words (and, reading A with TMA, fences the async proxy after the acquire);
 * a kernel that signals stores its word with a system-scope release atomic; the reduce-scatter
   producer, whose stores are local, counts each tile at GPU scope (no system-scope fence per
   tile: only a block's last tile releases its word at system scope);
@@ -162,31 +162,26 @@ def variants(arch: int) -> list[Variant]:
     i32 = "i32"
     found = [
         _variant(
-            "signal_ready",
-            ag_matmul._signal_ready_kernel,
-            {"signal_ptrs": "*i64", "rank": i32, "world_size": i32, "channel": i32, "epoch": i32},
-            {},
-            ("signal_ptrs",),
-            SIGNAL_PATTERNS,
-            num_warps=1,
-        ),
-        _variant(
-            "wait_ready",
-            ag_matmul._wait_ready_kernel,
+            f"barrier{'[clear]' if clear else ''}",
+            ag_matmul._barrier_kernel,
             {
+                # Without CLEAR the launcher passes the address table as the (unread) words.
                 "signal_ptrs": "*i64",
+                "words": "*i32" if clear else "*i64",
                 "status_addr": "i64",
                 "rank": i32,
                 "world_size": i32,
                 "channel": i32,
-                "epoch": i32,
+                "n_words": i32,
+                "slot_channel": i32,
                 "timeout_ns": "i64",
             },  # fmt: skip
-            {},
-            ("signal_ptrs",),
-            WAIT_PATTERNS,
+            {"CLEAR": clear, "WORDS_PER_PROGRAM": 16, "WAIT": 1},
+            ("signal_ptrs", "words"),
+            SIGNAL_PATTERNS + WAIT_PATTERNS,
             num_warps=1,
-        ),
+        )
+        for clear in (False, True)
     ]
 
     def layout_of(layout: str, precision: str | None) -> str:
@@ -222,7 +217,7 @@ def variants(arch: int) -> list[Variant]:
             "a": _operand_type(a_layout, elem, kw["BLOCK_M"], kw["BLOCK_K"]),
             "a_ptr": f"*{elem}", "progress_addr": "i64", "trace_ptr": "*i32",
             "status_addr": "i64", "rank": i32, "world_size": i32, "m": i32, "K": i32,
-            "chunk_rows": i32, "chunks": i32, "epoch": i32, "timeout_ns": "i64",
+            "chunk_rows": i32, "chunks": i32, "timeout_ns": "i64",
         }  # fmt: skip
         for j in range(3):
             types |= {f"b{j}": b_type, f"c{j}": f"*{elem}", f"N{j}": i32, others[j]: i32}
@@ -268,7 +263,7 @@ def variants(arch: int) -> list[Variant]:
             "staging": f"*{elem}", "own_slots": f"*{elem}", "progress": "*i32",
             "signal_ptrs": "*i64", "counter_ptr": "*i32",
             "trace_ptr": "*i32", "rank": i32, "world_size": i32, "m": i32, "N": i32, "K": i32,
-            "stride_am": i32, other: i32, "channel": i32, "epoch": i32,
+            "stride_am": i32, other: i32, "channel": i32,
         }  # fmt: skip
         aligned = ["staging", "own_slots", "progress", "signal_ptrs", "counter_ptr", "m", "N", "K"]
         aligned += ["stride_am"]
@@ -332,7 +327,6 @@ def variants(arch: int) -> list[Variant]:
                         "world_size": i32,
                         "numel": i32,
                         "channel": i32,
-                        "epoch": i32,
                         "timeout_ns": "i64",
                     },  # fmt: skip
                     {"OUT_DTYPE": tl_type, "BF16_BY_HAND": False, **config.kwargs},

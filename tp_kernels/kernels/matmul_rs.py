@@ -5,12 +5,14 @@ Rank ``r``'s symmetric buffer, viewed as ``slots [W, m, N]``, receives in slot `
 partial product of the rows owed to ``r``. :func:`matmul_rs_producer` computes the rows owed to
 rank ``d = r+1, r+2, ..., r`` (mod W, its own last) into block ``d`` of a local ``staging
 [W, m, N]`` (its own rows straight into slot ``r`` of its own buffer) and, once block ``d`` is
-complete, stores the epoch into the local progress word ``d`` (its own block: into word
-``channel * W + r`` of its own pad). Nothing it stores crosses the link: the copy engine moves
+complete, raises the local progress word ``d`` (its own block: word ``channel * W + r`` of its
+own pad). Nothing it stores crosses the link: the copy engine moves
 each block into slot ``r`` of ``d``'s buffer and then raises ``d``'s word ``channel * W + r``
 (the pusher of :mod:`tp_kernels.backends.symm_scatter`), so no tile's release waits for remote
 stores to land and the link carries the partials while the GEMM computes the next ones.
-:func:`reduce_slots` waits for each slot's word and sums the slots in fp32, slot 0 first.
+:func:`reduce_slots` waits for each slot's word and sums the slots in fp32, slot 0 first. The
+words are cleared by the next call's start barrier (:func:`tp_kernels.kernels.barrier`), which
+also orders this call's pushes after every peer's reduction of the previous call.
 
 The partials cross the link in the operands' dtype (a bf16 GEMM sends bf16 partials), rounded
 once from the fp32 accumulator: fp32 partials would double the bytes on the link, which is what
@@ -35,6 +37,8 @@ from tp_kernels.kernels._shared import (
     DEFAULT_TIMEOUT_S,
     GROUP_M,
     INTERPRET,
+    RAISED,
+    WAIT_SLOT,
     _accumulate,
     _load_block,
     _note_first_touch,
@@ -88,7 +92,7 @@ def _reduce_configs() -> list[triton.Config]:
     return [triton.Config({"BLOCK": b}, num_warps=w) for b in (1024, 2048, 4096) for w in (4, 8)]
 
 
-@triton.jit(do_not_specialize=["rank", "channel", "epoch"])
+@triton.jit(do_not_specialize=["rank", "channel"])
 def _matmul_rs_kernel(
     a,
     b,
@@ -108,7 +112,6 @@ def _matmul_rs_kernel(
     stride_bk,
     stride_bn,
     channel,
-    epoch,
     DTYPE: tl.constexpr,
     A_LAYOUT: tl.constexpr,
     B_LAYOUT: tl.constexpr,
@@ -129,8 +132,8 @@ def _matmul_rs_kernel(
     ``t // (cdiv(m, BLOCK_M) * cdiv(N, BLOCK_N))`` and on (:func:`_tile_coords`); M tile ``t``
     serves ``d = (rank + 1 + t // cdiv(m, BLOCK_M)) % W``.
     The tile that completes block ``d`` (counted in ``counter_ptr[d]``, which it then resets to
-    zero for the next launch) stores ``epoch`` (release, system scope) into ``progress[d]``, or
-    for ``d == rank`` into word ``channel * W + rank`` of this rank's pad (``signal_ptrs[rank]``).
+    zero for the next launch) raises (release, system scope) ``progress[d]``, or for ``d == rank``
+    word ``channel * W + rank`` of this rank's pad (``signal_ptrs[rank]``).
     """
     n_tiles = tl.cdiv(N, BLOCK_N)
     tiles_per_slot = tl.cdiv(m, BLOCK_M)
@@ -177,14 +180,16 @@ def _matmul_rs_kernel(
             tl.atomic_xchg(counter_ptr + dst, 0, sem="relaxed", scope="gpu")
             if dst == rank:
                 pad = tl.load(signal_ptrs + rank).to(tl.pointer_type(tl.int32))
-                tl.atomic_xchg(pad + channel * world_size + rank, epoch, sem="release", scope="sys")
+                tl.atomic_xchg(
+                    pad + channel * world_size + rank, RAISED, sem="release", scope="sys"
+                )
             else:
                 # System scope: the copy engine, not an SM, reads the block after the word.
-                tl.atomic_xchg(progress + dst, epoch, sem="release", scope="sys")
+                tl.atomic_xchg(progress + dst, RAISED, sem="release", scope="sys")
 
 
 @triton.autotune(configs=_reduce_configs(), key=["numel", "OUT_DTYPE"])
-@triton.jit(do_not_specialize=["rank", "channel", "epoch", "status_addr", "timeout_ns"])
+@triton.jit(do_not_specialize=["rank", "channel", "status_addr", "timeout_ns"])
 def _reduce_slots_kernel(
     slots_ptr,
     out_ptr,
@@ -194,7 +199,6 @@ def _reduce_slots_kernel(
     world_size,
     numel,
     channel,
-    epoch,
     timeout_ns,
     OUT_DTYPE: tl.constexpr,
     BF16_BY_HAND: tl.constexpr,
@@ -203,9 +207,9 @@ def _reduce_slots_kernel(
     """``out[e] = sum_{s=0..W-1} float32(slots[s, e])`` for a block of elements ``e``.
 
     ``slots`` [W, numel] is this rank's buffer. The sum runs in fp32, slot 0 first, so the result
-    does not depend on timing. Before adding slot ``s`` the program waits for ``epoch`` in word
-    ``channel * W + s`` of this rank's pad (on timeout: ``status[s] = epoch``), so summing the
-    slots already there overlaps with waiting for the rest.
+    does not depend on timing. Before adding slot ``s`` the program waits until word
+    ``channel * W + s`` of this rank's pad is raised (on timeout: ``status[s] = WAIT_SLOT``), so
+    summing the slots already there overlaps with waiting for the rest.
     """
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
@@ -215,7 +219,7 @@ def _reduce_slots_kernel(
     # Step the pointer slot by slot: s * numel may pass 2**31 in int32.
     ptrs = slots_ptr + offs
     for s in range(world_size):
-        _wait_signal(pad + channel * world_size + s, epoch, timeout_ns, status + s)
+        _wait_signal(pad + channel * world_size + s, timeout_ns, status + s, WAIT_SLOT)
         acc += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
         ptrs += numel
     tl.store(out_ptr + offs, _round_to(acc, OUT_DTYPE, BF16_BY_HAND), mask=mask)
@@ -239,7 +243,6 @@ def matmul_rs_producer(
     rank: int,
     world_size: int,
     channel: int,
-    epoch: int,
     order_out: torch.Tensor | None = None,
 ) -> None:
     """``blocks[d] = (a @ b)[d*m:(d+1)*m]`` for every rank d, each block announced once complete.
@@ -248,9 +251,10 @@ def matmul_rs_producer(
     device, any strides (on sm_90 and newer each is read with TMA when its layout allows, see
     :func:`tp_kernels.kernels.tma_layout`, else through its strides). ``staging`` and
     ``own_slots`` are contiguous [W, m, N] of that dtype: block ``d != rank`` goes into
-    ``staging[d]`` and then ``epoch`` into ``progress[d]``; block ``rank`` goes into
-    ``own_slots[rank]`` (this rank's symmetric buffer) and then ``epoch`` into word
-    ``channel * W + rank`` of this rank's pad, where :func:`reduce_slots` waits for it.
+    ``staging[d]``, then ``progress[d]`` is raised; block ``rank`` goes into ``own_slots[rank]``
+    (this rank's symmetric buffer), then word ``channel * W + rank`` of this rank's pad is
+    raised, where :func:`reduce_slots` waits for it. The words must be clear before the launch
+    (the start barrier clears them).
     Destinations go d = rank+1, rank+2, ..., rank (mod W). Nothing here waits, so the producer
     cannot deadlock, and nothing it stores is remote: moving ``staging[d]`` to rank d is the
     pusher's (:mod:`tp_kernels.backends.symm_scatter`), which must copy block d only after its
@@ -263,7 +267,7 @@ def matmul_rs_producer(
         order_out: optional int [W]; receives the destination ranks in the order the kernel first
             touched them (a trace for tests and debugging).
     """
-    check_world(rank, world_size, channel, epoch)
+    check_world(rank, world_size, channel)
     m, K, N = a.shape[0] // world_size, a.shape[1], b.shape[1]
     DTYPE = tl_dtype(a.dtype, argument="a")
     for name, blocks in (("staging", staging), ("own_slots", own_slots)):
@@ -305,7 +309,6 @@ def matmul_rs_producer(
             b.stride(0),
             b.stride(1),
             channel,
-            epoch,
             DTYPE=DTYPE,
             A_LAYOUT=a_layout,
             B_LAYOUT=b_layout,
@@ -326,7 +329,6 @@ def reduce_slots(
     rank: int,
     world_size: int,
     channel: int,
-    epoch: int,
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> None:
     """``out = slots[0] + slots[1] + ... + slots[W-1]``, summed in fp32 in that order (an average
@@ -335,14 +337,14 @@ def reduce_slots(
     Shapes: ``slots`` [W, m, N] (this rank's symmetric buffer; slot s holds rank s's block of
     :func:`matmul_rs_producer`, pushed here by rank s), ``out`` [m, N] of any supported dtype
     (the fp32 sum is cast to it); both contiguous on one device. Slot s is read once word
-    ``channel * W + s`` of this rank's pad holds ``epoch``. Nothing here synchronizes with the
+    ``channel * W + s`` of this rank's pad is raised. Nothing here synchronizes with the
     device.
 
     Args:
         signal_ptrs: int64 [W], address of each rank's signal pad; this rank waits on its own.
         status, timeout_s: as in :func:`tp_kernels.kernels.ag_matmul_consumer`.
     """
-    check_world(rank, world_size, channel, epoch)
+    check_world(rank, world_size, channel)
     OUT_DTYPE = tl_dtype(out.dtype, argument="out")
     check_ptr_table(signal_ptrs, world_size, slots.device, argument="signal_ptrs")
     check_status(status, world_size)
@@ -358,7 +360,6 @@ def reduce_slots(
             world_size,
             numel,
             channel,
-            epoch,
             timeout_ns(timeout_s),
             OUT_DTYPE=OUT_DTYPE,
             BF16_BY_HAND=INTERPRET and out.dtype == torch.bfloat16,
