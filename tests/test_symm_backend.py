@@ -883,3 +883,56 @@ def test_cuda_copies_are_joined_on_their_devices_current_stream(monkeypatch):
     copies.join()
     copies.join()
     assert waited == [(torch.device("cuda", 1), event)]
+
+
+# ---------------------------------------------------------------- inference mode
+
+
+def _first_call_under_inference_mode(triton: bool) -> dict:
+    """A new group's first calls (which make its state) under ``torch.inference_mode()``, then
+    calls outside it; the values of each, and whether any state tensor is an inference tensor
+    (one that a later call writes in place would raise)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(list(range(world)))
+    report: dict = {"problems": [], "errors": []}
+    saved_timeout = symmetric_memory.get_timeout()
+    symmetric_memory.set_timeout(20.0)  # a failed copy leaves its consumer waiting
+    if triton:
+        config.SYMM_TRITON.set(True)
+    try:
+        for call, mode in enumerate((True, False, True, False)):
+            shards, bs = _ag_problem(call, world, 5, 12, (9,), torch.float32)
+            parts = _rs_problem(call, world, 5, 12, 9, torch.float32, False)
+            try:
+                with torch.inference_mode(mode):
+                    a, outs = BACKEND.all_gather_matmul(shards[rank], bs, group, return_a=True)
+                    out = BACKEND.matmul_reduce_scatter(parts[rank]["a"], parts[rank]["b"], group)
+            except Exception as exc:  # noqa: BLE001 - reported, and the test fails on it
+                report["errors"].append(f"call {call}: {exc!r}"[:300])
+                break
+            report["problems"] += _ag_check(f"call {call}", a, outs, shards, bs)
+            if problem := _rs_check(f"call {call}", out, parts, 5):
+                report["problems"].append(problem)
+        state = symm_backend._state(group, torch.device("cpu"))
+        made = {"pad": state.ctl.signal_pad(0), "data": state.data.buffer(0, (4,), torch.int32)}
+        if triton:
+            made |= {"status": state.status, "counters": state.counters, "words": state.words}
+            made |= {"staging": state.staging, "pusher pad": state.pusher._pads[0]}
+        report["inference"] = sorted(name for name, t in made.items() if t.is_inference())
+    finally:
+        config.SYMM_TRITON.reset()
+        symmetric_memory.set_timeout(saved_timeout)
+        dist.destroy_process_group(group)
+    return report
+
+
+@pytest.mark.parametrize("triton", [False, True])
+def test_a_first_call_under_inference_mode_leaves_no_inference_state(worlds, triton):
+    """The state a group's first call makes (workspaces, progress words, status, counters,
+    staging, the pusher's pad views) is never made of inference tensors, and the CPU copier's and
+    pusher's threads run in the caller's inference mode (a call under it gathers into an
+    inference tensor). Before: the Triton path's first call under inference mode failed in the
+    copier's thread ("Inplace update to inference tensor outside InferenceMode")."""
+    for rank, report in enumerate(worlds(2).run(_first_call_under_inference_mode, triton)):
+        assert report["errors"] == [] and report["problems"] == [], (rank, report)
+        assert report["inference"] == [], (rank, report)

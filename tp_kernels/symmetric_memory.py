@@ -798,7 +798,7 @@ def get_workspace(
     old one in the cache: tensors viewing the old one stay valid but are no longer shared; on CUDA
     the old one is kept until the group goes, since peers' kernels may still use it (see
     :data:`_replaced`). Calls that fit return the cached workspace without communicating. Every
-    rank must ask the same ``nbytes``.
+    rank must ask the same ``nbytes``. Its tensors are never inference tensors.
     """
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group: expected a torch.distributed.ProcessGroup, got {group!r}")
@@ -815,7 +815,8 @@ def get_workspace(
     # The ranks agree on what was asked; the size follows from it and from the current size,
     # which every rank has the same.
     size = nbytes if current is None else max(nbytes, 2 * current.nbytes)
-    with _on_device(dev):
+    # Not inference tensors, whatever mode the first call ran in: later calls write them.
+    with _on_device(dev), torch.inference_mode(False):
         uid = _agree(group, nbytes, dev, tag)  # raises on every rank if any rank cannot allocate
         if dev.type == "cpu":
             workspace: SymmWorkspace = _allocate_shm(group, size, uid)

@@ -177,10 +177,14 @@ class Copier:
                 copy_all()
                 return Copies(event=self._stream.record_event(), device=self.device)
         copies = Copies()
+        inference = torch.is_inference_mode_enabled()
 
         def run() -> None:
             try:
-                copy_all()
+                # The thread writes the caller's tensors as the caller would: inference mode
+                # is per thread, and a call under it gets inference tensors (A among them).
+                with torch.inference_mode(inference):
+                    copy_all()
             except BaseException as exc:  # raised again by join, on the calling thread
                 copies.error = exc
 

@@ -171,9 +171,12 @@ class Pusher:
                     return  # the producer failed: its error is the call's
                 push(d, block, slot)
 
+        inference = torch.is_inference_mode_enabled()
+
         def run() -> None:
             try:
-                push_all()
+                with torch.inference_mode(inference):  # the caller's, as the copier's thread
+                    push_all()
             except BaseException as exc:  # raised again by join, on the calling thread
                 copies.error = exc
 
