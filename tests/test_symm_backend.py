@@ -936,3 +936,35 @@ def test_a_first_call_under_inference_mode_leaves_no_inference_state(worlds, tri
     for rank, report in enumerate(worlds(2).run(_first_call_under_inference_mode, triton)):
         assert report["errors"] == [] and report["problems"] == [], (rank, report)
         assert report["inference"] == [], (rank, report)
+
+
+def test_grown_staging_is_freed_after_the_current_streams_work(monkeypatch):
+    """Staging grows with the data workspace. The old block goes back to the pool of the stream
+    it was made on, which need not follow the pusher's reads of it (the current stream may have
+    changed since); it is first recorded on the current stream, which follows them (it joined
+    the last call's side streams or waited for the stream that did). Before: not recorded."""
+    import types
+
+    log = []
+
+    class OldStaging:
+        def numel(self):
+            return 64
+
+        def record_stream(self, stream):
+            log.append(("record_stream", stream))
+
+    real_empty = torch.empty
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "current")
+    monkeypatch.setattr(
+        torch, "empty", lambda *size, dtype=None, device=None: real_empty(*size, dtype=dtype)
+    )
+    state = symm_backend._GroupState.__new__(symm_backend._GroupState)
+    state.ctl = types.SimpleNamespace(world_size=2, device=torch.device("cuda", 0))
+    state.data = types.SimpleNamespace(nbytes=2 * 256)
+    state.pusher, state.staging = "pusher", OldStaging()
+    pusher, staging = state.scatter_state()
+    assert log == [("record_stream", "current")] and staging.numel() == 256
+    log.clear()
+    state.scatter_state()  # large enough: kept, nothing recorded
+    assert log == [] and state.staging is staging
