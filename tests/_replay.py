@@ -19,9 +19,10 @@ treatment on the CPU, where its device work is:
   result into the recorded output, as a graph writes into the addresses of its capture.
 
 Host work is not recorded and not replayed: the backend's planning, its reading of the timeout
-record (pinned host memory on a GPU), the launchers' argument checks. A host read of a tensor
-during the recording (``.item()``, ``bool()``) outside that is an error: a graph cannot capture
-it.
+record (pinned host memory on a GPU), the launchers' argument checks. What a graph cannot
+capture is an error during the recording: a host read of a tensor (``.item()``, ``bool()``)
+outside that host work, a process-group collective, or a symmetric allocation (the collective
+agreement of :func:`tp_kernels.symmetric_memory.get_workspace` that precedes one).
 """
 
 from __future__ import annotations
@@ -33,10 +34,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from tp_kernels import kernels
+from tp_kernels import kernels, symmetric_memory
 from tp_kernels.backends import symm as symm_backend
 from tp_kernels.backends import symm_gather, symm_scatter
 
@@ -47,6 +49,15 @@ HOST_WORK = ("_raise_recorded_timeout", "_usable_state")
 _ALLOCATIONS = {"empty", "new_empty", "empty_like", "empty_strided", "new_empty_strided"}
 # Ops that read a tensor on the host: what no graph can capture.
 _HOST_READS = {"_local_scalar_dense", "item"}
+# What no captured call may do either: talk through the process group, allocate collectively.
+_FORBIDDEN = [
+    (dist, name)
+    for name in (
+        "all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce",
+        "all_to_all_single", "barrier", "broadcast", "reduce_scatter_tensor", "send", "recv",
+        "isend", "irecv", "batch_isend_irecv",
+    )
+] + [(symmetric_memory, "_agree")]  # fmt: skip
 
 
 @dataclass
@@ -145,6 +156,8 @@ class Recorder(TorchDispatchMode):
         self._patch(symm_gather.Copier, "start", lambda f: copies(f, "copies"))
         self._patch(symm_scatter.Pusher, "run", lambda f: copies(f, "push"))
         self._patch(symm_gather.Copies, "join", join)
+        for owner, name in _FORBIDDEN:
+            self._patch(owner, name, _forbidden)
         try:
             with self:
                 yield self
@@ -196,6 +209,13 @@ class Recorder(TorchDispatchMode):
             key = item.fn.__name__ if item.kind == "launch" else item.kind
             found[key] = found.get(key, 0) + 1
         return found
+
+
+def _forbidden(original):
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{original.__name__} while recording device work")
+
+    return refuse
 
 
 class _Late:
