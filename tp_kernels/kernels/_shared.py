@@ -347,6 +347,18 @@ if INTERPRET:
         """Nothing to order in the interpreter: its descriptor loads are plain loads."""
         pass
 
+    def _range_arg(x):
+        """``x`` (a scalar tensor, or a Python int or constexpr) as what Python's ``range`` takes.
+
+        Why: a ``for ... in range(...)`` with a tensor bound, start or step runs in the
+        interpreter as Python's ``range``, which calls the tensor's ``__index__``. Triton
+        3.6.0's interpreter defines it as ``int(data)`` of the tensor's numpy data, a 1-element
+        *1-D* array, and NumPy >= 2.4 refuses that ("TypeError: only 0-dimensional arrays can be
+        converted to Python scalars"; 3.7 squeezes the array first). A plain function, so it
+        runs as Python; on a GPU :func:`_range_arg` is the identity and the kernels are the same.
+        """
+        return x.handle.data.item() if isinstance(x, tl.tensor) else x
+
 else:
     # Every thread polls on its own (no barrier inside, so no thread can wait for a thread that
     # left): a word already at the epoch costs one load; otherwise read the peer's timeout
@@ -408,6 +420,12 @@ else:
             is_pure=False,
             pack=1,
         )
+
+    @triton.jit
+    def _range_arg(x):
+        """The identity: a GPU kernel's ``range`` takes a tensor as it is (the interpreter's
+        twin above exists for Triton 3.6.0's interpreter; inlined, the kernel is unchanged)."""
+        return x
 
 
 @triton.jit
