@@ -193,6 +193,96 @@ def test_right_hand_matrices_share_launches_by_layout_three_at_most():
     assert groups(["cr", "pointer", "pointer", "cr"]) == [[0], [1, 2], [3]]
 
 
+def test_persistent_launches_take_a_share_of_the_sms_when_ranks_share_a_gpu():
+    """Ranks on one GPU (gpu_check's 2 and 4): every rank's persistent GEMM together must leave
+    SMs that no program holds, for the copy kernels and barriers their tiles wait for."""
+    from tp_kernels.kernels._shared import SHARED_DEVICE_FREE_SMS, programs_for
+
+    assert programs_for(132, 1) == 132  # a GPU of its own: one program per SM
+    assert programs_for(132, 2) == 64 and programs_for(132, 4) == 31
+    assert programs_for(4, 8) == 1  # never none
+    for sms in (16, 78, 108, 132):
+        for ranks in (2, 3, 4, 8):
+            if sms // ranks > SHARED_DEVICE_FREE_SMS:
+                assert ranks * programs_for(sms, ranks) <= sms - ranks * SHARED_DEVICE_FREE_SMS
+
+
+def test_ranks_on_one_gpu_come_from_the_setting_or_torchs_variable(monkeypatch):
+    from tp_kernels import config
+
+    monkeypatch.delenv("TP_KERNELS_SHARED_DEVICE_RANKS", raising=False)
+    monkeypatch.delenv(config.ALLOW_OVERLAPPING_DEVICES, raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    config.SHARED_DEVICE_RANKS.reset()
+    try:
+        assert config.shared_device_ranks(1) == 1  # torch refuses ranks on one device
+        monkeypatch.setenv(config.ALLOW_OVERLAPPING_DEVICES, "1")
+        assert config.shared_device_ranks(1) == 4
+        assert config.shared_device_ranks(2) == 2 and config.shared_device_ranks(8) == 1
+        config.SHARED_DEVICE_RANKS.set(3)
+        assert config.shared_device_ranks(8) == 3
+        config.SHARED_DEVICE_RANKS.reset()
+        monkeypatch.setenv("TP_KERNELS_SHARED_DEVICE_RANKS", "2")
+        assert config.shared_device_ranks(1) == 2
+        config.SHARED_DEVICE_RANKS.reset()
+        monkeypatch.setenv("TP_KERNELS_SHARED_DEVICE_RANKS", "0")
+        with pytest.raises(ValueError, match="TP_KERNELS_SHARED_DEVICE_RANKS"):
+            config.shared_device_ranks(1)
+    finally:
+        config.SHARED_DEVICE_RANKS.reset()
+
+
+def test_launchers_grids_hold_a_share_of_the_sms(monkeypatch):
+    """Both persistent launchers as on a GPU of 132 SMs that 4 ranks share (torch's variable set,
+    as in gpu_check's ranks): the grid each would launch has at most 132 // 4 - 2 programs,
+    though there are far more tiles (the kernels are not run: a recorder stands in for them)."""
+    import types
+
+    from tp_kernels.kernels import _shared, ag_matmul, matmul_rs
+
+    grids = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            meta = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}
+            return lambda *args, **kwargs: grids.append(grid(meta) if callable(grid) else grid)
+
+    monkeypatch.setattr(_shared, "INTERPRET", False)  # persistent_programs as on a GPU
+    monkeypatch.setattr(_shared, "_programs", {}, raising=False)  # its cache, fresh
+    monkeypatch.delenv("TP_KERNELS_SHARED_DEVICE_RANKS", raising=False)
+    monkeypatch.setenv("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    props = types.SimpleNamespace(multi_processor_count=132)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(ag_matmul, "_ag_matmul_kernel", Recorder())
+    monkeypatch.setattr(matmul_rs, "_matmul_rs_kernel", Recorder())
+    world_size, m, k, n = 4, 256, 16, 256  # 4 * 16 * 16 tiles of 16 x 16
+    a = torch.zeros(world_size * m, k)
+    b = torch.zeros(k, n)
+    status = kernels.new_status(world_size, torch.device("cpu"))
+
+    def consume() -> None:
+        kernels.ag_matmul_consumer(
+            a, [b], [torch.empty(world_size * m, n)], progress=_progress(world_size),
+            chunk_rows=m, status=status, rank=0, world_size=world_size,
+        )  # fmt: skip
+
+    consume()
+    blocks = torch.empty(world_size, m, n)
+    kernels.matmul_rs_producer(
+        a, b, blocks, torch.empty_like(blocks), torch.zeros(world_size, dtype=torch.int32),
+        _pads(world_size)[1], counters=kernels.new_counters(world_size, torch.device("cpu")),
+        rank=0, world_size=world_size, channel=CHANNEL,
+    )  # fmt: skip
+    # Without the variable (a GPU of its own): one program per SM.
+    monkeypatch.delenv("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES")
+    monkeypatch.setattr(_shared, "_programs", {}, raising=False)
+    consume()
+    assert grids == [(31,), (31,), (132,)]
+
+
 def _push_by_hand(staging, buffers, pads, rank: int) -> None:
     """What the pusher does for ``rank`` (tested in test_symm_backend.py): each peer's block of
     its staging into slot ``rank`` of the peer's buffer, then the peer's word."""

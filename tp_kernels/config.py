@@ -13,6 +13,9 @@
   model's fastest for the device and shape; ``SYMM_CHUNKS.set(n)``. Local to a rank (each
   rank's consumer waits only for its own copies), so not agreed on.
 - :data:`AUTO_TIMING`: ``TP_KERNELS_AUTO_TIMING`` (1/0), default on; ``AUTO_TIMING.set(...)``.
+- :data:`SHARED_DEVICE_RANKS`: ``TP_KERNELS_SHARED_DEVICE_RANKS`` (a positive int), default
+  :func:`shared_device_ranks`'s guess from ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES``;
+  ``SHARED_DEVICE_RANKS.set(n)``. Local to a rank (it sizes this rank's launches only).
 - ``TRITON_INTERPRET``: Triton's own variable, read by Triton when it is first imported.
 
 Each setting is read from the environment once, on first use, and a setter overrides it for the
@@ -34,11 +37,13 @@ __all__ = [
     "BACKEND",
     "CHECK_CONSISTENCY",
     "PIPELINE_CHUNKS",
+    "SHARED_DEVICE_RANKS",
     "SYMM_CHUNKS",
     "SYMM_MAX_CHUNKS",
     "SYMM_TRITON",
     "Setting",
     "TIMEOUT_S",
+    "shared_device_ranks",
 ]
 
 T = TypeVar("T")
@@ -201,3 +206,32 @@ fastest for the device and shape (``backends.symm_gather.chunks_per_shard``)."""
 
 AUTO_TIMING: Setting[bool] = Setting("TP_KERNELS_AUTO_TIMING", True, _parse_flag, _check_flag)
 """Whether ``auto`` times its candidates once per shape class (else: its first candidate)."""
+
+SHARED_DEVICE_RANKS: Setting[int | None] = Setting(
+    "TP_KERNELS_SHARED_DEVICE_RANKS", None, _parse_chunks, _check_chunks
+)
+"""How many ranks run their kernels on this rank's GPU at once; each persistent GEMM then takes
+at most its share of the SMs (``kernels._shared.persistent_programs``). None: see
+:func:`shared_device_ranks`."""
+
+# torch's CUDA symmetric memory accepts ranks on one device (host and device index) only with it.
+ALLOW_OVERLAPPING_DEVICES = "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"
+
+
+def shared_device_ranks(visible_devices: int) -> int:
+    """:data:`SHARED_DEVICE_RANKS`, or when unset a guess: 1 unless
+    ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1`` (without it symmetric memory refuses ranks that
+    share a device), else this host's ranks (``LOCAL_WORLD_SIZE``, else ``WORLD_SIZE``, else 2)
+    spread over the ``visible_devices`` GPUs this process sees, rounded up. The guess errs toward
+    sharing (a rank given too few SMs is slower; ranks given too many can starve each other's
+    copies until the deadline): ranks that each see only their own GPU under one index
+    (``CUDA_VISIBLE_DEVICES``) with the variable set should set this to 1, and ranks that all use
+    one of several GPUs (as ``gpu_check`` does) to their number."""
+    ranks = SHARED_DEVICE_RANKS.get()
+    if ranks is not None:
+        return ranks
+    if os.environ.get(ALLOW_OVERLAPPING_DEVICES) != "1":
+        return 1
+    local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or "2"
+    local_ranks = int(local) if local.isdigit() and int(local) > 0 else 2
+    return max(1, -(-local_ranks // max(1, visible_devices)))

@@ -675,11 +675,12 @@ def check_world(world_size: int, args: argparse.Namespace) -> list[Row]:
     cases = GPU_CASES if device == "cuda" else CPU_CASES
     if args.quick:
         cases = {op: c[: QUICK_CASES[device]] for op, c in cases.items()}
-    world = LocalWorld(
-        world_size,
-        timeout_s=args.timeout_s,
-        env=_rank_env(device, args.symm_timeout_s, args.cuda_max_connections),
-    )
+    env = _rank_env(device, args.symm_timeout_s, args.cuda_max_connections)
+    if device == "cuda":
+        # Every rank on cuda:0, however many GPUs the machine has: each persistent GEMM takes
+        # its share of the SMs (config.shared_device_ranks would guess from the GPU count).
+        env["TP_KERNELS_SHARED_DEVICE_RANKS"] = str(world_size)
+    world = LocalWorld(world_size, timeout_s=args.timeout_s, env=env)
     try:
         try:
             statuses = _agreed(world.run(rank_backends, device))

@@ -142,12 +142,47 @@ def gemm_configs(pre_hook=None) -> list[triton.Config]:
 _INTERPRETER_PROGRAMS = 2
 
 
+# SMs that each rank's persistent launch leaves free when ranks share a GPU. On one device a
+# device-to-device copy (the all-gather's copies, the reduce-scatter's pushes) is likely run by
+# an SM kernel, not the copy engine, and the barrier and reduction are small kernels too: while
+# every rank's persistent GEMM spins on progress words that those kernels raise, they need SMs
+# that no GEMM program holds, or they starve until the deadline. Each rank takes at most
+# ``SMs // ranks - 2``: its share, less one SM for its own copy kernel and one for the small
+# kernels (its barrier, a peer's signal); all ranks' GEMMs together then leave at least 2 SMs per
+# rank free (a program holds at most one SM), 4 of 132 for 2 ranks on an H100, 8 for 4 ranks,
+# at a cost of 3-6% of the GEMM's SMs, on a setup that exists for testing, not for speed.
+SHARED_DEVICE_FREE_SMS = 2
+
+
+def programs_for(num_sms: int, ranks_on_device: int) -> int:
+    """Programs of a persistent launch on a GPU of ``num_sms`` SMs that ``ranks_on_device`` ranks
+    share: all of them for one rank, else at most its share less :data:`SHARED_DEVICE_FREE_SMS`
+    (at least 1)."""
+    if ranks_on_device <= 1:
+        return num_sms
+    return max(1, num_sms // ranks_on_device - SHARED_DEVICE_FREE_SMS)
+
+
+# (device index, config generation) -> persistent_programs(device): the launchers call it on
+# every call, and a changed setting bumps the generation.
+_programs: dict[tuple[int, int], int] = {}
+
+
 def persistent_programs(device: torch.device) -> int:
     """How many programs a persistent GEMM launches at most: one per SM (each loops over tiles),
-    so every program is resident and none waits for a place behind one that spins."""
+    so every program is resident and none waits for a place behind one that spins; when ranks
+    share the GPU (:func:`tp_kernels.config.shared_device_ranks`), this rank's share of the SMs
+    less a few (:func:`programs_for`)."""
     if INTERPRET:
         return _INTERPRETER_PROGRAMS
-    return torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
+    index = torch.device(device).index
+    key = (torch.cuda.current_device() if index is None else index, config.generation())
+    programs = _programs.get(key)
+    if programs is None:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        ranks = config.shared_device_ranks(torch.cuda.device_count())
+        programs = _programs[key] = programs_for(sms, ranks)
+    return programs
 
 
 def tma_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -343,6 +378,18 @@ if INTERPRET:
         """Nothing to order in the interpreter: its descriptor loads are plain loads."""
         pass
 
+    def _range_arg(x):
+        """``x`` (a scalar tensor, or a Python int or constexpr) as what Python's ``range`` takes.
+
+        Why: a ``for ... in range(...)`` with a tensor bound, start or step runs in the
+        interpreter as Python's ``range``, which calls the tensor's ``__index__``. Triton
+        3.6.0's interpreter defines it as ``int(data)`` of the tensor's numpy data, a 1-element
+        *1-D* array, and NumPy >= 2.4 refuses that ("TypeError: only 0-dimensional arrays can be
+        converted to Python scalars"; 3.7 squeezes the array first). A plain function, so it
+        runs as Python; on a GPU :func:`_range_arg` is the identity and the kernels are the same.
+        """
+        return x.handle.data.item() if isinstance(x, tl.tensor) else x
+
 else:
     # Every thread polls on its own (no barrier inside, so no thread can wait for a thread that
     # left): a word already at the value costs one load; otherwise read the peer's timeout
@@ -404,6 +451,12 @@ else:
             is_pure=False,
             pack=1,
         )
+
+    @triton.jit
+    def _range_arg(x):
+        """The identity: a GPU kernel's ``range`` takes a tensor as it is (the interpreter's
+        twin above exists for Triton 3.6.0's interpreter; inlined, the kernel is unchanged)."""
+        return x
 
 
 @triton.jit

@@ -43,6 +43,7 @@ from tp_kernels.kernels._shared import (
     _accumulate,
     _fence_proxy_async,
     _note_first_touch,
+    _range_arg,
     _round_to,
     _tile_coords,
     _tile_span,
@@ -116,7 +117,7 @@ def _consumer_tile(
         m_tile, col_tile, tiles_per_shard, m, N, BLOCK_M, BLOCK_N
     )
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(0, _range_arg(K), BLOCK_K):  # _range_arg: for Triton 3.6.0's interpreter
         if A_LAYOUT == "rc":
             # Rows past this shard's m come from the next shard (or TMA's zero fill): they only
             # reach output rows that the masked store below drops.

@@ -42,6 +42,7 @@ from tp_kernels.kernels._shared import (
     _accumulate,
     _load_block,
     _note_first_touch,
+    _range_arg,
     _round_to,
     _tile_coords,
     _tile_span,
@@ -138,7 +139,9 @@ def _matmul_rs_kernel(
     n_tiles = tl.cdiv(N, BLOCK_N)
     tiles_per_slot = tl.cdiv(m, BLOCK_M)
     # Persistent: program p computes tiles p, p + P, p + 2P, ... (P programs, at most one per SM).
-    for tile in range(tl.program_id(0), world_size * tiles_per_slot * n_tiles, tl.num_programs(0)):
+    # Every tensor in a range goes through _range_arg, for Triton 3.6.0's interpreter.
+    first, tiles = tl.program_id(0), world_size * tiles_per_slot * n_tiles
+    for tile in range(_range_arg(first), _range_arg(tiles), _range_arg(tl.num_programs(0))):
         m_tile, col_tile = _tile_coords(tile, tiles_per_slot, n_tiles, GROUP_M)
         dst = (rank + 1 + m_tile // tiles_per_slot) % world_size
         if TRACE:
@@ -148,7 +151,7 @@ def _matmul_rs_kernel(
             m_tile, col_tile, tiles_per_slot, m, N, BLOCK_M, BLOCK_N
         )
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(0, _range_arg(K), BLOCK_K):
             # Rows past d's m belong to the next destination (or are zeros past A): they only reach
             # output rows that the masked store below drops.
             a_blk = _load_block(
@@ -218,7 +221,7 @@ def _reduce_slots_kernel(
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     # Step the pointer slot by slot: s * numel may pass 2**31 in int32.
     ptrs = slots_ptr + offs
-    for s in range(world_size):
+    for s in range(_range_arg(world_size)):
         _wait_signal(pad + channel * world_size + s, timeout_ns, status + s, WAIT_SLOT)
         acc += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
         ptrs += numel
