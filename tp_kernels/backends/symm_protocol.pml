@@ -7,8 +7,8 @@
  * and a side stream (proctype SS), through K recorded calls replayed R times, and checks
  *   (a) every read of a buffer cell sees the data of the reader's own call (versions below);
  *   (b) no cell is overwritten while a read of it is in progress (each read checks the version
- *       at its start and at its end; every write stamps 0 = "being written" at its start), and
- *       no signal word holding an unconsumed 1 is stored to again;
+ *       at its start and at its end), and no signal word holding an unconsumed 1 is stored to
+ *       again;
  *   (c) no deadlock: every rank finishes every call (spin's invalid end states), and at the end
  *       every barrier word has been consumed.
  *
@@ -26,6 +26,13 @@
  * clobbered. Memory is sequentially consistent: the model assumes the release stores /
  * acquire loads (and the fenced stream writes) of the code order each signal after the data it
  * publishes, which is what they are for.
+ *
+ * Granularity. A read is two steps (its start and its end check the version), a write one step
+ * (stamping the new version), merged with the signal that follows it: a write that starts while
+ * a read is in progress is still explored at a moment inside the read (the read's end then sees
+ * another version), and nothing happens between a write's start and its end or between its end
+ * and its signal that could let a reader start, so merging loses no violation. A wait that
+ * succeeds and the read after it are one step: a later start only shortens the read.
  */
 
 #ifndef W
@@ -83,8 +90,7 @@ byte STGV[W * W];                                /* r's local STAGING[d] */
 byte AV[W * W * C];
 #define A(r, s, j) AV[((r) * W + (s)) * C + (j)]
 
-byte cur[W];                                     /* the call r's current stream is in */
-bool ssgo[W];                                    /* fork (CS := 1) / join (SS := 0) */
+byte ssgo[W];             /* fork: CS stores its call g; join: SS stores 0 when that call is done */
 byte ndone;
 
 /* Store a signal. The new protocol's words are 0 before each store: the previous 1 was consumed
@@ -106,7 +112,6 @@ inline signal(word, e) {
  * pad_r.c[p] == 1 -> store pad_r.c[p] := 0. The kernel (and so the inline) ends when every
  * program has.
  * ------------------------------------------------------------------------------------------- */
-#define PH_CLEAR 0
 #define PH_ARRIVE 1
 #define PH_WAIT 2
 #define PH_CONSUME 3
@@ -130,16 +135,18 @@ inline clear_words(p) {
 }
 
 /* The steps of program p, options of the barrier's do-loop (a macro: inline bodies cannot be
- * options). */
+ * options). The clear and the arrival are one step: the cleared words are r's own (and r's pad
+ * words that only p stores to), which nothing reads or writes until the arrival has been seen
+ * (a store into them before it would trip the assertion in signal()). */
 #ifdef HOST_EPOCHS
 #define PROGRAM_STEPS(p) \
-  :: atomic { ph[p] == PH_CLEAR -> clear_words(p); ph[p] = PH_ARRIVE } \
   :: atomic { ph[p] == PH_ARRIVE -> signal(PAD(c, p, r), e); ph[p] = PH_WAIT } \
   :: atomic { ph[p] == PH_WAIT && PAD(c, r, p) == SIG(e) -> ph[p] = PH_DONE }
 #else
 #define PROGRAM_STEPS(p) \
-  :: atomic { ph[p] == PH_CLEAR -> clear_words(p); ph[p] = PH_ARRIVE } \
-  :: atomic { ph[p] == PH_ARRIVE -> signal(PAD(c, p, r), e); ph[p] = PH_WAIT } \
+  :: atomic { ph[p] == PH_ARRIVE -> \
+       if :: clear -> clear_words(p) :: else -> skip fi; \
+       signal(PAD(c, p, r), e); ph[p] = PH_WAIT } \
   :: atomic { ph[p] == PH_WAIT && PAD(c, r, p) == SIG(e) -> ph[p] = PH_CONSUME } \
   :: atomic { ph[p] == PH_CONSUME -> PAD(c, r, p) = 0; ph[p] = PH_DONE }
 #endif
@@ -155,7 +162,7 @@ inline barrier(which, clear) {
     c = which;
     n = 0;
     do
-    :: n < W -> ph[n] = (n == r -> PH_DONE : (clear -> PH_CLEAR : PH_ARRIVE)); n++
+    :: n < W -> ph[n] = (n == r -> PH_DONE : PH_ARRIVE); n++
     :: else -> break
     od;
     n = 0
@@ -181,40 +188,35 @@ inline barrier(which, clear) {
  * ------------------------------------------------------------------------------------------- */
 inline ag_call() {
   barrier(FREE, 1);
-  /* publish: r's shard into BUF_r (peers read it), own rows into the local A */
-  atomic {
-    j = 0;
-    do
-    :: j < C -> BUF(r, j) = 0; A(r, r, j) = 0; j++
-    :: else -> break
-    od;
-    j = 0;
-    do
-    :: j < W -> SLOTS(r, j) = 0; j++                /* the shard may overlap any slot */
-    :: else -> break
-    od;
-    j = 0
-  }
-  d_step {
+  atomic {           /* publish: r's shard into BUF_r (peers read it), own rows into the local A */
     j = 0;
     do
     :: j < C -> BUF(r, j) = g; A(r, r, j) = g; j++
     :: else -> break
     od;
+    j = 0;
+    do
+    :: j < W -> SLOTS(r, j) = 0; j++                 /* the shard may overlap any slot */
+    :: else -> break
+    od;
     j = 0
   }
   barrier(READY, 0);
-  ssgo[r] = 1;                                      /* fork: the copier (SS) */
+  ssgo[r] = g;                                       /* fork: the copier (SS) */
   /* tp_kernels/kernels/ag_matmul.py: ag_matmul_consumer / _ag_matmul_kernel. Own rows first,
-   * then each peer chunk after its progress word. The tiles run in parallel in the kernel; one
-   * reader per chunk in order loses nothing: a chunk's cell is written only by its copy, before
-   * its word, and by the next call's copy, after the join below, so every moment between the
-   * wait and the end of the call is equivalent for (a) and (b). */
-  j = 0;
-  do
-  :: j < C -> READ_OK(A(r, r, j)); j++
-  :: else -> break
-  od;
+   * then each peer chunk after its progress word. The kernel's tiles run in parallel; one reader
+   * per chunk in order, each read one step, loses nothing: a chunk's cell of A is local and
+   * written only by its copy, before its word, and by the next call's copy, after the join
+   * below, so every moment between the wait and the end of the call is equivalent for (a) and
+   * (b), and the one check stands for the read's start and end. */
+  d_step {
+    j = 0;
+    do
+    :: j < C -> READ_OK(A(r, r, j)); j++
+    :: else -> break
+    od;
+    j = 0
+  }
   n = 1;
   do
   :: n < W ->
@@ -222,17 +224,13 @@ inline ag_call() {
      j = 0;
      do
      :: j < C ->
-        AGP(r, s, j) == SIG(e);                     /* wait (acquire); does not consume */
-        READ_OK(A(r, s, j));                        /* read begins */
-        READ_OK(A(r, s, j));                        /* read ends */
-        j++
+        atomic { AGP(r, s, j) == SIG(e) -> READ_OK(A(r, s, j)); j++ }   /* wait, then read */
      :: else -> break
      od;
      n++
   :: else -> break
   od;
-  atomic { n = 0; s = 0; j = 0 }
-  ssgo[r] == 0                                      /* join */
+  atomic { ssgo[r] == 0 -> n = 0; s = 0; j = 0 }     /* join */
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -240,45 +238,40 @@ inline ag_call() {
  * ------------------------------------------------------------------------------------------- */
 inline rs_call() {
   barrier(FREE, 1);
-  ssgo[r] = 1;             /* fork: the pusher (SS), enqueued after the producer's launch */
-  /* tp_kernels/kernels/matmul_rs.py: matmul_rs_producer. Blocks d = r+1, ..., r (own last). */
+  ssgo[r] = g;             /* fork: the pusher (SS), enqueued after the producer's launch */
+  /* tp_kernels/kernels/matmul_rs.py: matmul_rs_producer. Blocks d = r+1, ..., r (own last);
+   * each block's write and its signal are one step (see "Granularity" above). */
   n = 1;
   do
-  :: n <= W ->
-     s = (r + n) % W;
-     if
-     :: s != r ->
-        STG(r, s) = 0;                              /* computing block s into STAGING[s] */
-        STG(r, s) = g;
-        signal(RSP(r, s), e)                        /* release */
-     :: else ->
-        d_step {                                    /* computing the own block into SLOTS_r[r] */
-          SLOTS(r, r) = 0;
-          j = 0;
-          do
-          :: j < C -> BUF(r, j) = 0; j++            /* a slot may overlap the shard */
-          :: else -> break
-          od;
-          j = 0
-        }
-        SLOTS(r, r) = g;
-        signal(SLOT(r, r), e)
-     fi;
-     n++
+  :: n < W ->
+     d_step {
+       s = (r + n) % W;
+       STG(r, s) = g;                                /* block s into STAGING[s] */
+       signal(RSP(r, s), e);                         /* RSP[s] := 1 (release) */
+       n++
+     }
   :: else -> break
   od;
-  /* tp_kernels/kernels/matmul_rs.py: reduce_slots. Slots in order 0..W-1. */
-  s = 0;
+  atomic {
+    SLOTS(r, r) = g;                                 /* the own block into SLOTS_r[r] */
+    j = 0;
+    do
+    :: j < C -> BUF(r, j) = 0; j++                   /* a slot may overlap the shard */
+    :: else -> break
+    od;
+    j = 0;
+    signal(SLOT(r, r), e);                           /* the own pad's SLOT[r] := 1 */
+    s = 0
+  }
+  /* tp_kernels/kernels/matmul_rs.py: reduce_slots. Slots in order 0..W-1; each read begins
+   * with its wait's success and ends in a step of its own. */
   do
   :: s < W ->
-     SLOT(r, s) == SIG(e);                          /* wait (acquire) */
-     READ_OK(SLOTS(r, s));                          /* read begins */
-     READ_OK(SLOTS(r, s));                          /* read ends (added) */
-     s++
+     atomic { SLOT(r, s) == SIG(e) -> READ_OK(SLOTS(r, s)) }     /* wait, read begins */
+     d_step { READ_OK(SLOTS(r, s)); s++ }                        /* read ends (added) */
   :: else -> break
   od;
-  atomic { n = 0; s = 0 }
-  ssgo[r] == 0                                      /* join */
+  atomic { ssgo[r] == 0 -> n = 0; s = 0 }            /* join */
 }
 
 proctype CS(byte r) {
@@ -286,7 +279,7 @@ proctype CS(byte r) {
   byte ph[W];
   do
   :: g < CALLS ->
-     d_step { g++; e = EPOCH(g); cur[r] = g }
+     d_step { g++; e = EPOCH(g) }
      if
      :: IS_RS(g) -> rs_call()
      :: else -> ag_call()
@@ -307,29 +300,32 @@ proctype CS(byte r) {
 
 /* ---------------------------------------------------------------------------------------------
  * The side stream SS of rank r, forked after the barrier(s) of each call, joined at its end:
- * the copier of an all-gather or the pusher of a reduce-scatter.
+ * the copier of an all-gather or the pusher of a reduce-scatter. A copy is two steps: its read
+ * of the source begins; its read ends together with the write of the destination and the
+ * signal after it.
  * ------------------------------------------------------------------------------------------- */
 proctype SS(byte r) {
   byte g, e, n, s, j;
 end_idle:
   do
-  :: ssgo[r] ->
-     d_step { g = cur[r]; e = EPOCH(g) }
+  :: ssgo[r] != 0 ->
+     d_step { g = ssgo[r]; e = EPOCH(g); n = 1 }
      if
      :: !IS_RS(g) ->
         /* tp_kernels/backends/symm_gather.py: Copier.start. For s = r+1, ... and chunk j: copy
          * chunk j of BUF_s into A's rows of s, then AGP[s][j] := 1 (a fenced stream write). */
-        n = 1;
         do
         :: n < W ->
            s = (r + n) % W;
            j = 0;
            do
            :: j < C ->
-              d_step { READ_OK(BUF(s, j)); A(r, s, j) = 0 }     /* copy begins */
-              d_step { READ_OK(BUF(s, j)); A(r, s, j) = g }     /* copy ends */
-              signal(AGP(r, s, j), e);
-              j++
+              d_step { READ_OK(BUF(s, j)) }                       /* copy begins */
+              d_step {
+                READ_OK(BUF(s, j)); A(r, s, j) = g;               /* copy ends */
+                signal(AGP(r, s, j), e);
+                j++
+              }
            :: else -> break
            od;
            n++
@@ -338,29 +334,25 @@ end_idle:
      :: else ->
         /* tp_kernels/backends/symm_scatter.py: Pusher.run. For d = r+1, ... (d != r): wait
          * RSP[d]; copy STAGING[d] into slot r of peer d's region; pad_d.SLOT[r] := 1. */
-        n = 1;
         do
         :: n < W ->
            s = (r + n) % W;
-           RSP(r, s) == SIG(e);                                 /* wait */
-           d_step {                                             /* copy begins */
-             READ_OK(STG(r, s));
-             SLOTS(s, r) = 0;
+           atomic { RSP(r, s) == SIG(e) -> READ_OK(STG(r, s)) }   /* wait, copy begins */
+           d_step {
+             READ_OK(STG(r, s)); SLOTS(s, r) = g;                 /* copy ends */
              j = 0;
              do
-             :: j < C -> BUF(s, j) = 0; j++                     /* a slot may overlap the shard */
+             :: j < C -> BUF(s, j) = 0; j++                       /* a slot may overlap the shard */
              :: else -> break
              od;
-             j = 0
+             j = 0;
+             signal(SLOT(s, r), e);
+             n++
            }
-           d_step { READ_OK(STG(r, s)); SLOTS(s, r) = g }       /* copy ends */
-           signal(SLOT(s, r), e);
-           n++
         :: else -> break
         od
      fi;
-     atomic { g = 0; e = 0; n = 0; s = 0; j = 0 }
-     ssgo[r] = 0                                                /* the call's join */
+     atomic { g = 0; e = 0; n = 0; s = 0; j = 0; ssgo[r] = 0 }     /* the call's join */
   od
 }
 
