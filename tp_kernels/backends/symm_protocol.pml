@@ -22,7 +22,7 @@
  *       call i of replay 1, which its word still holds: spin must find a stale read.
  *
  * Data is abstracted to versions: a cell holds the global call number g = rep * K + i + 1 of
- * the call whose data it holds (new data each replay), 0 while being written or after being
+ * the call whose data it holds (new data each replay), 0 before the first write or after being
  * clobbered. Memory is sequentially consistent: the model assumes the release stores /
  * acquire loads (and the fenced stream writes) of the code order each signal after the data it
  * publishes, which is what they are for.
@@ -33,6 +33,18 @@
  * another version), and nothing happens between a write's start and its end or between its end
  * and its signal that could let a reader start, so merging loses no violation. A wait that
  * succeeds and the read after it are one step: a later start only shortens the read.
+ *
+ * Where the code is (the lead's names):
+ *   inline barrier            tp_kernels/kernels/ag_matmul.py: barrier() / _barrier_kernel
+ *   inline ag_call            tp_kernels/backends/symm.py: _ag_triton (the call sequence), with
+ *                             ag_matmul.py: ag_matmul_consumer / _ag_matmul_kernel (consumer)
+ *   inline rs_call            tp_kernels/backends/symm.py: _rs_triton (the call sequence), with
+ *                             tp_kernels/kernels/matmul_rs.py: matmul_rs_producer, reduce_slots
+ *   proctype SS, all-gather   tp_kernels/backends/symm_gather.py: Copier.start
+ *   proctype SS, reduce-sc.   tp_kernels/backends/symm_scatter.py: Pusher.run
+ *
+ * Run: spin -a -DW=3 -DC=1 -DK=3 -DSEQ=2 -DR=2 symm_protocol.pml && gcc -O2 -DSAFETY -o pan
+ * pan.c && ./pan (tests/test_protocol_model.py runs the configurations it is checked in).
  */
 
 #ifndef W
