@@ -255,3 +255,64 @@ def test_auto_with_nothing_capturable_refuses_naming_each(worlds):
         )
         assert "pipelined: pipelined not ready" in error, error
         assert "reference: reference not ready" in error and "nothing was launched" in error
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(8, 12)
+        self.down = torch.nn.Linear(12, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+def _styles_hygiene(backend: str) -> dict:
+    """A sequence-parallel MLP on tp_kernels' styles (torchtitan 0.2's layout): an eager step,
+    then the same step captured."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = _MLP()
+    tpk.parallelize_module(
+        model,
+        mesh,
+        {
+            "up": tpk.ColwiseParallel(input_layouts=Shard(1), backend=backend),
+            "down": tpk.RowwiseParallel(output_layouts=Shard(1), backend=backend),
+        },
+    )
+    x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(dist.get_rank()))
+
+    def step() -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        out = model(x)
+        out.sum().backward()
+        return [out.detach()] + [p.grad.to_local() for p in model.parameters()]
+
+    with _SETUP.get(backend, contextlib.nullcontext)():
+        warm = step()
+        tpk.reset_comm_stats()
+        with _forbidding() as seen, _capturing() as asked:
+            try:
+                captured = step()
+            except Forbidden:
+                captured = []
+    return {
+        "forbidden": seen,
+        "probes": asked[0],
+        "same": len(captured) == len(warm) and all(map(torch.equal, captured, warm)),
+        "fused": tpk.comm_stats().total(backend=backend),
+    }
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch_symm_mem"])
+def test_styles_captured_step_does_nothing_forbidden(worlds, backend):
+    """The styles' fused Linears (``ops/linear.py``) plan as the ops do: a captured step after an
+    eager one reuses every plan, and the backward's needs come from the DTensor parameters."""
+    for got in worlds(2).run(_styles_hygiene, backend):
+        assert got["forbidden"] == [], got
+        assert got["probes"] >= 2 and got["same"], got
+        assert got["fused"] >= 4, got  # two forward calls, two backward ones at least

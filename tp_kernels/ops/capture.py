@@ -29,34 +29,42 @@ from tp_kernels.ops._checks import GroupLike, resolve_group
 __all__ = ["CaptureUnreadyError", "reserve"]
 
 
+def requires_grad(tensors: Sequence[object]) -> bool:
+    """Whether autograd will want a grad of any of ``tensors`` (given as the caller holds them:
+    a DTensor parameter, not its local tensor, says whether it needs one)."""
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in tensors
+    )
+
+
 def all_gather_matmul_needs(
-    a_shard: torch.Tensor, bs: Sequence[torch.Tensor], save_gathered_a: bool, world: int
+    a_shard: torch.Tensor, save_gathered_a: bool, world: int, grad_a: bool, grad_b: bool
 ) -> list[CaptureNeed]:
     """The forward's need, then those of the backward parts autograd will run: the input grad's
-    reduce-scatter of ``[W*m, K]`` and the weight grads' re-gather of the shard."""
+    (``grad_a``) reduce-scatter of ``[W*m, K]``, the weight grads' (``grad_b``) re-gather of the
+    shard."""
     dtype, nbytes = a_shard.dtype, a_shard.nbytes
     needs = [CaptureNeed("all_gather_matmul", nbytes, dtype)]
-    if torch.is_grad_enabled():
-        if a_shard.requires_grad:
-            needs.append(CaptureNeed("matmul_reduce_scatter", world * nbytes, dtype))
-        if not save_gathered_a and any(b.requires_grad for b in bs):
-            needs.append(CaptureNeed("all_gather", nbytes, dtype))
+    if grad_a:
+        needs.append(CaptureNeed("matmul_reduce_scatter", world * nbytes, dtype))
+    if grad_b and not save_gathered_a:
+        needs.append(CaptureNeed("all_gather", nbytes, dtype))
     return needs
 
 
 def matmul_reduce_scatter_needs(
-    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, world: int
+    a: torch.Tensor, n: int, world: int, grad_a: bool, grad_b: bool
 ) -> list[CaptureNeed]:
-    """The forward's need (the ``[W*m, N]`` product), then the backward's gather of the ``[m, N]``
-    grad: fused with the input grad's matmul, or alone for the weight and bias grads."""
+    """The forward's need (the ``[W*m, n]`` product), then the backward's gather of the ``[m, n]``
+    grad: fused with the input grad's matmul (``grad_a``), or alone for the weight and bias grads
+    (``grad_b``)."""
     dtype = a.dtype
-    product = a.numel() // a.shape[-1] * b.shape[1] * dtype.itemsize
+    product = a.numel() // a.shape[-1] * n * dtype.itemsize
     needs = [CaptureNeed("matmul_reduce_scatter", product, dtype)]
-    if torch.is_grad_enabled():
-        if a.requires_grad:
-            needs.append(CaptureNeed("all_gather_matmul", product // world, dtype))
-        elif b.requires_grad or (bias is not None and bias.requires_grad):
-            needs.append(CaptureNeed("all_gather", product // world, dtype))
+    if grad_a:
+        needs.append(CaptureNeed("all_gather_matmul", product // world, dtype))
+    elif grad_b:
+        needs.append(CaptureNeed("all_gather", product // world, dtype))
     return needs
 
 

@@ -212,6 +212,11 @@ def _plan(
     return plan, False
 
 
+def _grads_wanted(grads: tuple[object, Sequence[object]]) -> tuple[bool, bool]:
+    """Whether autograd will want the grad of the input, and of any of the parameters."""
+    return capture.requires_grad([grads[0]]), capture.requires_grad(grads[1])
+
+
 def _described(a: object) -> str:
     return f"{tuple(a.shape)} {a.dtype}" if isinstance(a, torch.Tensor) else type(a).__name__
 
@@ -232,9 +237,12 @@ def plan_all_gather_matmul(
     backend: str | None,
     return_a: bool,
     save_gathered_a: bool,
+    grads: tuple[object, Sequence[object]] | None = None,
 ) -> tuple[dist.ProcessGroup, _Plan, bool]:
     """The group, the plan of an :func:`all_gather_matmul` call and whether it still needs the
-    agreement (see :func:`_plan`); raises on every rank what the arguments get wrong."""
+    agreement (see :func:`_plan`); raises on every rank what the arguments get wrong. ``grads``:
+    the input and weights as autograd sees them (DTensors) where ``a_shard`` and ``bs`` are
+    their local tensors."""
     op = "all_gather_matmul"
     pg = resolve_group_or_note(group, op=op)
     keep_a = return_a or save_gathered_a
@@ -249,7 +257,9 @@ def plan_all_gather_matmul(
         lambda plan, n: get_backend(n).all_gather_matmul(
             flatten_rows(a_shard, plan.dim)[0].contiguous(), bs, pg, return_a=keep_a
         ),
-        lambda: capture.all_gather_matmul_needs(a_shard, bs, save_gathered_a, pg.size()),
+        lambda: capture.all_gather_matmul_needs(
+            a_shard, save_gathered_a, pg.size(), *_grads_wanted(grads or (a_shard, bs))
+        ),
     )
     return pg, plan, agree
 
@@ -262,8 +272,10 @@ def plan_matmul_reduce_scatter(
     reduce_op: object,
     backend: str | None,
     bias: object,
+    grads: tuple[object, Sequence[object]] | None = None,
 ) -> tuple[dist.ProcessGroup, _Plan, bool]:
-    """:func:`plan_all_gather_matmul` for a :func:`matmul_reduce_scatter` call."""
+    """:func:`plan_all_gather_matmul` for a :func:`matmul_reduce_scatter` call (``grads``: the
+    input, then the weight and bias, as autograd sees them)."""
     op = "matmul_reduce_scatter"
     pg = resolve_group_or_note(group, op=op)
     bias_key = None if bias is None else _tensor_key(bias)
@@ -278,7 +290,9 @@ def plan_matmul_reduce_scatter(
         lambda plan, n: get_backend(n).matmul_reduce_scatter(
             flatten_rows(a, plan.dim)[0].contiguous(), b, pg
         ),
-        lambda: capture.matmul_reduce_scatter_needs(a, b, bias, pg.size()),
+        lambda: capture.matmul_reduce_scatter_needs(
+            a, b.shape[1], pg.size(), *_grads_wanted(grads or (a, (b, bias)))
+        ),
     )
     return pg, plan, agree
 
