@@ -292,19 +292,29 @@ def _styles_hygiene(backend: str) -> dict:
         out.sum().backward()
         return [out.detach()] + [p.grad.to_local() for p in model.parameters()]
 
+    needs: list[str] = []
+    impl = get_backend(backend)
+    ask = impl.capture_unready_reason
+
+    def spy(group, device, need):
+        needs.append(need.op)
+        return ask(group, device, need)
+
     with _SETUP.get(backend, contextlib.nullcontext)():
         warm = step()
         tpk.reset_comm_stats()
         with _forbidding() as seen, _capturing() as asked:
-            try:
-                captured = step()
-            except Forbidden:
-                captured = []
+            with _patched([(impl, "capture_unready_reason", spy)]):
+                try:
+                    captured = step()
+                except Forbidden:
+                    captured = []
     return {
         "forbidden": seen,
         "probes": asked[0],
         "same": len(captured) == len(warm) and all(map(torch.equal, captured, warm)),
         "fused": tpk.comm_stats().total(backend=backend),
+        "needs": needs,
     }
 
 
@@ -316,3 +326,11 @@ def test_styles_captured_step_does_nothing_forbidden(worlds, backend):
         assert got["forbidden"] == [], got
         assert got["probes"] >= 2 and got["same"], got
         assert got["fused"] >= 4, got  # two forward calls, two backward ones at least
+        # up: its gather, then the weight grads' re-gather (the input needs no grad); down: its
+        # reduce-scatter, then the input grad's gather fused with its matmul
+        assert got["needs"] == [
+            "all_gather_matmul",
+            "all_gather",
+            "matmul_reduce_scatter",
+            "all_gather_matmul",
+        ], got
