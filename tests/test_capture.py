@@ -123,11 +123,17 @@ def _step(backend: str | None, rows: int = 4) -> list[torch.Tensor]:
     return [o.detach() for o in outs] + [out.detach(), a_shard.grad, *(b.grad for b in bs)]
 
 
-def _hygiene(backend: str) -> dict:
+def _hygiene(backend: str, custom_ops: bool = False) -> dict:
+    """With ``custom_ops``, under a dispatch mode (CommDebugMode), which sends the calls through
+    the custom ops of ``ops/library.py`` (torch.compile's and torchtitan 0.3's backward's way)."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    mode = CommDebugMode if custom_ops else contextlib.nullcontext
     with _SETUP.get(backend, contextlib.nullcontext)():
-        warm = _step(backend)
+        with mode():
+            warm = _step(backend)
         tpk.reset_comm_stats()
-        with _forbidding() as seen, _capturing() as asked:
+        with _forbidding() as seen, _capturing() as asked, mode():
             try:
                 captured = _step(backend)
             except Forbidden:
@@ -149,6 +155,11 @@ def test_a_reused_plans_captured_call_does_nothing_forbidden(worlds, backend):
         assert got["probes"] >= 2, got  # the probe was asked: the capture was seen
         assert got["same"], got
         assert got["on"] >= 2, got
+
+
+def test_the_custom_ops_captured_call_does_nothing_forbidden(worlds):
+    for got in worlds(2).run(_hygiene, "reference", True):
+        assert got["forbidden"] == [] and got["same"] and got["on"] >= 2, got
 
 
 def _new_shape_under_capture(backend: str) -> str:
