@@ -345,3 +345,50 @@ def test_styles_captured_step_does_nothing_forbidden(worlds, backend):
             "matmul_reduce_scatter",
             "all_gather_matmul",
         ], got
+
+
+def _backward_by_name() -> dict:
+    """torchtitan 0.3's Functions' way: the forward through the op with ``backend="auto"``, the
+    backward through the custom op, passed ``"auto"`` by name; under capture ``auto``'s timed
+    choice says it cannot be captured."""
+    found = auto.Candidates(("pipelined", "reference"), {}, {})
+    fresh = [
+        (auto, "candidates", lambda shape, group, unavailable: found),
+        (auto, "_timed", {}),
+        (auto, "_ranked", {}),
+        (auto, "_logged", set()),
+        (functional, "_plans", weakref.WeakKeyDictionary()),
+    ]
+    group = dist.group.WORLD
+
+    def step() -> None:
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(dist.get_rank()))
+        w = torch.randn(8, 6, generator=torch.Generator().manual_seed(1))
+        _, (y,) = tpk.all_gather_matmul(x, [w], 0, group, backend="auto")
+        torch.ops.tp_kernels.all_gather_matmul_backward(
+            x, [w], [torch.ones_like(y)], None, False, group.group_name, "auto", [True]
+        )
+
+    with _patched(fresh):
+        step()
+        shape = auto.Shape.of_all_gather_matmul(torch.empty(4, 8), [torch.empty(8, 6)])
+        first, second = auto.ranking(shape, group)
+        stub = [(get_backend(first), "capture_unready_reason", lambda g, d, need: "not ready")]
+        tpk.reset_comm_stats()
+        with _patched(stub), _forbidding() as seen, _capturing():
+            step()
+    stats = tpk.comm_stats()
+    return {
+        "forbidden": seen,
+        "backward on": {n: stats.total(phase="backward", backend=n) for n in (first, second)},
+        "order": (first, second),
+    }
+
+
+def test_a_backward_resolved_by_name_falls_back_as_its_forward(worlds):
+    """Before, the backward op resolved ``auto`` to its timed choice and ran it under capture
+    without asking whether it could be captured."""
+    for got in worlds(2).run(_backward_by_name):
+        first, second = got["order"]
+        assert got["forbidden"] == [], got
+        assert got["backward on"] == {first: 0, second: 2}, got  # the reduce-scatter, re-gather
