@@ -26,7 +26,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 import tp_kernels as tpk
 from tp_kernels import backends, symmetric_memory
 from tp_kernels._compat import all_gather_single, reduce_scatter_single
-from tp_kernels.backends import auto, torch_symm_mem
+from tp_kernels.backends import auto, base, torch_symm_mem
 
 NAME = "torch_symm_mem"
 
@@ -159,6 +159,7 @@ def test_unavailable_reasons_for_a_group(worlds):
 # ---------------------------------------------------------------- the glue, with gloo fakes
 
 _calls: list[tuple] = []
+SYMM_MEM = torch.distributed._symmetric_memory
 _ALLOW = "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"  # torch's variable for ranks sharing a GPU
 # Whether the fake device reports multicast support (torch asks the device, not the workspace).
 _device_multicast = [False]
@@ -185,6 +186,8 @@ def _fake_all_gather_matmul(A, Bs, gather_dim, group_name, *, return_A=True):
     )
     if multimem and os.environ.get(_ALLOW) == "1":
         raise RuntimeError("multimem_all_gather_out: output must have multicast support")
+    # torch's workspace: the gathered A for its multicast path, else the shard
+    SYMM_MEM.get_symm_mem_workspace(group_name, A.nbytes * (group.size() if multimem else 1))
     lead = A.movedim(gather_dim, 0).contiguous()
     full = lead.new_empty((group.size() * lead.shape[0], *lead.shape[1:]))
     all_gather_single(full, lead, group)
@@ -197,6 +200,8 @@ def _fake_matmul_reduce_scatter(A, B, reduce_op, scatter_dim, group_name):
     _calls.append(("rs", tuple(A.shape), tuple(B.shape), reduce_op, scatter_dim, group_name))
     group = _resolve_process_group(group_name)
     full = torch.matmul(A, B).movedim(scatter_dim, 0).contiguous()
+    # torch's workspace: two [m, N] chunks of the stacked partials
+    SYMM_MEM.get_symm_mem_workspace(group_name, 2 * full.nbytes // group.size())
     out = full.new_empty((full.shape[0] // group.size(), *full.shape[1:]))
     reduce_scatter_single(out, full, group)
     if reduce_op == "avg":
@@ -204,18 +209,38 @@ def _fake_matmul_reduce_scatter(A, B, reduce_op, scatter_dim, group_name):
     return out.movedim(0, scatter_dim).contiguous()
 
 
+def _fake_get_symm_mem_workspace(group_name: str, min_size: int) -> None:
+    """torch's ``get_symm_mem_workspace`` (2.13, 2.15) on the CPU: the same size bookkeeping in
+    ``_group_name_to_workspace_tensor``, the same refusal to grow during capture (as the tests
+    fake it for CPU tensors: ``base.capturing``); no handle."""
+    tensor = SYMM_MEM._group_name_to_workspace_tensor.get(group_name)
+    size = 0 if tensor is None else tensor.numel() * tensor.element_size()
+    if size < min_size:
+        if base.capturing(torch.device("cpu")):
+            raise RuntimeError(f"get_symm_mem_workspace(): the requested size ({min_size} bytes)")
+        _calls.append(("grow", group_name, min_size))
+        SYMM_MEM._group_name_to_workspace_tensor[group_name] = torch.empty(
+            max(size, min_size), dtype=torch.uint8
+        )
+
+
 @contextlib.contextmanager
 def _fake_torch_ops() -> Iterator[None]:
-    """CPU kernels for torch's two fused ops, and the backend forced available, in this process."""
+    """CPU kernels for torch's two fused ops and its workspace, and the backend forced available,
+    in this process."""
     lib = torch.library.Library("symm_mem", "IMPL")
     lib.impl("fused_all_gather_matmul", _fake_all_gather_matmul, "CPU")
     lib.impl("fused_matmul_reduce_scatter", _fake_matmul_reduce_scatter, "CPU")
+    saved = SYMM_MEM.get_symm_mem_workspace, SYMM_MEM._group_name_to_workspace_tensor
+    SYMM_MEM.get_symm_mem_workspace = _fake_get_symm_mem_workspace
+    SYMM_MEM._group_name_to_workspace_tensor = {}
     torch_symm_mem.BACKEND.unavailable_reason = lambda group, device: None
     _calls.clear()
     try:
         yield
     finally:
         del torch_symm_mem.BACKEND.unavailable_reason
+        SYMM_MEM.get_symm_mem_workspace, SYMM_MEM._group_name_to_workspace_tensor = saved
         lib._destroy()  # the rank processes serve the whole session: leave no CPU kernel behind
 
 
@@ -294,7 +319,7 @@ def _run_glue(kind: str) -> list[str]:
             reference = run(case, data, "reference", dtype)
             with _fake_torch_ops():
                 got = run(case, data, NAME, dtype)
-                calls = list(_calls)
+                calls = [call for call in _calls if call[0] != "grow"]
             if calls != _expected_calls(kind, case):
                 failures.append(f"{tag} {dtype}: calls {calls} != {_expected_calls(kind, case)}")
             if len(got) != len(truth):
@@ -406,7 +431,11 @@ def _guarded_calls() -> list[tuple]:
             backend.matmul_reduce_scatter(
                 torch.ones(4, 3), torch.ones(3, 5), group, addend=torch.ones(4, 5)
             )
-            return [call[:1] if call[0] in ("ag", "rs") else call for call in _calls]
+            return [
+                call[:1] if call[0] in ("ag", "rs") else call
+                for call in _calls
+                if call[0] != "grow"
+            ]
     finally:
         symmetric_memory._on_device = saved
 
@@ -473,22 +502,44 @@ def test_unavailable_where_torch_would_fail(worlds):
         assert got["shared gpu, allowed"] is None
 
 
-def test_graph_capture_is_refused_before_anything_runs(monkeypatch):
-    """(d) torch raises mid-capture when its workspace must grow: refuse up front, on CUDA only
-    (asking a CPU build whether it captures raises)."""
+def test_graph_capture_refused_only_where_the_workspace_would_grow(monkeypatch):
+    """(d) torch raises mid-capture when its workspace must grow: a captured call is refused up
+    front exactly then, naming the bytes and the way to reserve them; on CUDA only (asking a CPU
+    build whether it captures raises). Before, every captured call was refused."""
+    backend, group, cuda = torch_symm_mem.BACKEND, _FakeGroup(), torch.device("cuda", 0)
+    workspaces = {"fake": torch.empty(1000, dtype=torch.uint8)}
+    monkeypatch.setattr(SYMM_MEM, "_group_name_to_workspace_tensor", workspaces)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    for op in ("all_gather_matmul", "matmul_reduce_scatter"):
-        refused = rf"torch_symm_mem {op}: cannot be captured.*nothing"
-        with pytest.raises(RuntimeError, match=refused):
-            torch_symm_mem._check_call(op, torch.device("cuda", 0))
-        torch_symm_mem._check_call(op, torch.device("cpu"))
+    f32 = torch.float32
+    for op, fits, grows in (
+        ("all_gather_matmul", 1000, 1001),  # torch asks for the shard
+        ("matmul_reduce_scatter", 1000, 1002),  # two [m, N] chunks of the [W*m, N] product: 2/W
+    ):
+        need = base.CaptureNeed(op, fits, f32)
+        assert backend.capture_unready_reason(group, cuda, need) is None
+        assert torch_symm_mem._check_call(op, group, cuda, fits, f32) is True
+        why = backend.capture_unready_reason(group, cuda, base.CaptureNeed(op, grows, f32))
+        assert f"has 1000 bytes and this {op}" in why and f"asks for {grows}" in why, why
+        assert f"tp_kernels.reserve(group, {grows})" in why, why
+        refused = rf"torch_symm_mem {op}: .*asks for {grows}.*nothing was launched"
+        with pytest.raises(base.CaptureUnreadyError, match=refused):
+            torch_symm_mem._check_call(op, group, cuda, grows, f32)
+        assert torch_symm_mem._check_call(op, group, torch.device("cpu"), grows, f32) is False
+    # the backward's plain re-gather is a collective of the group: no workspace
+    assert (
+        backend.capture_unready_reason(group, cuda, base.CaptureNeed("all_gather", 10**9, f32))
+        is None
+    )
+    workspaces.clear()  # no workspace yet: 0 bytes
+    why = backend.capture_unready_reason(group, cuda, base.CaptureNeed("all_gather_matmul", 8, f32))
+    assert "has 0 bytes" in why, why
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    torch_symm_mem._check_call("all_gather_matmul", torch.device("cuda", 0))
+    assert torch_symm_mem._check_call("all_gather_matmul", group, cuda, 10**9, f32) is False
 
     # Each op checks before it registers the group, enqueues the addend or calls torch.
     checked: list[str] = []
 
-    def refuse(op: str, device: torch.device) -> None:
+    def refuse(op: str, *args) -> bool:
         checked.append(op)
         raise RuntimeError("refused")
 
@@ -498,11 +549,124 @@ def test_graph_capture_is_refused_before_anything_runs(monkeypatch):
     monkeypatch.setattr(torch_symm_mem, "_check_call", refuse)
     monkeypatch.setattr(torch_symm_mem, "_enable_for_group", touched)
     monkeypatch.setattr(torch_symm_mem, "reduce_scatter_single", touched)
-    backend = torch_symm_mem.BACKEND
     with pytest.raises(RuntimeError, match="refused"):
-        backend.all_gather_matmul(torch.ones(2, 3), [torch.ones(3, 4)], _FakeGroup(), return_a=True)
+        backend.all_gather_matmul(torch.ones(2, 3), [torch.ones(3, 4)], group, return_a=True)
     with pytest.raises(RuntimeError, match="refused"):
         backend.matmul_reduce_scatter(
-            torch.ones(4, 3), torch.ones(3, 5), _FakeGroup(), addend=torch.ones(4, 5)
+            torch.ones(4, 3), torch.ones(3, 5), group, addend=torch.ones(4, 5)
         )
     assert checked == ["all_gather_matmul", "matmul_reduce_scatter"]
+
+
+def test_reserve_grows_torchs_workspace(monkeypatch):
+    """``reserve`` asks torch's workspace for the largest of what calls of up to ``nbytes`` ask
+    (the all-gather's shard), on the tensors' device, after registering the group; nothing on
+    the CPU or for a group of one."""
+    asked: list[tuple] = []
+    monkeypatch.setattr(
+        SYMM_MEM, "get_symm_mem_workspace", lambda name, min_size: asked.append((name, min_size))
+    )
+    monkeypatch.setattr(torch_symm_mem, "_enable_for_group", lambda g: asked.append("enabled"))
+
+    @contextlib.contextmanager
+    def on_device(device):
+        asked.append(("on", str(device)))
+        yield
+
+    monkeypatch.setattr(symmetric_memory, "_on_device", on_device)
+    backend = torch_symm_mem.BACKEND
+    backend.reserve(_FakeGroup(), torch.device("cuda", 1), 4096)
+    assert asked == ["enabled", ("on", "cuda:1"), ("fake", 4096)]
+    asked.clear()
+    backend.reserve(_FakeGroup(), torch.device("cpu"), 4096)
+
+    class One(_FakeGroup):
+        def size(self) -> int:
+            return 1
+
+    backend.reserve(One(), torch.device("cuda", 0), 4096)
+    assert asked == []
+
+
+def _captured_calls() -> dict:
+    """After an eager warmup call of each op, the same calls captured (CPU tensors standing in
+    for CUDA ones): what torch's ops were asked, and the refusals."""
+    group, rank = dist.group.WORLD, dist.get_rank()
+    backend = torch_symm_mem.BACKEND
+    shard = torch.full((2, 3), float(rank + 1))
+    out: dict = {}
+    saved = torch.cuda.is_current_stream_capturing, base.capturing
+    _device_multicast[0] = True  # where torch would take its multicast all-gather eagerly
+    with _fake_torch_ops():
+        backend.all_gather_matmul(shard, [torch.ones(3, 4)], group, return_a=False)
+        backend.matmul_reduce_scatter(torch.ones(4, 3), torch.ones(3, 5), group)
+        warm = dict(SYMM_MEM._group_name_to_workspace_tensor)
+        _calls.clear()
+        torch.cuda.is_current_stream_capturing = lambda: True
+        base.capturing = lambda device: True
+        try:
+            a, outs = backend.all_gather_matmul(shard, [torch.ones(3, 4)], group, return_a=False)
+            out["ag"] = (a, outs[0][:, 0].tolist())
+            out["rs"] = backend.matmul_reduce_scatter(torch.ones(4, 3), torch.ones(3, 5), group)
+            try:
+                backend.matmul_reduce_scatter(
+                    torch.ones(4, 3), torch.ones(3, 5), group, addend=torch.ones(4, 5)
+                )
+            except base.CaptureUnreadyError as exc:
+                out["addend"] = str(exc)
+            try:
+                backend.all_gather_matmul(
+                    torch.ones(8, 3), [torch.ones(3, 4)], group, return_a=True
+                )
+            except base.CaptureUnreadyError as exc:
+                out["larger"] = str(exc)
+            out["calls"] = list(_calls)
+        finally:
+            torch.cuda.is_current_stream_capturing, base.capturing = saved
+            _device_multicast[0] = False
+        out["same workspace"] = SYMM_MEM._group_name_to_workspace_tensor == warm
+    return out
+
+
+def test_captured_calls_reuse_the_warmups_workspace(worlds):
+    """(e) Under capture the calls a warmup sized run without growing torch's workspace, ask for
+    A (keeping torch off its multicast all-gather, whose buffer is W times the shard's), and
+    refuse, before calling torch, a larger call and an addend on a gloo group."""
+    for got in worlds(2).run(_captured_calls):
+        assert got["ag"] == (None, [3.0, 3.0, 6.0, 6.0])
+        assert got["rs"].shape == (2, 5)
+        assert "backend 'gloo' cannot be captured" in got["addend"], got["addend"]
+        assert "has 80 bytes and this all_gather_matmul" in got["larger"]
+        assert "asks for 96" in got["larger"] and "nothing was launched" in got["larger"]
+        kinds = [(call[0], call[5]) if call[0] == "ag" else call[:1] for call in got["calls"]]
+        assert kinds == [("ag", True), ("rs",)], got["calls"]
+        assert got["same workspace"]
+
+
+def _reserved(names: list[str] | None, nbytes: object) -> object:
+    """What ``tp_kernels.reserve`` asked of each backend (recorded by a spy), or its error."""
+    asked: list[tuple] = []
+    saved = base.Backend.reserve
+    base.Backend.reserve = lambda self, group, device, n: asked.append((self.name, str(device), n))
+    try:
+        tpk.reserve(dist.group.WORLD, nbytes, device="cpu", backends=names)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        base.Backend.reserve = saved
+    return asked
+
+
+def test_public_reserve_asks_each_backend(worlds):
+    available = [n for n, why in tpk.available_backends("cpu").items() if why == "ok"]
+    for got in worlds(2).run(_reserved, None, 4096):
+        assert got == [(n, "cpu", 4096) for n in available], got
+        assert ("reference", "cpu", 4096) in got
+    for got in worlds(2).run(_reserved, ["pipelined"], 0):
+        assert got == [("pipelined", "cpu", 0)]
+    for got in worlds(2).run(_reserved, [NAME], 8):
+        assert got.startswith("RuntimeError: reserve: backend 'torch_symm_mem' cannot run here")
+    for got in worlds(2).run(_reserved, ["nope"], 8):
+        assert got.startswith("ValueError: backend: 'nope' is not a concrete backend"), got
+    for got in worlds(2).run(_reserved, None, -1):
+        assert got == "ValueError: reserve: nbytes must be an int >= 0, got -1"

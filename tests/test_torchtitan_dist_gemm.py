@@ -320,6 +320,49 @@ def test_dist_gemm_with_activation_checkpointing(worlds, mode):
     _check(result, recomputed=1)
 
 
+# ---- CUDA graphs: torchtitan 0.3 captures every step ---------------------------------------------
+
+
+def _warmup_then_captured(backend: str) -> dict:
+    """The order of torchtitan 0.3's CUDA graph wrapper on the three Functions: one eager step
+    (its warmup), then the same step captured, the capture faked as in tests/test_capture.py
+    (CPU tensors standing in for CUDA ones; whatever a captured call must not do raises)."""
+    from test_capture import Forbidden, _capturing, _forbidding
+
+    group = dist.group.WORLD
+    world, rank = group.size(), group.rank()
+
+    def step() -> list[torch.Tensor]:
+        gen = torch.Generator().manual_seed(rank)
+        x = torch.randn(4, 6 * world, generator=gen).requires_grad_()
+        w, wa, wb = (torch.randn(n, 6 * world, generator=gen).requires_grad_() for n in (4, 2, 6))
+        w2 = torch.randn(8, 4, generator=gen).requires_grad_()
+        with tp_kernels.use_backend(backend):
+            y = ours.AllGatherLinear.apply(x, w, None, group, group.group_name)
+            ya, yb = ours.AllGatherLinearMulti.apply(x, wa, wb, group, group.group_name)
+            z = ours.LinearReduceScatter.apply(y, w2, None, group, group.group_name)
+            (z.sum() + ya.sum() + yb.sum()).backward()
+        return [z.detach(), ya.detach(), yb.detach(), x.grad, w.grad, wa.grad, wb.grad, w2.grad]
+
+    warm = step()
+    with _forbidding() as seen, _capturing() as asked:
+        try:
+            captured = step()
+        except Forbidden:
+            captured = []
+    same = len(captured) == len(warm) and all(map(torch.equal, captured, warm))
+    return {"forbidden": seen, "probes": asked[0], "same": same}
+
+
+@pytest.mark.parametrize("backend", ["reference", "pipelined", "auto"])
+def test_captured_step_reuses_the_warmups_plans(worlds, backend):
+    """The captured step plans, agrees and times nothing (forward through the ops, backward
+    through the custom ops), and gives the warmup's results."""
+    for got in worlds(2).run(_warmup_then_captured, backend):
+        assert got["forbidden"] == [], got
+        assert got["probes"] >= 3 and got["same"], got
+
+
 # ---- patching ------------------------------------------------------------------------------------
 
 

@@ -14,8 +14,10 @@ from torch.distributed.tensor.parallel import loss_parallel  # noqa: E402
 
 from tp_kernels.api import parallelize_module  # noqa: E402
 from tp_kernels.backends import available_backends, set_backend, use_backend  # noqa: E402
+from tp_kernels.backends.base import CaptureUnreadyError  # noqa: E402
 from tp_kernels.deadline import PeerTimeoutError, get_timeout, set_timeout  # noqa: E402
 from tp_kernels.ops import all_gather_matmul, matmul_reduce_scatter  # noqa: E402
+from tp_kernels.ops.capture import reserve  # noqa: E402
 from tp_kernels.ops.stats import comm_stats, reset_comm_stats  # noqa: E402
 from tp_kernels.styles import (  # noqa: E402
     ColwiseParallel,
@@ -30,6 +32,7 @@ from tp_kernels.styles import (  # noqa: E402
 __version__ = "0.1.0"
 
 __all__ = [
+    "CaptureUnreadyError",
     "ColwiseParallel",
     "ParallelStyle",
     "PrepareModuleInput",
@@ -45,6 +48,7 @@ __all__ = [
     "loss_parallel",
     "matmul_reduce_scatter",
     "parallelize_module",
+    "reserve",
     "reset_comm_stats",
     "set_backend",
     "set_timeout",

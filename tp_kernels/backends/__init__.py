@@ -24,6 +24,7 @@ from tp_kernels.backends.base import Backend
 __all__ = [
     "BACKEND_NAMES",
     "available_backends",
+    "capture_order",
     "check_backend_name",
     "choose",
     "context_backend",
@@ -132,6 +133,15 @@ def choose(
     why = "; ".join(f"{n}: {w}" for n, w in found.ruled_out.items()) or "the only candidate"
     auto.log_once(shape, group, found.names[0], f"the first candidate ({why})")
     return found.names[0], None
+
+
+def capture_order(shape: auto.Shape, group: dist.ProcessGroup) -> tuple[str, ...]:
+    """The backends ``auto`` may take for ``shape`` under CUDA graph capture, best first: the
+    ranking its timing left (the same on every rank), else its untimed order of candidates."""
+    ranked = auto.ranking(shape, group)
+    if ranked is not None:
+        return ranked
+    return auto.candidates(shape, group, lambda n: _unavailable(n, group, shape.device)).names
 
 
 def resolve(name: str | None, shape: auto.Shape, group: dist.ProcessGroup) -> str:

@@ -19,6 +19,11 @@ For one call of an op (shapes as in ``backends/base.py``) on a group of ``W`` ra
    the slowest rank's median, so all ranks see the same numbers and pick the same winner: the
    first candidate within :data:`MARGIN` of the fastest. The choice is kept for the process and
    logged at INFO on the ``tp_kernels`` logger, the model's prediction beside each measurement.
+4. **Under CUDA graph capture** nothing is timed: a call reuses the plan its warmup made. Where
+   that backend cannot be captured for the call, the call takes the next of :func:`ranking` that
+   can (the winner, the other timed candidates fastest first, then those the model ruled out, in
+   the order of preference; the untimed order where nothing was timed): the same numbers on every
+   rank, so the same fallback.
 
 A shape class is (op, group, device type, dtype, number of right-hand matrices) and the power-of-
 two classes of the sizes every rank shares: ``m`` (rows per rank) and ``K`` for an all-gather-
@@ -33,7 +38,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -116,6 +121,8 @@ class Candidates:
 
 
 _timed: dict[tuple, str] = {}
+# shape class -> every candidate that can run, best first (see ranking()).
+_ranked: dict[tuple, tuple[str, ...]] = {}
 _logged: set[tuple] = set()
 
 
@@ -219,6 +226,12 @@ def cached_choice(shape: Shape, group: dist.ProcessGroup) -> str | None:
     return _timed.get(shape.key(group))
 
 
+def ranking(shape: Shape, group: dist.ProcessGroup) -> tuple[str, ...] | None:
+    """The candidates of this shape class best first, as its timing left them (step 4 of the
+    module docstring); None if it was not timed in this process."""
+    return _ranked.get(shape.key(group))
+
+
 def log_once(shape: Shape, group: dist.ProcessGroup, chosen: str, why: str) -> None:
     """Log ``auto``'s choice at INFO, once per (shape class, choice)."""
     key = (*shape.key(group), chosen)
@@ -256,10 +269,12 @@ def time_and_choose(
 def _time_and_choose(
     shape: Shape, group: dist.ProcessGroup, found: Candidates, run: Callable[[str], None]
 ) -> str:
+    runnable = found.names
     found = _ruled_out_by_model(shape, group, found)
     names = found.names
     if len(names) == 1:
-        return _keep(shape, group, names[0], "the only candidate the model leaves", found)
+        why = "the only candidate the model leaves"
+        return _keep(shape, group, names[0], why, found, names + _rest(runnable, names))
     samples: dict[str, list[float]] = {name: [] for name in names}
     sync = torch.cuda.synchronize if shape.device.type == "cuda" else (lambda: None)
     with torch.no_grad():
@@ -279,11 +294,26 @@ def _time_and_choose(
         f"{n} {t * 1e3:.3g} ms" + (f" (model {model[n] * 1e3:.3g} ms)" if model else "")
         for n, t in zip(names, slowest)
     )
-    return _keep(shape, group, winner, f"timed fastest on the slowest rank: {measured}", found)
+    why = f"timed fastest on the slowest rank: {measured}"
+    timed = sorted(names, key=lambda n: (n != winner, slowest[names.index(n)]))
+    return _keep(shape, group, winner, why, found, (*timed, *_rest(runnable, timed)))
 
 
-def _keep(shape: Shape, group: dist.ProcessGroup, winner: str, why: str, found: Candidates) -> str:
+def _rest(runnable: tuple[str, ...], ranked: Sequence[str]) -> tuple[str, ...]:
+    """The candidates of ``runnable`` not in ``ranked``, in ``runnable``'s order (of preference)."""
+    return tuple(n for n in runnable if n not in ranked)
+
+
+def _keep(
+    shape: Shape,
+    group: dist.ProcessGroup,
+    winner: str,
+    why: str,
+    found: Candidates,
+    ranked: tuple[str, ...],
+) -> str:
     _timed[shape.key(group)] = winner
+    _ranked[shape.key(group)] = ranked
     if found.ruled_out:
         why += "; ruled out: " + "; ".join(f"{n} ({w})" for n, w in found.ruled_out.items())
     log_once(shape, group, winner, why)

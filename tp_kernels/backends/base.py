@@ -10,6 +10,11 @@ flattens, so a backend only ever sees (on rank ``r`` of a group of ``W`` ranks):
                             out = (sum over s of (a @ b + addend)(rank s))[r*m:(r+1)*m]   [m, N]
 
 Backends are stateless singletons; anything they cache (buffers) is keyed by group.
+
+Under CUDA graph capture a call may not allocate outside the stream's order, grow a workspace or
+exchange anything on the host: the ops layer asks :meth:`Backend.capture_unready_reason` before it
+launches a captured call, and :meth:`Backend.reserve` (``tp_kernels.reserve``) makes, outside
+capture, whatever a backend would otherwise make on a call's first use.
 """
 
 from __future__ import annotations
@@ -25,15 +30,28 @@ from tp_kernels import deadline
 from tp_kernels._compat import all_gather_single
 
 
+class CaptureUnreadyError(RuntimeError):
+    """A fused call that cannot be captured in a CUDA graph as things stand (a new shape class, or
+    a backend that would have to allocate, grow or agree); raised before anything is launched."""
+
+
 @dataclass(frozen=True)
 class CaptureNeed:
-    """What a call asks of a backend's state under CUDA graph capture: its op
-    (``"all_gather_matmul"``, ``"matmul_reduce_scatter"`` or ``"all_gather"``), the bytes of its
-    largest symmetric buffer and its dtype."""
+    """What one fused call (or one part of it) needs from a backend to be captured: ``op``
+    (``"all_gather_matmul"``, ``"matmul_reduce_scatter"`` or ``"all_gather"``, the backward's
+    re-gather), ``nbytes``, the bytes of the call's largest symmetric buffer (the shard for an
+    all-gather, ``a_shard.nbytes``; the ``[W*m, N]`` product for a reduce-scatter,
+    ``a.shape[0] * N * itemsize``) and the ``dtype``."""
 
     op: str
     nbytes: int
     dtype: torch.dtype
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether work for ``device`` is being captured in a CUDA graph on the current stream. CPU
+    tensors never are (asking a CPU build of torch about capture is not free: it is skipped)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 class PendingGather:
@@ -64,6 +82,22 @@ class Backend(ABC):
 
         ``group=None`` asks whether the backend can run in this process at all.
         """
+        return None
+
+    def capture_unready_reason(
+        self, group: dist.ProcessGroup, device: torch.device, need: CaptureNeed
+    ) -> str | None:
+        """``None`` when a call needing ``need`` on ``group`` can be captured in a CUDA graph now,
+        without allocating outside the stream's order, growing a workspace or agreeing with its
+        peers; else why not, naming the bytes needed and how to reserve them. A backend with no
+        state of its own (its collectives are NCCL's, which capture) needs nothing."""
+        return None
+
+    def reserve(self, group: dist.ProcessGroup, device: torch.device, nbytes: int) -> None:
+        """Make, outside capture, every workspace and state this backend would need for calls on
+        ``group`` and ``device`` whose largest symmetric buffer (see :class:`CaptureNeed`) has up to
+        ``nbytes``. Collective: every rank of ``group`` calls it with the same ``nbytes``. A
+        backend with no state of its own has nothing to make."""
         return None
 
     def all_gather_async(self, a_shard: torch.Tensor, group: dist.ProcessGroup) -> PendingGather:

@@ -109,7 +109,7 @@ import torch
 import torch.distributed as dist
 
 from tp_kernels import config, signals, symmetric_memory
-from tp_kernels.backends import schedule, symm_gather, symm_scatter
+from tp_kernels.backends import base, schedule, symm_gather, symm_scatter
 from tp_kernels.backends.base import Backend, CaptureNeed, PendingGather
 
 _CTL_TAG = "tp_kernels.backends.symm.ctl"
@@ -324,10 +324,6 @@ def _use_triton(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cuda" or config.SYMM_TRITON.get()
 
 
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
 def _capture_unready_reason(
     group: dist.ProcessGroup, device: torch.device, need_half: int, *, regather: bool
 ) -> str | None:
@@ -350,7 +346,7 @@ def _usable_state(
     """The group's state, or a refusal before anything is signalled: a CUDA graph capture that
     would have to make or grow something first, or a group broken by an earlier deadline
     (raising a timeout a kernel recorded first)."""
-    if _capturing(device):
+    if base.capturing(device):
         why = _capture_unready_reason(group, device, need_half, regather=regather)
         if why is not None:
             raise RuntimeError(
@@ -382,7 +378,11 @@ def _follow_last_stream(state: _GroupState, device: torch.device) -> None:
     current = torch.cuda.current_stream(device)
     # A capture may not wait for work outside it; torch.cuda.graph synchronizes the device
     # before capturing, so the last call has finished anyway.
-    if state.last_stream is not None and current != state.last_stream and not _capturing(device):
+    if (
+        state.last_stream is not None
+        and current != state.last_stream
+        and not base.capturing(device)
+    ):
         current.wait_stream(state.last_stream)
     state.last_stream = current
 

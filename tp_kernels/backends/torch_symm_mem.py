@@ -44,8 +44,18 @@ What each call guards against, from torch's ``_symmetric_memory/__init__.py`` (2
   while ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1`` (the op then fails: the output "must have
   multicast support"). With that variable set, ``return_A=True`` is asked for, which keeps torch
   on its pipelined all-gather; the copy of ``A`` it makes is dropped.
-* CUDA graph capture is refused before anything is launched: torch's workspace cannot grow
-  during capture (it raises mid-capture), and the addend's collective would be captured too.
+* CUDA graph capture: torch's ops capture once their group's workspace
+  (``get_symm_mem_workspace(group_name, min_size)``, one ``uint8`` tensor per group, re-allocated
+  and re-rendezvoused, a collective, whenever a call asks for more) holds the call; growing it
+  during capture raises mid-capture. So a captured call first compares what torch will ask for
+  with the size torch keeps (``_group_name_to_workspace_tensor``) and is refused, before anything
+  is launched, where the workspace would grow: an eager warmup call of the shape, or
+  :meth:`TorchSymmMemBackend.reserve` (``tp_kernels.reserve``), grows it beforehand. torch asks
+  for the shard's bytes (its pipelined all-gather; under capture ``return_A`` is always asked for,
+  which keeps torch off its multicast all-gather and the ``W`` times larger buffer that one takes)
+  and for two ``[m, N]`` chunks (its reduce-scatter: ``2 * W*m*N*itemsize / W``). The addend's
+  reduce-scatter is a collective of the group: NCCL's capture, gloo's (ranks sharing a GPU) do
+  not, so there a captured call with an addend is refused too.
 
 Numerics (what the tolerances of tests/_numerics.py and gpu_check allow for): torch rounds each
 rank's partial product to the input dtype before reducing (2.13: ``torch.sum`` over the partials,
@@ -74,7 +84,8 @@ import torch.distributed as dist
 
 from tp_kernels import symmetric_memory
 from tp_kernels._compat import reduce_scatter_single
-from tp_kernels.backends.base import Backend
+from tp_kernels.backends import base
+from tp_kernels.backends.base import Backend, CaptureNeed, CaptureUnreadyError
 
 _OPS = ("fused_all_gather_matmul", "fused_matmul_reduce_scatter")
 
@@ -160,14 +171,68 @@ def _shared_gpu_reason(group: dist.ProcessGroup) -> str | None:
     )
 
 
-def _check_call(op: str, device: torch.device) -> None:
-    """Refuse, before anything is launched, what torch's op would fail at midway."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            f"torch_symm_mem {op}: cannot be captured in a CUDA graph (torch's symmetric-memory "
-            "workspace cannot grow during capture, and the backward's addend is reduce-scattered "
-            "by a collective of the group); nothing was launched. Inside graphs use "
-            "backend='reference' or 'pipelined', whose NCCL collectives can be captured"
+def _workspace_bytes(group_name: str) -> int | None:
+    """The size of torch's workspace for ``group_name`` in bytes (0 before its first use), or
+    None where this torch does not keep it where 2.7 .. 2.15 do."""
+    symm_mem, _ = _symm_mem_module()
+    tensors = getattr(symm_mem, "_group_name_to_workspace_tensor", None)
+    if not isinstance(tensors, dict):
+        return None
+    tensor = tensors.get(group_name)
+    return 0 if tensor is None else tensor.numel() * tensor.element_size()
+
+
+def _torch_min_size(need: CaptureNeed, world: int) -> int:
+    """The ``min_size`` torch's op asks its workspace for, for a call needing ``need`` (see the
+    module docstring): two ``[m, N]`` chunks for a reduce-scatter, the shard for an all-gather.
+    The backward's plain re-gather (``"all_gather"``) is a collective of the group: none."""
+    if need.op == "matmul_reduce_scatter":
+        return 2 * (need.nbytes // world)
+    return need.nbytes if need.op == "all_gather_matmul" else 0
+
+
+def _workspace_short_reason(group: dist.ProcessGroup, need: CaptureNeed) -> str | None:
+    """Why torch's workspace cannot hold a call needing ``need`` without growing (None if it
+    can)."""
+    min_size = _torch_min_size(need, group.size())
+    if min_size == 0:
+        return None
+    have = _workspace_bytes(group.group_name)
+    if have is None:
+        return (
+            f"torch {torch.__version__} keeps no _group_name_to_workspace_tensor, so whether its "
+            f"workspace holds the {min_size} bytes this {need.op} asks for cannot be told"
+        )
+    if have >= min_size:
+        return None
+    return (
+        f"torch's symmetric-memory workspace of group {group.group_name!r} has {have} bytes and "
+        f"this {need.op} ({need.dtype}) asks for {min_size}; it cannot grow during capture. Run "
+        f"one eager step first, or call tp_kernels.reserve(group, {need.nbytes}) before capturing"
+    )
+
+
+def _check_call(
+    op: str, group: dist.ProcessGroup, device: torch.device, nbytes: int, dtype: torch.dtype
+) -> bool:
+    """Refuse, before anything is launched, a captured call that torch's op would fail at midway
+    (its workspace would grow); whether the call is being captured."""
+    if not base.capturing(device):
+        return False
+    why = _workspace_short_reason(group, CaptureNeed(op, nbytes, dtype))
+    if why is not None:
+        raise CaptureUnreadyError(f"torch_symm_mem {op}: {why}; nothing was launched")
+    return True
+
+
+def _check_addend(group: dist.ProcessGroup) -> None:
+    """Refuse a captured addend's collective on a group whose collectives do not capture."""
+    backend = str(dist.get_backend(group))
+    if "nccl" not in backend:
+        raise CaptureUnreadyError(
+            f"torch_symm_mem matmul_reduce_scatter: the addend (the gradient of a returned A) is "
+            f"reduce-scattered by a collective of group {group.group_name!r}, whose backend "
+            f"{backend!r} cannot be captured in a CUDA graph (NCCL's can); nothing was launched"
         )
 
 
@@ -251,6 +316,22 @@ class TorchSymmMemBackend(Backend):
         # GPU nodes; gloo where several ranks share one GPU, which NCCL refuses).
         return _hosts_reason(group) or _shared_gpu_reason(group)
 
+    def capture_unready_reason(
+        self, group: dist.ProcessGroup, device: torch.device, need: CaptureNeed
+    ) -> str | None:
+        return None if group.size() == 1 else _workspace_short_reason(group, need)
+
+    def reserve(self, group: dist.ProcessGroup, device: torch.device, nbytes: int) -> None:
+        """Grow torch's workspace of ``group`` to what calls of up to ``nbytes`` ask for: the
+        all-gather's shard (``nbytes``) is the larger of the two (a reduce-scatter asks for
+        ``2 * nbytes / W``). Collective (torch's re-rendezvous), as a growth in a call is."""
+        if group.size() == 1 or device.type != "cuda":
+            return
+        _enable_for_group(group)
+        symm_mem, _ = _symm_mem_module()
+        with symmetric_memory._on_device(device):
+            symm_mem.get_symm_mem_workspace(group.group_name, min_size=nbytes)
+
     def all_gather_matmul(
         self,
         a_shard: torch.Tensor,
@@ -261,11 +342,12 @@ class TorchSymmMemBackend(Backend):
     ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         if group.size() == 1:
             return (a_shard.clone() if return_a else None), [a_shard @ b for b in bs]
-        _check_call("all_gather_matmul", a_shard.device)
+        nbytes = a_shard.nbytes
+        captured = _check_call("all_gather_matmul", group, a_shard.device, nbytes, a_shard.dtype)
         _enable_for_group(group)
         op = torch.ops.symm_mem.fused_all_gather_matmul
         # Asking for A keeps torch off its multicast path (see the module docstring).
-        ask_a = return_a or _overlapping_devices_allowed()
+        ask_a = return_a or captured or _overlapping_devices_allowed()
         kwargs = {"return_A": ask_a} if _takes_return_a() else {}
         with symmetric_memory._on_device(a_shard.device):
             a, outs = op(a_shard, list(bs), 0, group.group_name, **kwargs)
@@ -282,7 +364,11 @@ class TorchSymmMemBackend(Backend):
         world = group.size()
         if world == 1:
             return a @ b if addend is None else torch.addmm(addend, a, b)
-        _check_call("matmul_reduce_scatter", a.device)
+        nbytes = a.shape[0] * b.shape[1] * a.dtype.itemsize
+        if _check_call("matmul_reduce_scatter", group, a.device, nbytes, a.dtype) and (
+            addend is not None
+        ):
+            _check_addend(group)
         _enable_for_group(group)
         with symmetric_memory._on_device(a.device):
             pending = None

@@ -5,7 +5,8 @@ options, backend asked for, settings and ``use_backend`` context, on the same gr
 :class:`_Plan`: the checks it passed, the backend chosen and the signature agreed are what they
 were, so the host does only the agreement (one tiny collective, when consistency checks are on)
 and the call. Anything else goes through :func:`_new_plan` (check, choose, agree, raise, in that
-order, on every rank). The call then runs through the eager ``autograd.Function`` of
+order, on every rank). Under CUDA graph capture a call reuses its plan without the agreement,
+or is refused (``ops/capture.py``). The call then runs through the eager ``autograd.Function`` of
 ``ops/eager.py`` when no dispatch mode is active and every tensor is a plain one, else through
 the custom op of ``ops/library.py`` (what ``torch.compile`` traces and modes see).
 """
@@ -21,10 +22,18 @@ import torch
 import torch.distributed as dist
 
 from tp_kernels import config, deadline
-from tp_kernels.backends import check_backend_name, choose, context_backend, get_backend, pipelined
+from tp_kernels.backends import (
+    base,
+    check_backend_name,
+    choose,
+    context_backend,
+    current_backend,
+    get_backend,
+    pipelined,
+)
 from tp_kernels.backends.auto import Candidates, Shape, time_and_choose
-from tp_kernels.backends.base import Backend
-from tp_kernels.ops import eager
+from tp_kernels.backends.base import Backend, CaptureNeed
+from tp_kernels.ops import capture, eager
 from tp_kernels.ops._checks import (
     GroupLike,
     agree_across_ranks,
@@ -70,14 +79,16 @@ class Signature:
 @dataclass(frozen=True)
 class _Plan:
     """One shape class of calls, resolved: the normalized ``dim``, the backend (``impl`` None
-    while torch.compile traces: the op resolves it when the graph runs), ``auto``'s shape and the
-    agreed signature's ``text``."""
+    while torch.compile traces: the op resolves it when the graph runs), ``auto``'s shape, the
+    agreed ``signature`` and its ``text``, and whether ``auto`` chose the backend."""
 
     dim: int
     backend: str
     impl: Backend | None
     shape: Shape | None
+    signature: Signature | None
     text: str
+    auto: bool
 
 
 # group -> {call key -> plan}; weak, so a destroyed group's plans go with it. Bounded: a model
@@ -127,7 +138,7 @@ def _new_plan(
     """
     if torch.compiler.is_compiling():
         name = check_backend_name(backend, argument="backend") if backend is not None else ""
-        return _Plan(local_check()[2], name, None, None, ""), None
+        return _Plan(local_check()[2], name, None, None, None, "", False), None
     with deadline.fused_call(group, op, "forward"):
         try:
             t, rhs, dim = local_check()
@@ -137,6 +148,7 @@ def _new_plan(
                 shape = Shape.of_matmul_reduce_scatter(t, rhs[0], group.size())
                 agreed = tuple(t.shape[:-1])  # K may differ by rank (an uneven rowwise split)
                 options = {"n": rhs[0].shape[1], **options}
+            asked = backend if backend is not None else current_backend()
             name, pending = choose(backend, shape, group)
             chunks = pipelined.chunks_setting()
             options_items = tuple(options.items())
@@ -149,7 +161,8 @@ def _new_plan(
         agree_across_ranks(group, op, text, _device_of(a))
         if error is not None:
             raise error
-    return _Plan(dim, name, get_backend(name), shape, text), pending
+    auto = asked == "auto"
+    return _Plan(dim, name, get_backend(name), shape, signature, text, auto), pending
 
 
 def _plan(
@@ -161,26 +174,51 @@ def _plan(
     local_check: Callable[[], tuple[torch.Tensor, list[torch.Tensor], int]],
     options: dict[str, object],
     timed_run: Callable[[_Plan, str], object],
+    capture_needs: Callable[[], list[CaptureNeed]],
 ) -> tuple[_Plan, bool]:
     """The plan of this call and whether it still needs the agreement (a cached plan does; a new
-    one was agreed while it was made). ``timed_run(plan, name)`` runs the call on backend
-    ``name`` for ``auto``'s timing."""
+    one was agreed while it was made; a captured call never agrees, see ``ops/capture.py``).
+    ``timed_run(plan, name)`` runs the call on backend ``name`` for ``auto``'s timing;
+    ``capture_needs()`` is what the call and its backward need of a backend under capture."""
     if not torch.compiler.is_compiling():
         count_as_replaced_collectives()
     cached = _plans.get(group)
     plan = None if cached is None or key is None else cached.get(key)
+    device = _device_of(a)
+    if base.capturing(device):
+        if plan is None:
+            local_check()  # what the arguments get wrong, said locally, before the refusal
+            capture.refuse_new_plan(op, group, f"a call of a new shape class ({_described(a)})")
+        name, impl = capture.capture_backend(
+            op, group, device, capture_needs(), plan.backend, plan.impl, plan.shape, plan.auto
+        )
+        return dataclasses.replace(plan, backend=name, impl=impl), False
     if plan is not None:
         return plan, True
     plan, pending = _new_plan(op, group, a, backend, local_check, options)
     if pending is not None:
         name = time_and_choose(plan.shape, group, pending, lambda n: timed_run(plan, n))
-        return dataclasses.replace(plan, backend=name, impl=get_backend(name)), False
+        # Kept as a plan like any other: a later call of the shape class (the captured one of a
+        # CUDA graph's warmup and capture among them) must not plan, agree or time again.
+        signature = dataclasses.replace(plan.signature, backend=name)
+        plan = dataclasses.replace(
+            plan, backend=name, impl=get_backend(name), signature=signature, text=str(signature)
+        )
     if key is not None and plan.impl is not None:
         cached = _plans.setdefault(group, {})
         if len(cached) >= _MAX_PLANS_PER_GROUP:
             cached.clear()
         cached[key] = plan
     return plan, False
+
+
+def _grads_wanted(grads: tuple[object, Sequence[object]]) -> tuple[bool, bool]:
+    """Whether autograd will want the grad of the input, and of any of the parameters."""
+    return capture.requires_grad([grads[0]]), capture.requires_grad(grads[1])
+
+
+def _described(a: object) -> str:
+    return f"{tuple(a.shape)} {a.dtype}" if isinstance(a, torch.Tensor) else type(a).__name__
 
 
 def eager_path(tensors: Sequence[torch.Tensor | None]) -> bool:
@@ -199,9 +237,12 @@ def plan_all_gather_matmul(
     backend: str | None,
     return_a: bool,
     save_gathered_a: bool,
+    grads: tuple[object, Sequence[object]] | None = None,
 ) -> tuple[dist.ProcessGroup, _Plan, bool]:
     """The group, the plan of an :func:`all_gather_matmul` call and whether it still needs the
-    agreement (see :func:`_plan`); raises on every rank what the arguments get wrong."""
+    agreement (see :func:`_plan`); raises on every rank what the arguments get wrong. ``grads``:
+    the input and weights as autograd sees them (DTensors) where ``a_shard`` and ``bs`` are
+    their local tensors."""
     op = "all_gather_matmul"
     pg = resolve_group_or_note(group, op=op)
     keep_a = return_a or save_gathered_a
@@ -216,6 +257,9 @@ def plan_all_gather_matmul(
         lambda plan, n: get_backend(n).all_gather_matmul(
             flatten_rows(a_shard, plan.dim)[0].contiguous(), bs, pg, return_a=keep_a
         ),
+        lambda: capture.all_gather_matmul_needs(
+            a_shard, save_gathered_a, pg.size(), *_grads_wanted(grads or (a_shard, bs))
+        ),
     )
     return pg, plan, agree
 
@@ -228,8 +272,10 @@ def plan_matmul_reduce_scatter(
     reduce_op: object,
     backend: str | None,
     bias: object,
+    grads: tuple[object, Sequence[object]] | None = None,
 ) -> tuple[dist.ProcessGroup, _Plan, bool]:
-    """:func:`plan_all_gather_matmul` for a :func:`matmul_reduce_scatter` call."""
+    """:func:`plan_all_gather_matmul` for a :func:`matmul_reduce_scatter` call (``grads``: the
+    input, then the weight and bias, as autograd sees them)."""
     op = "matmul_reduce_scatter"
     pg = resolve_group_or_note(group, op=op)
     bias_key = None if bias is None else _tensor_key(bias)
@@ -243,6 +289,9 @@ def plan_matmul_reduce_scatter(
         {"reduce_op": reduce_op, "bias": bias is not None},
         lambda plan, n: get_backend(n).matmul_reduce_scatter(
             flatten_rows(a, plan.dim)[0].contiguous(), b, pg
+        ),
+        lambda: capture.matmul_reduce_scatter_needs(
+            a, b.shape[1], pg.size(), *_grads_wanted(grads or (a, (b, bias)))
         ),
     )
     return pg, plan, agree

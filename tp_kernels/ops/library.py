@@ -22,6 +22,11 @@ The group travels as its registered name and the backend as a name (strings), so
 under ``torch.compile`` as opaque nodes with these fake (meta) kernels. Eager calls pass the
 backend already resolved; a compiled graph passes what the user asked for (``""``: the default in
 force when the graph runs, or ``"auto"``) and the op resolves it when it runs.
+
+Under CUDA graph capture each op asks its backend whether it can capture the part it runs
+(``ops/capture.py``) before launching anything: a backward resolved by name (torchtitan 0.3's
+Functions pass ``"auto"``) may find ``auto``'s timed choice unable to, and takes the next of
+``auto``'s ranking that can, as the forward did.
 """
 
 from __future__ import annotations
@@ -32,20 +37,29 @@ import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from tp_kernels import deadline
-from tp_kernels.backends import BACKEND_NAMES, get_backend, resolve
+from tp_kernels.backends import BACKEND_NAMES, base, get_backend, resolve
 from tp_kernels.backends.auto import Shape
-from tp_kernels.backends.base import Backend
-from tp_kernels.ops import _compute
+from tp_kernels.backends.base import Backend, CaptureNeed
+from tp_kernels.ops import _compute, capture
 
 
 def _group_size(group_name: str) -> int:
     return _resolve_process_group(group_name).size()
 
 
-def _backend(name: str, group, shape: Shape) -> Backend:
-    if name in BACKEND_NAMES and name != "auto":
-        return get_backend(name)
-    return get_backend(resolve(name or None, shape, group))
+def _backend(name: str, group, shape: Shape, needs: list[tuple[str, int]]) -> Backend:
+    """The backend called ``name`` (resolved when ``""`` or ``"auto"``); under CUDA graph capture
+    one that can capture ``needs`` (``(op, bytes)`` pairs, see
+    :class:`~tp_kernels.backends.base.CaptureNeed`)."""
+    asked_auto = name not in BACKEND_NAMES or name == "auto"
+    concrete = resolve(name or None, shape, group) if asked_auto else name
+    impl = get_backend(concrete)
+    if base.capturing(shape.device):
+        wanted = [CaptureNeed(op, nbytes, shape.dtype) for op, nbytes in needs]
+        _, impl = capture.capture_backend(
+            shape.op, group, shape.device, wanted, concrete, impl, shape, asked_auto
+        )
+    return impl
 
 
 def _present(*tensors: torch.Tensor | None) -> list[torch.Tensor]:
@@ -63,7 +77,8 @@ def all_gather_matmul_2d(
 ) -> list[torch.Tensor]:
     group = _resolve_process_group(group_name)
     with deadline.fused_call(group, "all_gather_matmul", "forward"):
-        impl = _backend(backend, group, Shape.of_all_gather_matmul(a_shard, bs))
+        shape = Shape.of_all_gather_matmul(a_shard, bs)
+        impl = _backend(backend, group, shape, [("all_gather_matmul", a_shard.nbytes)])
         keep_a = return_a or save_a
         a, outs = _compute.all_gather_matmul(impl, a_shard, bs, group, keep_a)
         return [a, *outs] if keep_a else outs
@@ -86,7 +101,11 @@ def _all_gather_matmul_grads(
         ns = tuple(g.shape[1] for g in grad_outs)
         m = first.shape[0] // group.size()
         shape = Shape("all_gather_matmul", m, k, ns, first.dtype, first.device)
-        impl = _backend(backend, group, shape)
+        shard = m * k * first.dtype.itemsize
+        needs = [("matmul_reduce_scatter", group.size() * shard)] if need_a else []
+        if any(need_b) and not a_is_gathered:
+            needs.append(("all_gather", shard))
+        impl = _backend(backend, group, shape, needs)
         grad_a_shard, grad_bs = _compute.all_gather_matmul_backward(
             impl, group, a, a_is_gathered, bs, grad_outs, grad_a, need_a, need_b
         )
@@ -203,7 +222,9 @@ def matmul_reduce_scatter_2d(
 ) -> torch.Tensor:
     group = _resolve_process_group(group_name)
     with deadline.fused_call(group, "matmul_reduce_scatter", "forward"):
-        impl = _backend(backend, group, Shape.of_matmul_reduce_scatter(a, b, group.size()))
+        shape = Shape.of_matmul_reduce_scatter(a, b, group.size())
+        product = a.shape[0] * b.shape[1] * a.dtype.itemsize
+        impl = _backend(backend, group, shape, [("matmul_reduce_scatter", product)])
         return _compute.matmul_reduce_scatter(impl, a, b, bias, group, avg)
 
 
@@ -229,7 +250,12 @@ def matmul_reduce_scatter_backward_2d(
         k = b.shape[0] if b is not None else a.shape[1]
         m, n = grad.shape
         shape = Shape("matmul_reduce_scatter", m, k, (n,), grad.dtype, grad.device)
-        impl = _backend(backend, group, shape)
+        gathered = grad.nbytes
+        if need_a:
+            needs = [("all_gather_matmul", gathered)]
+        else:
+            needs = [("all_gather", gathered)] if need_b or need_bias else []
+        impl = _backend(backend, group, shape, needs)
         grads = _compute.matmul_reduce_scatter_backward(
             impl, group, a, b, grad, avg, need_a, need_b, need_bias
         )

@@ -196,7 +196,7 @@ def colwise_linears(
     x_local = local_tensor(x)
     bs = [local_tensor(w).t() for w in weights]
     pg, plan, agree = plan_all_gather_matmul(
-        x_local, bs, gather_dim, mesh, backend, return_a, False
+        x_local, bs, gather_dim, mesh, backend, return_a, False, (x, weights)
     )
     n = len(weights)
     with deadline.fused_call(pg, op, "forward"):
@@ -219,7 +219,14 @@ def rowwise_linear(
     op = "matmul_reduce_scatter"
     x_local, bias_local = local_tensor(x), local_tensor(bias)
     pg, plan, agree = plan_matmul_reduce_scatter(
-        x_local, local_tensor(weight).t(), scatter_dim, mesh, "sum", backend, bias_local
+        x_local,
+        local_tensor(weight).t(),
+        scatter_dim,
+        mesh,
+        "sum",
+        backend,
+        bias_local,
+        (x, (weight, bias)),
     )
     with deadline.fused_call(pg, op, "forward"):
         agree_if_needed(pg, op, plan, agree, x_local.device)

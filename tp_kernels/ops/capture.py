@@ -1,0 +1,172 @@
+"""Fused calls under CUDA graph capture: what a captured call needs, and reserving it beforehand.
+
+A captured call is replayed on every later step without its host code, so while it is captured it
+may launch only stream-ordered work: no host synchronization, no allocation outside the stream's
+order, no exchange on the host (agreement, object exchange, ``auto``'s timing). Whether a call is
+captured is asked once per call and only for CUDA tensors
+(:func:`tp_kernels.backends.base.capturing`, looked up on its module at each call: tests
+replace it to capture CPU tensors). Under capture ``ops/functional.py`` reuses the plan
+an eager call of the shape class made (a call with none is refused by :func:`refuse_new_plan`),
+skips the agreement, and takes the backend :func:`capture_backend` says can capture the call and
+the backward parts autograd will run for it. :func:`reserve` makes, outside capture, what a
+backend would otherwise make on a call's first use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NoReturn
+
+import torch
+import torch.distributed as dist
+
+from tp_kernels import deadline
+from tp_kernels.backends import BACKEND_NAMES, _unavailable, base, capture_order, get_backend
+from tp_kernels.backends.auto import Shape, log_once
+from tp_kernels.backends.base import Backend, CaptureNeed, CaptureUnreadyError
+from tp_kernels.ops._checks import GroupLike, resolve_group
+
+__all__ = ["CaptureUnreadyError", "reserve"]
+
+
+def requires_grad(tensors: Sequence[object]) -> bool:
+    """Whether autograd will want a grad of any of ``tensors`` (given as the caller holds them:
+    a DTensor parameter, not its local tensor, says whether it needs one)."""
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in tensors
+    )
+
+
+def all_gather_matmul_needs(
+    a_shard: torch.Tensor, save_gathered_a: bool, world: int, grad_a: bool, grad_b: bool
+) -> list[CaptureNeed]:
+    """The forward's need, then those of the backward parts autograd will run: the input grad's
+    (``grad_a``) reduce-scatter of ``[W*m, K]``, the weight grads' (``grad_b``) re-gather of the
+    shard."""
+    dtype, nbytes = a_shard.dtype, a_shard.nbytes
+    needs = [CaptureNeed("all_gather_matmul", nbytes, dtype)]
+    if grad_a:
+        needs.append(CaptureNeed("matmul_reduce_scatter", world * nbytes, dtype))
+    if grad_b and not save_gathered_a:
+        needs.append(CaptureNeed("all_gather", nbytes, dtype))
+    return needs
+
+
+def matmul_reduce_scatter_needs(
+    a: torch.Tensor, n: int, world: int, grad_a: bool, grad_b: bool
+) -> list[CaptureNeed]:
+    """The forward's need (the ``[W*m, n]`` product), then the backward's gather of the ``[m, n]``
+    grad: fused with the input grad's matmul (``grad_a``), or alone for the weight and bias grads
+    (``grad_b``)."""
+    dtype = a.dtype
+    product = a.numel() // a.shape[-1] * n * dtype.itemsize
+    needs = [CaptureNeed("matmul_reduce_scatter", product, dtype)]
+    if grad_a:
+        needs.append(CaptureNeed("all_gather_matmul", product // world, dtype))
+    elif grad_b:
+        needs.append(CaptureNeed("all_gather", product // world, dtype))
+    return needs
+
+
+def refuse_new_plan(op: str, group: dist.ProcessGroup, what: str) -> NoReturn:
+    """Raise for a captured call whose shape class has no plan yet (``what`` describes the call).
+    Every rank captures the same step with the same plans, so every rank raises here together."""
+    raise CaptureUnreadyError(
+        f"{op}: {what} on group {group.group_name!r} has no plan yet, and it is being captured in "
+        "a CUDA graph: making a plan agrees with the other ranks on the host (and may time "
+        "auto's candidates), which a graph cannot capture; nothing was launched. Run one eager "
+        "step with the same shapes before capturing (torchtitan's CUDA graph wrapper does: its "
+        "first call is eager)"
+    )
+
+
+def _unready(
+    impl: Backend, group: dist.ProcessGroup, device: torch.device, needs: Sequence[CaptureNeed]
+) -> str | None:
+    for need in needs:
+        why = impl.capture_unready_reason(group, device, need)
+        if why is not None:
+            return why
+    return None
+
+
+def capture_backend(
+    op: str,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    needs: Sequence[CaptureNeed],
+    name: str,
+    impl: Backend,
+    shape: Shape | None,
+    auto: bool,
+) -> tuple[str, Backend]:
+    """The backend a captured call takes: its plan's ``name``/``impl`` when that can capture every
+    one of ``needs``; under ``auto`` (``shape`` its shape), the first of ``auto``'s order that can
+    (logged once at INFO); else :class:`CaptureUnreadyError`, before anything is launched."""
+    why = _unready(impl, group, device, needs)
+    if why is None:
+        return name, impl
+    tried = {name: why}
+    if auto and shape is not None:
+        for other in capture_order(shape, group):
+            if other in tried:
+                continue
+            other_impl = get_backend(other)
+            tried[other] = _unready(other_impl, group, device, needs)
+            if tried[other] is None:
+                log_once(
+                    shape,
+                    group,
+                    other,
+                    f"under CUDA graph capture {name} (the warmup's choice) cannot run it ({why}); "
+                    f"{other} is the next of auto's order that can",
+                )
+                return other, other_impl
+    reasons = "; ".join(f"{n}: {w}" for n, w in tried.items())
+    raise CaptureUnreadyError(
+        f"{op}: backend {name!r} cannot be captured in a CUDA graph for this call on group "
+        f"{group.group_name!r} ({reasons}); nothing was launched"
+    )
+
+
+def reserve(
+    group: GroupLike,
+    nbytes: int,
+    *,
+    device: torch.device | str | None = None,
+    backends: Sequence[str] | None = None,
+) -> None:
+    """Make every workspace the backends keep for ``group`` large enough for fused calls whose
+    largest buffer has up to ``nbytes`` (an all-gather-matmul's shard, a matmul-reduce-scatter's
+    ``[W*m, N]`` product, in bytes), so that such calls can be captured in a CUDA graph without a
+    warmup of their shape. Collective: every rank of ``group`` calls it with the same arguments,
+    outside capture. ``device``: that of the calls' tensors (default: the current CUDA device,
+    else the CPU); ``backends``: the backends to prepare (default: every one available for
+    ``group`` and ``device``)."""
+    op = "reserve"
+    pg = resolve_group(group, op=op)
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+        raise ValueError(f"{op}: nbytes must be an int >= 0, got {nbytes!r}")
+    if device is None:
+        cuda = torch.cuda.is_available()
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    device = torch.device(device)
+    if base.capturing(device):
+        raise CaptureUnreadyError(
+            f"{op}: called while a CUDA graph is being captured; growing a workspace is "
+            "collective and allocates, so call it before the capture"
+        )
+    if backends is None:
+        names = [n for n in BACKEND_NAMES if n != "auto" and _unavailable(n, pg, device) is None]
+    else:
+        if isinstance(backends, str):
+            raise TypeError(f"{op}: backends must be a list of names, got the string {backends!r}")
+        names = list(backends)
+        for name in names:
+            get_backend(name)  # a ValueError naming it when it is no backend
+            why = _unavailable(name, pg, device)
+            if why is not None:
+                raise RuntimeError(f"{op}: backend {name!r} cannot run here: {why}")
+    with deadline.fused_call(pg, op, "setup"):
+        for name in names:
+            get_backend(name).reserve(pg, device, nbytes)
