@@ -968,3 +968,38 @@ def test_grown_staging_is_freed_after_the_current_streams_work(monkeypatch):
     log.clear()
     state.scatter_state()  # large enough: kept, nothing recorded
     assert log == [] and state.staging is staging
+
+
+def _capture_readiness_before_and_after_reserve() -> dict:
+    from tp_kernels.backends.base import CaptureNeed
+
+    group = dist.new_group(list(range(dist.get_world_size())))
+    cpu = torch.device("cpu")
+    config.SYMM_TRITON.set(True)
+    try:
+        ag = CaptureNeed("all_gather_matmul", 4096, torch.float32)
+        report = {"before": BACKEND.capture_unready_reason(group, cpu, ag)}
+        BACKEND.reserve(group, cpu, 4096)
+        report |= {
+            "after": [
+                BACKEND.capture_unready_reason(group, cpu, CaptureNeed(op, 4096, torch.float32))
+                for op in ("all_gather_matmul", "matmul_reduce_scatter", "all_gather")
+            ],
+            "larger": BACKEND.capture_unready_reason(
+                group, cpu, CaptureNeed("matmul_reduce_scatter", 1 << 20, torch.float32)
+            ),
+        }
+    finally:
+        config.SYMM_TRITON.reset()
+        dist.destroy_process_group(group)
+    return report
+
+
+def test_reserve_makes_what_a_captured_call_needs(worlds):
+    """Before any call a captured symm call would have to make the group's state (refused);
+    after ``reserve`` calls up to its bytes need nothing made (the all-gather, the
+    reduce-scatter, the backward's re-gather), and a larger one names both sizes."""
+    for report in worlds(2).run(_capture_readiness_before_and_after_reserve):
+        assert "no call on this group has run yet" in report["before"], report
+        assert report["after"] == [None, None, None], report
+        assert "holds 4096 bytes per call and this call needs 1048576" in report["larger"], report

@@ -645,15 +645,24 @@ def test_captured_calls_reuse_the_warmups_workspace(worlds):
 
 def _reserved(names: list[str] | None, nbytes: object) -> object:
     """What ``tp_kernels.reserve`` asked of each backend (recorded by a spy), or its error."""
+    from tp_kernels.backends import BACKEND_NAMES, get_backend
+
     asked: list[tuple] = []
-    saved = base.Backend.reserve
-    base.Backend.reserve = lambda self, group, device, n: asked.append((self.name, str(device), n))
+    # Every backend class's own reserve (symm has one) and the base's, spied on.
+    classes = {base.Backend} | {type(get_backend(n)) for n in BACKEND_NAMES if n != "auto"}
+    saved = {cls: cls.__dict__.get("reserve") for cls in classes}
+    for cls in classes:
+        cls.reserve = lambda self, group, device, n: asked.append((self.name, str(device), n))
     try:
         tpk.reserve(dist.group.WORLD, nbytes, device="cpu", backends=names)
     except (TypeError, ValueError, RuntimeError) as exc:
         return f"{type(exc).__name__}: {exc}"
     finally:
-        base.Backend.reserve = saved
+        for cls, original in saved.items():
+            if original is None:
+                del cls.reserve
+            else:
+                cls.reserve = original
     return asked
 
 
