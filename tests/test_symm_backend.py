@@ -975,10 +975,11 @@ def _capture_readiness_before_and_after_reserve() -> dict:
 
     group = dist.new_group(list(range(dist.get_world_size())))
     cpu = torch.device("cpu")
+    ag = CaptureNeed("all_gather_matmul", 4096, torch.float32)
+    report = {"torch path": BACKEND.capture_unready_reason(group, cpu, ag)}
     config.SYMM_TRITON.set(True)
     try:
-        ag = CaptureNeed("all_gather_matmul", 4096, torch.float32)
-        report = {"before": BACKEND.capture_unready_reason(group, cpu, ag)}
+        report["before"] = BACKEND.capture_unready_reason(group, cpu, ag)
         BACKEND.reserve(group, cpu, 4096)
         report |= {
             "after": [
@@ -996,10 +997,13 @@ def _capture_readiness_before_and_after_reserve() -> dict:
 
 
 def test_reserve_makes_what_a_captured_call_needs(worlds):
-    """Before any call a captured symm call would have to make the group's state (refused);
+    """The torch path is never capturable; on the Triton path, before any call a captured symm
+    call would have to make the group's state (refused);
     after ``reserve`` calls up to its bytes need nothing made (the all-gather, the
     reduce-scatter, the backward's re-gather), and a larger one names both sizes."""
     for report in worlds(2).run(_capture_readiness_before_and_after_reserve):
+        # The torch path's waits are the host's: never capturable (auto takes another backend).
+        assert "takes its torch path" in report["torch path"], report
         assert "no call on this group has run yet" in report["before"], report
         assert report["after"] == [None, None, None], report
         assert "holds 4096 bytes per call and this call needs 1048576" in report["larger"], report

@@ -583,10 +583,15 @@ class SymmBackend(Backend):
         """Why a call needing ``need`` cannot be captured in a CUDA graph now (its workspaces,
         staging or state would have to be made or grown: collective allocations), or None. The
         ops layer asks before launching anything; :meth:`reserve` or one eager call makes them."""
+        device = torch.device(device)
         if group.size() == 1:
             return None
+        if not _use_triton(device, need.dtype):
+            # The torch path (CPU without the kernels, or a dtype they lack) waits for its
+            # signals on the host, which no graph can capture.
+            return f"{need.dtype} on {device.type} takes its torch path, whose waits are the host's"
         return _capture_unready_reason(
-            group, torch.device(device), _half_bytes(need.nbytes), regather=need.op == "all_gather"
+            group, device, _half_bytes(need.nbytes), regather=need.op == "all_gather"
         )
 
     def reserve(self, group: dist.ProcessGroup, device: torch.device, nbytes: int) -> None:
