@@ -186,6 +186,9 @@ class _GroupState:
         self.status: torch.Tensor | None = None
         self.counters: torch.Tensor | None = None
         self.words: torch.Tensor | None = None
+        # Views of ``words``: the all-gather's chunk words, the reduce-scatter's block words.
+        self.gather_words: torch.Tensor | None = None
+        self.scatter_words: torch.Tensor | None = None
         self.copier: symm_gather.Copier | None = None
         self.pusher: symm_scatter.Pusher | None = None
         self.staging: torch.Tensor | None = None
@@ -217,14 +220,15 @@ class _GroupState:
                 self.words = torch.zeros(
                     world * (symm_gather.MAX_CHUNKS + 1), dtype=torch.int32, device=device
                 )
+                split = world * symm_gather.MAX_CHUNKS
+                self.gather_words, self.scatter_words = self.words[:split], self.words[split:]
         return self.status, self.counters, self.words
 
     def progress_words(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The all-gather's chunk words and the reduce-scatter's block words (views of
-        :attr:`words`)."""
-        _, _, words = self.kernel_state()
-        split = self.ctl.world_size * symm_gather.MAX_CHUNKS
-        return words[:split], words[split:]
+        :attr:`words`, made once: no per-call slicing on the host)."""
+        self.kernel_state()
+        return self.gather_words, self.scatter_words
 
     def copier_state(self) -> symm_gather.Copier:
         """The all-gather's copier, made on first use."""
