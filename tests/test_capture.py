@@ -392,3 +392,25 @@ def test_a_backward_resolved_by_name_falls_back_as_its_forward(worlds):
         first, second = got["order"]
         assert got["forbidden"] == [], got
         assert got["backward on"] == {first: 0, second: 2}, got  # the reduce-scatter, re-gather
+
+
+def _gloo_reasons() -> dict[str, str | None]:
+    group = dist.group.WORLD
+    need = base.CaptureNeed("all_gather_matmul", 64, torch.float32)
+    return {
+        f"{name} {kind}": get_backend(name).capture_unready_reason(group, torch.device(kind), need)
+        for name in ("reference", "pipelined")
+        for kind in ("cpu", "cuda")
+    }
+
+
+def test_a_gloo_group_of_cuda_tensors_is_not_capturable(worlds):
+    """gloo's collectives run on the host (a CUDA tensor through a host copy and a
+    synchronization): a graph cannot hold them, so reference and pipelined say so on CUDA (where
+    ``auto`` then takes another backend); CPU tensors stand for CUDA ones elsewhere in this file,
+    so the CPU answer stays None. Before: None for both devices."""
+    for got in worlds(2).run(_gloo_reasons):
+        for name in ("reference", "pipelined"):
+            assert got[f"{name} cpu"] is None, got
+            why = got[f"{name} cuda"]
+            assert why is not None and "'gloo'" in why and "NCCL" in why, got

@@ -71,6 +71,14 @@ def test_cpu_mode_passes_every_check(monkeypatch, capsys):
     assert "  TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES: " in out
     assert "== world of 2 ranks (cpu)" in out
     assert "cuBLAS timing skipped: --device cpu" in out
+    # The capture rows: every backend's MLP step through the eager stand-in, replays checked.
+    capture = out[out.index("== a TP MLP step captured and replayed") :]
+    for label in ("symm", "reference", "pipelined", "auto"):
+        (line,) = [line for line in capture.splitlines() if line.startswith(f"{label} ")]
+        assert " ok " in line and "eager stand-in on cpu" in line, line
+        assert "/3 " in line and " 3/3 " in line, line  # every replay equal, bit for bit
+        if label != "auto":
+            assert f" 4 on {label} " in line, line
     assert f"torch {torch.__version__}" in out
     assert out.rstrip().endswith("PASS: every check passed")
 
@@ -78,7 +86,7 @@ def test_cpu_mode_passes_every_check(monkeypatch, capsys):
 def test_a_wrong_result_is_reported_as_fail():
     env = {**os.environ, "PYTHONPATH": str(ROOT), gc.FAULT_ENV: "pipelined"}
     cmd = [sys.executable, "-m", "tp_kernels.bench.gpu_check", *QUICK_CPU]
-    cmd += ["--backends", "pipelined", "symm", "--dtypes", "bf16"]
+    cmd += ["--backends", "pipelined", "symm", "--dtypes", "bf16", "--skip-capture"]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
     out = proc.stdout
     assert proc.returncode == 1, out + proc.stderr
@@ -124,7 +132,7 @@ class _WorldWithBrokenTriton:
 def test_a_backend_that_raises_fails_its_row_and_skips_the_rest(monkeypatch, capsys):
     monkeypatch.setattr(gc, "LocalWorld", _WorldWithBrokenTriton)
     monkeypatch.delenv(gc.FAULT_ENV, raising=False)
-    assert gc.main([*QUICK_CPU, "--dtypes", "fp32", "bf16"]) == 1
+    assert gc.main([*QUICK_CPU, "--dtypes", "fp32", "bf16", "--skip-capture"]) == 1
     out = capsys.readouterr().out
     rows = _table_rows(out)
     first = rows[(gc.TRITON_LABEL, gc.AG, "fp32")]
@@ -397,3 +405,31 @@ def test_a_calibration_that_raises_is_a_failed_check_not_a_crash(monkeypatch, ca
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     assert gc.calibrate_cost_model(quick=True) is False
     assert "FAIL: the calibration raised RuntimeError: no CUDA here" in capsys.readouterr().out
+
+
+def _replay_that_ignores_its_inputs(backend: str) -> list:
+    """One capture row's rank part, with a "graph" whose replay does nothing."""
+    from tp_kernels.bench import capture_check
+
+    task = capture_check.CaptureTask(
+        backend, "fp32", "cpu", 2, 4, 16, 24, replays=3, timed=1, floor=gc.FLOOR[torch.float32]
+    )
+    replay = capture_check._EagerStandIn.replay
+    capture_check._EagerStandIn.replay = lambda self: None
+    try:
+        return [task, capture_check.capture_rank(task)]
+    finally:
+        capture_check._EagerStandIn.replay = replay
+
+
+def test_a_replay_that_ignores_its_new_inputs_fails_its_capture_row(worlds):
+    """The capture rows' check can fail: a replay that recomputes nothing returns the previous
+    results, which differ from the eager step on the new inputs."""
+    from tp_kernels.bench import capture_check
+
+    results = worlds(2).run(_replay_that_ignores_its_inputs, "reference")
+    task = results[0][0]
+    row = capture_check._verdict(task, [r[1] for r in results], "cpu")
+    assert row.result == "FAIL", row
+    assert "a replay differs from its eager step" in row.detail, row
+    assert "2 replays returned the previous replay's y" in row.detail, row

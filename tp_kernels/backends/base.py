@@ -90,8 +90,18 @@ class Backend(ABC):
         """``None`` when a call needing ``need`` on ``group`` can be captured in a CUDA graph now,
         without allocating outside the stream's order, growing a workspace or agreeing with its
         peers; else why not, naming the bytes needed and how to reserve them. A backend with no
-        state of its own (its collectives are NCCL's, which capture) needs nothing."""
-        return None
+        state of its own needs nothing more than collectives a graph can hold: NCCL's are
+        stream work and capture; gloo's run on the host (a CUDA tensor goes through a host copy
+        and a synchronization), so no call on a gloo group of CUDA tensors is capturable."""
+        if device.type != "cuda" or group.size() == 1:
+            return None
+        collectives = group._get_backend(device).name()
+        if collectives == "nccl":
+            return None
+        return (
+            f"its collectives on {device.type} run on the group's {collectives!r} backend, "
+            "which works on the host: only NCCL's collectives can be captured"
+        )
 
     def reserve(self, group: dist.ProcessGroup, device: torch.device, nbytes: int) -> None:
         """Make, outside capture, every workspace and state this backend would need for calls on

@@ -123,6 +123,7 @@ import torch
 import torch.distributed as dist
 
 from tp_kernels import cost, signals
+from tp_kernels.bench import capture_check
 from tp_kernels.bench.protocol import DTYPES, render_table
 from tp_kernels.testing import LocalWorld, RankError
 
@@ -753,6 +754,32 @@ def _backend_rows(world: LocalWorld, label: str, cases: dict, args: argparse.Nam
     return rows
 
 
+def check_capture_rows(args: argparse.Namespace) -> list[str]:
+    """The capture rows (:mod:`tp_kernels.bench.capture_check`) with 2 ranks; what failed."""
+    world_size = 2
+    env = _rank_env(args.device, args.symm_timeout_s, args.cuda_max_connections)
+    if args.device == "cuda":
+        env["TP_KERNELS_SHARED_DEVICE_RANKS"] = str(world_size)
+    print(
+        f"\n== a TP MLP step captured and replayed, world of {world_size} ranks "
+        f"({'cuda:0, shared' if args.device == 'cuda' else 'cpu: an eager stand-in'})",
+        flush=True,
+    )
+    started = time.perf_counter()
+    rows = capture_check.check_capture(
+        world_size,
+        device=args.device,
+        env=env,
+        timeout_s=args.timeout_s,
+        floors={name: FLOOR[dtype] for name, dtype in DTYPES.items()},
+        backends=args.backends,
+        quick=args.quick,
+    )
+    print(f"({time.perf_counter() - started:.0f} s)")
+    print(capture_check.render(rows), flush=True)
+    return [f"capture: {row.label}: {row.detail}" for row in rows if row.failed]
+
+
 def time_gemms(quick: bool) -> bool:
     """The tile GEMMs against cuBLAS, by :func:`tp_kernels.bench.gpu_kernels.main`; True if its
     checks passed."""
@@ -1057,6 +1084,16 @@ def _parser() -> argparse.ArgumentParser:
         help="leave out the tile-GEMM timing and the calibration",
     )
     p.add_argument(
+        "--skip-capture",
+        action="store_true",
+        help="leave out the capture rows (a TP MLP step captured and replayed, 2 ranks)",
+    )
+    p.add_argument(
+        "--capture-only",
+        action="store_true",
+        help="run only the capture rows (no per-op worlds, no timing)",
+    )
+    p.add_argument(
         "--timeout-s",
         type=_seconds,
         default=120.0,
@@ -1114,7 +1151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     print_first_contact_facts(args.device, args.symm_timeout_s, args.cuda_max_connections)
     failed: list[str] = []
-    for world_size in args.worlds:
+    for world_size in [] if args.capture_only else args.worlds:
         started = time.perf_counter()
         rows = check_world(world_size, args)
         where = "cuda:0, shared" if args.device == "cuda" else "cpu"
@@ -1126,7 +1163,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             if row.failed:
                 failed.append(f"world {world_size}: {row.label} {row.op} {row.dtype}")
         sys.stdout.flush()
-    if args.device == "cpu":
+    if not args.skip_capture:
+        failed += check_capture_rows(args)
+    if args.capture_only:
+        pass
+    elif args.device == "cpu":
         print(
             "\ncuBLAS timing skipped: --device cpu has no cuBLAS and no GPU to time the "
             "tile GEMMs on"
@@ -1135,7 +1176,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\ncuBLAS timing skipped (--skip-timing)")
     elif not time_gemms(args.quick):
         failed.append("tile GEMM timing (gpu_kernels)")
-    if args.device == "cuda" and not args.skip_timing and not calibrate_cost_model(args.quick):
+    timing = args.device == "cuda" and not (args.skip_timing or args.capture_only)
+    if timing and not calibrate_cost_model(args.quick):
         failed.append("cost-model calibration")
     if failed:
         print(f"\nFAIL: {len(failed)} failed or skipped: " + "; ".join(failed))

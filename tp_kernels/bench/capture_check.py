@@ -1,0 +1,412 @@
+"""The capture rows of ``gpu_check``: a TP MLP step captured in a CUDA graph, replayed with new
+inputs against eager steps, and timed both ways.
+
+The step, on each of the ``W`` ranks of a world sharing one GPU (sequence parallel, as a
+colwise Linear feeding a rowwise one)::
+
+    x        [B, s, H]       this rank's rows of the sequence (leaf, requires grad)
+    w1       [H, F]          this rank's columns of the first Linear's weight, transposed
+    w2       [F, H]          this rank's rows of the second's
+    h        = all_gather_matmul(x, [w1], gather_dim=1)          [B, W*s, F]
+    y        = matmul_reduce_scatter(silu(h), w2, scatter_dim=1)  [B, s, H]
+    backward = y.backward(gy), gy [B, s, H]: dx, dw1, dw2
+
+Per backend (one row): three eager steps on a side stream (planning, ``auto``'s timing, the
+kernels' tuning, the workspaces), the step captured with ``torch.cuda.graph`` (the error mode
+torchtitan 0.3's ``CUDAGraphWrapper`` uses), then ``replays`` times: new ``x`` and ``gy`` drawn,
+one eager step on them, the same copied into the graph's input tensors and the graph replayed;
+``y``, ``dx``, ``dw1`` and ``dw2`` of the replay must equal the eager step's within the dtype's
+floor (times the largest ``|eager|``), and no replay may return the previous replay's ``y`` (a
+graph that ignored its new inputs). The op counters must see the captured step's four fused calls
+(both ops, forward and backward) on the backend (``auto``: on the one it took). Then ``timed`` eager
+steps and ``timed`` replays: the host's time per step (the Python that enqueues it) and the
+device's (CUDA events around it on the rank's stream; the ranks share the GPU, so each rank's
+device time includes the other's work running beside it), medians per rank, the slowest rank's.
+
+A backend that says it cannot be captured for the step (``Backend.capture_unready_reason`` after
+the eager steps: gloo's host-side collectives, say) gets an ``n/a`` row with its reason.
+
+On a CPU (``gpu_check --device cpu``) nothing can be captured: the same rows run with an eager
+stand-in for the graph (its "replay" runs the step again), which drives this module's code and
+every backend's eager step, and says so in every row; its times are host times.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tp_kernels.bench.protocol import DTYPES, render_table
+from tp_kernels.testing import LocalWorld, RankError
+
+__all__ = ["CaptureRow", "CaptureTask", "capture_rank", "check_capture", "render"]
+
+AG, RS = "all_gather_matmul", "matmul_reduce_scatter"
+FUSED_CALLS_PER_STEP = 4  # the forward's two, and the other op of each in backward
+LABELS = ("symm", "torch_symm_mem", "reference", "pipelined", "auto")
+WARMUP_STEPS = 3
+
+
+@dataclass(frozen=True)
+class CaptureTask:
+    """One row, run on every rank: the step's shapes (see the module docstring), the number of
+    checked replays and of timed steps, and the dtype's floor of the replay-vs-eager check."""
+
+    backend: str
+    dtype: str
+    device: str  # "cuda" (a CUDA graph) or "cpu" (the eager stand-in)
+    batch: int
+    rows: int  # s, this rank's rows of the sequence
+    hidden: int
+    ffn: int  # F, this rank's share of the intermediate size
+    replays: int
+    timed: int
+    floor: float
+    seed: int = 4321
+
+
+@dataclass
+class CaptureRank:
+    """One rank's findings on a row."""
+
+    unready: str | None  # why the backend cannot capture the step (the row is n/a), or None
+    diff: float  # the largest |replay - eager| / max|eager| over replays and results
+    bitwise: int  # replays whose four results equal the eager step's bit for bit
+    stale: int  # replays that returned the previous replay's y
+    captured_on: dict[str, int]  # fused calls counted while capturing, by backend
+    eager_host_us: float
+    eager_device_us: float
+    replay_host_us: float
+    replay_device_us: float
+
+
+def _rank_device(kind: str) -> torch.device:
+    if kind == "cuda":
+        torch.cuda.set_device(0)  # every rank shares the one GPU
+        return torch.device("cuda", 0)
+    return torch.device("cpu")
+
+
+def _draw(task: CaptureTask, salt: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """This rank's ``x`` and ``gy`` of draw ``salt``: fp32 on the CPU, rounded once to the dtype."""
+    gen = torch.Generator().manual_seed(task.seed + 1000 * salt + dist.get_rank())
+    shape = (task.batch, task.rows, task.hidden)
+    dtype = DTYPES[task.dtype]
+    return tuple(
+        (torch.randn(*shape, generator=gen) / 4).to(device=device, dtype=dtype) for _ in range(2)
+    )
+
+
+def _mlp_step(
+    x: torch.Tensor, gy: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, backend: str
+) -> torch.Tensor:
+    """The module docstring's step; returns ``y`` (the gradients land in ``.grad``)."""
+    import tp_kernels
+
+    group = dist.group.WORLD
+    _, (h,) = tp_kernels.all_gather_matmul(x, [w1], 1, group, backend=backend)
+    y = tp_kernels.matmul_reduce_scatter(F.silu(h), w2, 1, group, backend=backend)
+    y.backward(gy)
+    return y.detach()
+
+
+class _EagerStandIn:
+    """What a CPU has instead of a CUDA graph: "capturing" runs the step once and keeps it;
+    "replaying" runs it again, writing its results into the tensors the capture returned."""
+
+    def __init__(self, step: Callable[[], list[torch.Tensor]]) -> None:
+        self._step = step
+        self.outputs = step()
+
+    def replay(self) -> None:
+        results = self._step()
+        with torch.no_grad():
+            for kept, new in zip(self.outputs, results, strict=True):
+                kept.copy_(new)
+
+
+class _Graph:
+    """The step captured in a CUDA graph; :attr:`outputs` are the graph's result tensors."""
+
+    def __init__(self, step: Callable[[], list[torch.Tensor]]) -> None:
+        self._graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self._graph, capture_error_mode="thread_local"):
+            self.outputs = step()
+
+    def replay(self) -> None:
+        self._graph.replay()
+
+
+def _median_us(values: Sequence[float]) -> float:
+    return statistics.median(values) * 1e6
+
+
+def _time(fn: Callable[[], object], n: int, device: torch.device) -> tuple[float, float]:
+    """Medians of the host's and the device's time per call of ``fn``, in us. The ranks start
+    together (one barrier, outside the timed calls)."""
+    dist.barrier()
+    host: list[float] = []
+    if device.type != "cuda":
+        for _ in range(n):
+            started = time.perf_counter()
+            fn()
+            host.append(time.perf_counter() - started)
+        return _median_us(host), _median_us(host)
+    events = []
+    for _ in range(n):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        started = time.perf_counter()
+        fn()
+        host.append(time.perf_counter() - started)
+        end.record()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    device_s = [start.elapsed_time(end) / 1e3 for start, end in events]
+    return _median_us(host), _median_us(device_s)
+
+
+def _unavailable_reason(backend: str, device: torch.device) -> str | None:
+    """Why the backend cannot run the step on this world's group at all, or None."""
+    import tp_kernels
+    from tp_kernels.backends import get_backend
+
+    if backend == "auto":  # it takes whichever of the others can
+        return None
+    why = tp_kernels.available_backends(device).get(backend, "not registered")
+    if why != "ok":
+        return f"not available: {why}"
+    why = get_backend(backend).unavailable_reason(dist.group.WORLD, device)
+    return None if why is None else f"cannot run on this world's group: {why}"
+
+
+def _unready_reason(task: CaptureTask, device: torch.device, x: torch.Tensor) -> str | None:
+    """Why the backend cannot capture the step's calls now (after the eager steps), or None;
+    ``auto`` answers for itself inside the captured call."""
+    from tp_kernels.backends import get_backend
+    from tp_kernels.backends.base import CaptureNeed
+
+    if task.backend == "auto" or device.type != "cuda":
+        return None
+    group, impl = dist.group.WORLD, get_backend(task.backend)
+    world = group.size()
+    product = task.batch * world * task.rows * task.hidden * x.element_size()
+    needs = (
+        CaptureNeed(AG, x.nbytes, x.dtype),
+        CaptureNeed(RS, product, x.dtype),
+        CaptureNeed("all_gather", x.nbytes, x.dtype),
+    )
+    for need in needs:
+        why = impl.capture_unready_reason(group, device, need)
+        if why is not None:
+            return f"cannot be captured: {need.op}: {why}"
+    return None
+
+
+def capture_rank(task: CaptureTask) -> CaptureRank:
+    """Run one row on this rank (see the module docstring)."""
+    import tp_kernels
+
+    device = _rank_device(task.device)
+    unavailable = _unavailable_reason(task.backend, device)
+    if unavailable is not None:
+        return CaptureRank(unavailable, 0.0, 0, 0, {}, *(4 * [float("nan")]))
+    dtype = DTYPES[task.dtype]
+    gen = torch.Generator().manual_seed(task.seed + dist.get_rank())
+    weights = [
+        (torch.randn(*shape, generator=gen) / shape[0] ** 0.5).to(device=device, dtype=dtype)
+        for shape in ((task.hidden, task.ffn), (task.ffn, task.hidden))
+    ]
+    w1, w2 = (w.requires_grad_() for w in weights)
+    x_in, gy_in = _draw(task, 0, device)
+    x_in.requires_grad_()
+
+    def step() -> list[torch.Tensor]:
+        # Gradients are set, not accumulated: a captured backward writes them in place on replay.
+        x_in.grad = w1.grad = w2.grad = None
+        y = _mlp_step(x_in, gy_in, w1, w2, task.backend)
+        return [y, x_in.grad, w1.grad, w2.grad]
+
+    side = torch.cuda.Stream() if device.type == "cuda" else None
+    if side is not None:  # torch's rule for capturing autograd: warm up on a side stream
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_STEPS):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+    else:
+        for _ in range(WARMUP_STEPS):
+            step()
+    unready = _unready_reason(task, device, x_in)
+    if unready is not None:
+        return CaptureRank(unready, 0.0, 0, 0, {}, *(4 * [float("nan")]))
+    tp_kernels.reset_comm_stats()
+    graph = _Graph(step) if device.type == "cuda" else _EagerStandIn(step)
+    stats = tp_kernels.comm_stats()
+    captured_on = {
+        name: n for name in {key[2] for key in stats} if (n := _fused_calls(stats, name))
+    }
+
+    def eager(x: torch.Tensor, gy: torch.Tensor) -> list[torch.Tensor]:
+        x = x.detach().clone().requires_grad_()
+        w1.grad = w2.grad = None
+        y = _mlp_step(x, gy, w1, w2, task.backend)
+        return [y, x.grad, w1.grad, w2.grad]
+
+    diff, bitwise, stale, previous_y = 0.0, 0, 0, None
+    for i in range(1, task.replays + 1):
+        x, gy = _draw(task, i, device)
+        expected = eager(x, gy)
+        with torch.no_grad():
+            x_in.copy_(x)
+            gy_in.copy_(gy)
+        graph.replay()
+        got = graph.outputs
+        if previous_y is not None and torch.equal(got[0], previous_y):
+            stale += 1
+        previous_y = got[0].clone()
+        same = True
+        for g, e in zip(got, expected, strict=True):
+            scale = e.abs().max().float().clamp_min(torch.finfo(torch.float32).tiny)
+            diff = max(diff, ((g.float() - e.float()).abs().max() / scale).item())
+            same &= torch.equal(g, e)
+        bitwise += same
+
+    x, gy = _draw(task, 0, device)
+    eager_host, eager_device = _time(lambda: eager(x, gy), task.timed, device)
+    replay_host, replay_device = _time(graph.replay, task.timed, device)
+    if device.type == "cuda":
+        torch.cuda.synchronize()  # an asynchronous CUDA error fails this row, not the next
+    return CaptureRank(
+        None,
+        diff,
+        bitwise,
+        stale,
+        captured_on,
+        eager_host,
+        eager_device,
+        replay_host,
+        replay_device,
+    )
+
+
+def _fused_calls(stats, backend: str) -> int:
+    return sum(stats.total(kind=op, backend=backend) for op in (AG, RS))
+
+
+@dataclass
+class CaptureRow:
+    """One line of the capture table."""
+
+    label: str
+    result: str  # ok, FAIL, n/a
+    detail: str = ""
+    cells: tuple[str, ...] = ("-",) * 7
+
+    @property
+    def failed(self) -> bool:
+        return self.result == "FAIL"
+
+
+HEADER = (
+    "backend",
+    "captured calls",
+    "replay vs eager",
+    "bitwise",
+    "eager host us",
+    "eager device us",
+    "replay host us",
+    "replay device us",
+    "result",
+    "detail",
+)
+
+
+def _verdict(task: CaptureTask, results: list[CaptureRank], kind: str) -> CaptureRow:
+    unready = sorted({r.unready for r in results if r.unready is not None})
+    if unready:
+        return CaptureRow(task.backend, "n/a", "; ".join(unready))
+    problems = []
+    captured = [r.captured_on for r in results]
+    on = sorted({name for c in captured for name in c})
+    wanted = {task.backend} if task.backend != "auto" else set(on[:1])
+    if (
+        len(on) != 1
+        or set(on) != wanted
+        or any(sum(c.values()) != FUSED_CALLS_PER_STEP for c in captured)
+    ):
+        problems.append(
+            f"the op counters saw {captured} fused calls while capturing, expected "
+            f"{FUSED_CALLS_PER_STEP} on {task.backend if task.backend != 'auto' else 'one backend'}"
+        )
+    diff = max(r.diff for r in results)
+    if not diff <= task.floor:
+        problems.append(f"a replay differs from its eager step by {diff:.3g} > {task.floor:g}")
+    stale = max(r.stale for r in results)
+    if stale:
+        problems.append(f"{stale} replays returned the previous replay's y")
+    bitwise = min(r.bitwise for r in results)
+    cells = (
+        f"{sum(captured[0].values())} on {','.join(on) or '-'}",
+        f"{diff:.2g}",
+        f"{bitwise}/{task.replays}",
+        *(
+            f"{max(getattr(r, name) for r in results):.0f}"
+            for name in ("eager_host_us", "eager_device_us", "replay_host_us", "replay_device_us")
+        ),
+    )
+    detail = "; ".join(problems) or (
+        "eager stand-in on cpu: nothing captured, times are the host's" if kind == "cpu" else ""
+    )
+    return CaptureRow(task.backend, "FAIL" if problems else "ok", detail, cells)
+
+
+def render(rows: Sequence[CaptureRow]) -> str:
+    """The rows as a text table under :data:`HEADER`."""
+    cells = [(r.label, *r.cells, r.result, r.detail) for r in rows]
+    return render_table(HEADER, cells, left=1)
+
+
+def check_capture(
+    world_size: int,
+    *,
+    device: str,
+    env: dict[str, str],
+    timeout_s: float,
+    floors: dict[str, float],
+    backends: Sequence[str] | None = None,
+    quick: bool = False,
+) -> list[CaptureRow]:
+    """Every capture row (one per backend of :data:`LABELS`, or of ``backends``) in one world of
+    ``world_size`` local ranks on ``device`` with ``env``; ``floors`` maps a dtype's name to its
+    replay-vs-eager floor. A rank that raises fails its row; the world restarts for the next."""
+    if device == "cuda":
+        shape = {"batch": 2, "rows": 1024, "hidden": 2048, "ffn": 4096, "dtype": "bf16"}
+        counts = {"replays": 20, "timed": 10 if quick else 30}
+    else:
+        shape = {"batch": 2, "rows": 4, "hidden": 16, "ffn": 24, "dtype": "fp32"}
+        counts = {"replays": 3, "timed": 3}
+    rows: list[CaptureRow] = []
+    with LocalWorld(world_size, timeout_s=timeout_s, env=env) as world:
+        for label in LABELS:
+            if backends and label not in backends:
+                continue
+            task = CaptureTask(
+                label, device=device, floor=floors[shape["dtype"]], **shape, **counts
+            )
+            started = time.perf_counter()
+            try:
+                row = _verdict(task, world.run(capture_rank, task), device)
+            except RankError as exc:
+                lines = [line for line in str(exc).splitlines() if line.strip()]
+                row = CaptureRow(label, "FAIL", f"raised: {lines[-1] if lines else exc!r}")
+            seconds = time.perf_counter() - started
+            print(f"[capture, world {world_size}] {label}: {row.result} ({seconds:.0f} s)")
+            rows.append(row)
+    return rows
