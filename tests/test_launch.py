@@ -44,12 +44,14 @@ def test_failure_names_rank_and_traceback(worlds):
     assert worlds(2).run(_rank_and_sum) == [(0, 3.0), (1, 3.0)]
 
 
-def test_hang_hits_the_deadline():
+def test_hang_hits_the_deadline(capfd):
+    """A hung rank is stopped at the deadline, and prints its stack first (where it hung)."""
     with LocalWorld(2, timeout_s=30) as world:
         start = time.monotonic()
         with pytest.raises(RankError, match=r"ranks \[0\] gave no answer within 3 s \(hung\)"):
             world.run(_hang_on_rank_0, timeout_s=3)
         assert time.monotonic() - start < 20
+    assert "in _hang_on_rank_0" in capfd.readouterr().err
 
 
 def test_unpicklable_result_is_reported_at_once(worlds):

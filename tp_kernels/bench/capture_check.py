@@ -33,9 +33,16 @@ every backend's eager step, and says so in every row; its times are host times.
 
 from __future__ import annotations
 
+import contextlib
+import cProfile
+import dataclasses
+import io
+import math
+import pstats
 import statistics
 import time
-from collections.abc import Callable, Sequence
+import traceback
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -49,8 +56,10 @@ __all__ = ["CaptureRow", "CaptureTask", "capture_rank", "check_capture", "render
 
 AG, RS = "all_gather_matmul", "matmul_reduce_scatter"
 FUSED_CALLS_PER_STEP = 4  # the forward's two, and the other op of each in backward
-LABELS = ("symm", "torch_symm_mem", "reference", "pipelined", "auto")
+LOCAL = "local (no comm)"  # the step's matmuls alone: what the fused step's compute costs
+LABELS = (LOCAL, "symm", "torch_symm_mem", "reference", "pipelined", "auto")
 WARMUP_STEPS = 3
+PROFILE_ENTRIES = 18
 
 
 @dataclass(frozen=True)
@@ -69,21 +78,24 @@ class CaptureTask:
     timed: int
     floor: float
     seed: int = 4321
+    profile: bool = False  # rank 0 profiles its timed eager steps' Python (cProfile)
 
 
 @dataclass
 class CaptureRank:
     """One rank's findings on a row."""
 
-    unready: str | None  # why the backend cannot capture the step (the row is n/a), or None
-    diff: float  # the largest |replay - eager| / max|eager| over replays and results
-    bitwise: int  # replays whose four results equal the eager step's bit for bit
-    stale: int  # replays that returned the previous replay's y
-    captured_on: dict[str, int]  # fused calls counted while capturing, by backend
-    eager_host_us: float
-    eager_device_us: float
-    replay_host_us: float
-    replay_device_us: float
+    unready: str | None = None  # why the backend cannot capture the step (the row is n/a)
+    error: str = ""  # the traceback of a capture or replay that raised (after eager timing)
+    diff: float = 0.0  # the largest |replay - eager| / max|eager| over replays and results
+    bitwise: int = 0  # replays whose four results equal the eager step's bit for bit
+    stale: int = 0  # replays that returned the previous replay's y
+    captured_on: dict[str, int] = dataclasses.field(default_factory=dict)  # by backend
+    eager_host_us: float = math.nan
+    eager_device_us: float = math.nan
+    replay_host_us: float = math.nan
+    replay_device_us: float = math.nan
+    profile: str = ""  # rank 0's host profile of the timed eager steps (``profile``)
 
 
 def _rank_device(kind: str) -> torch.device:
@@ -106,12 +118,18 @@ def _draw(task: CaptureTask, salt: int, device: torch.device) -> tuple[torch.Ten
 def _mlp_step(
     x: torch.Tensor, gy: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, backend: str
 ) -> torch.Tensor:
-    """The module docstring's step; returns ``y`` (the gradients land in ``.grad``)."""
+    """The module docstring's step; returns ``y`` (the gradients land in ``.grad``). ``LOCAL``:
+    the same matmuls with no communication (the rank's shard repeated for the gathered rows, its
+    own slice of its partial product for the reduced one): the step's compute alone."""
     import tp_kernels
 
     group = dist.group.WORLD
-    _, (h,) = tp_kernels.all_gather_matmul(x, [w1], 1, group, backend=backend)
-    y = tp_kernels.matmul_reduce_scatter(F.silu(h), w2, 1, group, backend=backend)
+    if backend == LOCAL:
+        p = F.silu(x.repeat(1, group.size(), 1) @ w1) @ w2
+        y = p[:, : x.shape[1]]
+    else:
+        _, (h,) = tp_kernels.all_gather_matmul(x, [w1], 1, group, backend=backend)
+        y = tp_kernels.matmul_reduce_scatter(F.silu(h), w2, 1, group, backend=backend)
     y.backward(gy)
     return y.detach()
 
@@ -141,6 +159,24 @@ class _Graph:
 
     def replay(self) -> None:
         self._graph.replay()
+
+
+@contextlib.contextmanager
+def _profiled(on: bool) -> Iterator[Callable[[], str]]:
+    """With ``on``, cProfile the block; yields a function returning its top entries by own
+    time (the host's Python and the calls into torch, Triton and the driver it waits in)."""
+    profiler = cProfile.Profile() if on else None
+    text: list[str] = []
+    if profiler is not None:
+        profiler.enable()
+    try:
+        yield lambda: "".join(text)
+    finally:
+        if profiler is not None:
+            profiler.disable()
+            out = io.StringIO()
+            pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(PROFILE_ENTRIES)
+            text.append(out.getvalue())
 
 
 def _median_us(values: Sequence[float]) -> float:
@@ -177,7 +213,7 @@ def _unavailable_reason(backend: str, device: torch.device) -> str | None:
     import tp_kernels
     from tp_kernels.backends import get_backend
 
-    if backend == "auto":  # it takes whichever of the others can
+    if backend in ("auto", LOCAL):  # auto takes whichever of the others can
         return None
     why = tp_kernels.available_backends(device).get(backend, "not registered")
     if why != "ok":
@@ -192,7 +228,7 @@ def _unready_reason(task: CaptureTask, device: torch.device, x: torch.Tensor) ->
     from tp_kernels.backends import get_backend
     from tp_kernels.backends.base import CaptureNeed
 
-    if task.backend == "auto" or device.type != "cuda":
+    if task.backend in ("auto", LOCAL) or device.type != "cuda":
         return None
     group, impl = dist.group.WORLD, get_backend(task.backend)
     world = group.size()
@@ -211,12 +247,10 @@ def _unready_reason(task: CaptureTask, device: torch.device, x: torch.Tensor) ->
 
 def capture_rank(task: CaptureTask) -> CaptureRank:
     """Run one row on this rank (see the module docstring)."""
-    import tp_kernels
-
     device = _rank_device(task.device)
     unavailable = _unavailable_reason(task.backend, device)
     if unavailable is not None:
-        return CaptureRank(unavailable, 0.0, 0, 0, {}, *(4 * [float("nan")]))
+        return CaptureRank(unready=unavailable)
     dtype = DTYPES[task.dtype]
     gen = torch.Generator().manual_seed(task.seed + dist.get_rank())
     weights = [
@@ -233,33 +267,53 @@ def capture_rank(task: CaptureTask) -> CaptureRank:
         y = _mlp_step(x_in, gy_in, w1, w2, task.backend)
         return [y, x_in.grad, w1.grad, w2.grad]
 
-    side = torch.cuda.Stream() if device.type == "cuda" else None
-    if side is not None:  # torch's rule for capturing autograd: warm up on a side stream
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(WARMUP_STEPS):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
-    else:
-        for _ in range(WARMUP_STEPS):
-            step()
-    unready = _unready_reason(task, device, x_in)
-    if unready is not None:
-        return CaptureRank(unready, 0.0, 0, 0, {}, *(4 * [float("nan")]))
-    tp_kernels.reset_comm_stats()
-    graph = _Graph(step) if device.type == "cuda" else _EagerStandIn(step)
-    stats = tp_kernels.comm_stats()
-    captured_on = {
-        name: n for name in {key[2] for key in stats} if (n := _fused_calls(stats, name))
-    }
-
     def eager(x: torch.Tensor, gy: torch.Tensor) -> list[torch.Tensor]:
         x = x.detach().clone().requires_grad_()
         w1.grad = w2.grad = None
         y = _mlp_step(x, gy, w1, w2, task.backend)
         return [y, x.grad, w1.grad, w2.grad]
 
-    diff, bitwise, stale, previous_y = 0.0, 0, 0, None
+    side = torch.cuda.Stream() if device.type == "cuda" else None
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        if side is not None:  # torch's rule for capturing autograd: warm up on a side stream
+            side.wait_stream(torch.cuda.default_stream(device))
+        for _ in range(WARMUP_STEPS):
+            step()
+    if side is not None:
+        torch.cuda.default_stream(device).wait_stream(side)
+    unready = _unready_reason(task, device, x_in)
+    if unready is not None:
+        return CaptureRank(unready=unready)
+
+    found = CaptureRank()
+    x, gy = _draw(task, 0, device)
+    with _profiled(task.profile and dist.get_rank() == 0) as profile:
+        found.eager_host_us, found.eager_device_us = _time(lambda: eager(x, gy), task.timed, device)
+    found.profile = profile()
+    try:
+        _capture_and_replay(task, device, step, eager, (x_in, gy_in), found)
+    except Exception:
+        found.error = traceback.format_exc()
+    return found
+
+
+def _capture_and_replay(
+    task: CaptureTask,
+    device: torch.device,
+    step: Callable[[], list[torch.Tensor]],
+    eager: Callable[[torch.Tensor, torch.Tensor], list[torch.Tensor]],
+    inputs: tuple[torch.Tensor, torch.Tensor],
+    found: CaptureRank,
+) -> None:
+    """Capture ``step``, check ``task.replays`` replays against ``eager``, time the replays."""
+    import tp_kernels
+
+    tp_kernels.reset_comm_stats()
+    graph = _Graph(step) if device.type == "cuda" else _EagerStandIn(step)
+    stats = tp_kernels.comm_stats()
+    found.captured_on = {name: _fused_calls(stats, name) for name in {key[2] for key in stats}}
+    x_in, gy_in = inputs
+    previous_y = None
     for i in range(1, task.replays + 1):
         x, gy = _draw(task, i, device)
         expected = eager(x, gy)
@@ -269,31 +323,17 @@ def capture_rank(task: CaptureTask) -> CaptureRank:
         graph.replay()
         got = graph.outputs
         if previous_y is not None and torch.equal(got[0], previous_y):
-            stale += 1
+            found.stale += 1
         previous_y = got[0].clone()
         same = True
         for g, e in zip(got, expected, strict=True):
             scale = e.abs().max().float().clamp_min(torch.finfo(torch.float32).tiny)
-            diff = max(diff, ((g.float() - e.float()).abs().max() / scale).item())
+            found.diff = max(found.diff, ((g.float() - e.float()).abs().max() / scale).item())
             same &= torch.equal(g, e)
-        bitwise += same
-
-    x, gy = _draw(task, 0, device)
-    eager_host, eager_device = _time(lambda: eager(x, gy), task.timed, device)
-    replay_host, replay_device = _time(graph.replay, task.timed, device)
+        found.bitwise += same
+    found.replay_host_us, found.replay_device_us = _time(graph.replay, task.timed, device)
     if device.type == "cuda":
         torch.cuda.synchronize()  # an asynchronous CUDA error fails this row, not the next
-    return CaptureRank(
-        None,
-        diff,
-        bitwise,
-        stale,
-        captured_on,
-        eager_host,
-        eager_device,
-        replay_host,
-        replay_device,
-    )
 
 
 def _fused_calls(stats, backend: str) -> int:
@@ -302,12 +342,14 @@ def _fused_calls(stats, backend: str) -> int:
 
 @dataclass
 class CaptureRow:
-    """One line of the capture table."""
+    """One line of the capture table, and what is printed under it."""
 
     label: str
     result: str  # ok, FAIL, n/a
     detail: str = ""
     cells: tuple[str, ...] = ("-",) * 7
+    failure: str = ""  # the rank's traceback of a FAIL
+    profile: str = ""  # rank 0's host profile, when asked for
 
     @property
     def failed(self) -> bool:
@@ -326,51 +368,81 @@ HEADER = (
     "result",
     "detail",
 )
+TIMES = ("eager_host_us", "eager_device_us", "replay_host_us", "replay_device_us")
+
+
+def _calls_problem(task: CaptureTask, captured: list[dict[str, int]]) -> str:
+    """What is wrong with the fused calls counted while capturing, or ``""``: the step's four
+    on the backend (``auto``: on one backend; ``LOCAL``: none)."""
+    on = sorted({name for c in captured for name in c if c[name]})
+    want = 0 if task.backend == LOCAL else FUSED_CALLS_PER_STEP
+    backend_ok = (
+        not on if task.backend == LOCAL else (len(on) == 1 and task.backend in ("auto", on[0]))
+    )
+    if backend_ok and all(sum(c.values()) == want for c in captured):
+        return ""
+    return f"the op counters saw {captured} fused calls while capturing, expected {want}"
 
 
 def _verdict(task: CaptureTask, results: list[CaptureRank], kind: str) -> CaptureRow:
     unready = sorted({r.unready for r in results if r.unready is not None})
     if unready:
         return CaptureRow(task.backend, "n/a", "; ".join(unready))
-    problems = []
-    captured = [r.captured_on for r in results]
-    on = sorted({name for c in captured for name in c})
-    wanted = {task.backend} if task.backend != "auto" else set(on[:1])
-    if (
-        len(on) != 1
-        or set(on) != wanted
-        or any(sum(c.values()) != FUSED_CALLS_PER_STEP for c in captured)
-    ):
-        problems.append(
-            f"the op counters saw {captured} fused calls while capturing, expected "
-            f"{FUSED_CALLS_PER_STEP} on {task.backend if task.backend != 'auto' else 'one backend'}"
+    times = [f"{max(getattr(r, name) for r in results):.0f}" for name in TIMES]
+    errors = [r.error for r in results if r.error]
+    if errors:
+        last = errors[0].strip().splitlines()[-1]
+        return CaptureRow(
+            task.backend,
+            "FAIL",
+            f"capture or replay raised: {last}",
+            ("-", "-", "-", *times),
+            failure=errors[0],
+            profile=results[0].profile,
         )
+    problems = [p for p in [_calls_problem(task, [r.captured_on for r in results])] if p]
     diff = max(r.diff for r in results)
     if not diff <= task.floor:
         problems.append(f"a replay differs from its eager step by {diff:.3g} > {task.floor:g}")
     stale = max(r.stale for r in results)
     if stale:
         problems.append(f"{stale} replays returned the previous replay's y")
-    bitwise = min(r.bitwise for r in results)
+    calls = results[0].captured_on
     cells = (
-        f"{sum(captured[0].values())} on {','.join(on) or '-'}",
+        f"{sum(calls.values())} on {','.join(n for n in sorted(calls) if calls[n]) or '-'}",
         f"{diff:.2g}",
-        f"{bitwise}/{task.replays}",
-        *(
-            f"{max(getattr(r, name) for r in results):.0f}"
-            for name in ("eager_host_us", "eager_device_us", "replay_host_us", "replay_device_us")
-        ),
+        f"{min(r.bitwise for r in results)}/{task.replays}",
+        *times,
     )
     detail = "; ".join(problems) or (
         "eager stand-in on cpu: nothing captured, times are the host's" if kind == "cpu" else ""
     )
-    return CaptureRow(task.backend, "FAIL" if problems else "ok", detail, cells)
+    return CaptureRow(
+        task.backend,
+        "FAIL" if problems else "ok",
+        detail,
+        cells,
+        failure=detail if problems else "",
+        profile=results[0].profile,
+    )
 
 
 def render(rows: Sequence[CaptureRow]) -> str:
-    """The rows as a text table under :data:`HEADER`."""
-    cells = [(r.label, *r.cells, r.result, r.detail) for r in rows]
-    return render_table(HEADER, cells, left=1)
+    """The rows as a text table under :data:`HEADER`, then each FAIL's story and each host
+    profile."""
+    cells = [(r.label, *r.cells, r.result, r.detail[:160]) for r in rows]
+    text = [render_table(HEADER, cells, left=1)]
+    for row in rows:
+        if row.failure:
+            text.append(f"\n  FAIL {row.label}:\n" + _indent(row.failure.strip()))
+        if row.profile:
+            text.append(f"\n  host profile of {row.label}'s eager steps, rank 0:\n")
+            text.append(_indent(row.profile.strip()))
+    return "\n".join(text)
+
+
+def _indent(text: str, lines: int = 40) -> str:
+    return "\n".join("    " + line for line in text.splitlines()[-lines:])
 
 
 def check_capture(
@@ -382,10 +454,12 @@ def check_capture(
     floors: dict[str, float],
     backends: Sequence[str] | None = None,
     quick: bool = False,
+    profile: bool = False,
 ) -> list[CaptureRow]:
-    """Every capture row (one per backend of :data:`LABELS`, or of ``backends``) in one world of
+    """Every capture row (one per label of :data:`LABELS`, or of ``backends``) in one world of
     ``world_size`` local ranks on ``device`` with ``env``; ``floors`` maps a dtype's name to its
-    replay-vs-eager floor. A rank that raises fails its row; the world restarts for the next."""
+    replay-vs-eager floor; ``profile`` adds rank 0's host profile of the eager steps. A rank that
+    raises outside the capture fails its row; the world restarts for the next."""
     if device == "cuda":
         shape = {"batch": 2, "rows": 1024, "hidden": 2048, "ffn": 4096, "dtype": "bf16"}
         counts = {"replays": 20, "timed": 10 if quick else 30}
@@ -395,17 +469,25 @@ def check_capture(
     rows: list[CaptureRow] = []
     with LocalWorld(world_size, timeout_s=timeout_s, env=env) as world:
         for label in LABELS:
-            if backends and label not in backends:
+            if backends and label not in backends and label != LOCAL:
                 continue
             task = CaptureTask(
-                label, device=device, floor=floors[shape["dtype"]], **shape, **counts
+                label,
+                device=device,
+                floor=floors[shape["dtype"]],
+                profile=profile,
+                **shape,
+                **counts,
             )
             started = time.perf_counter()
             try:
                 row = _verdict(task, world.run(capture_rank, task), device)
             except RankError as exc:
                 lines = [line for line in str(exc).splitlines() if line.strip()]
-                row = CaptureRow(label, "FAIL", f"raised: {lines[-1] if lines else exc!r}")
+                last = lines[-1] if lines else repr(exc)
+                row = CaptureRow(label, "FAIL", f"raised: {last}", failure=str(exc))
+            if row.failure:
+                world.close()  # a failed capture can leave a rank's CUDA state unusable
             seconds = time.perf_counter() - started
             print(f"[capture, world {world_size}] {label}: {row.result} ({seconds:.0f} s)")
             rows.append(row)

@@ -774,6 +774,7 @@ def check_capture_rows(args: argparse.Namespace) -> list[str]:
         floors={name: FLOOR[dtype] for name, dtype in DTYPES.items()},
         backends=args.backends,
         quick=args.quick,
+        profile=args.host_profile,
     )
     print(f"({time.perf_counter() - started:.0f} s)")
     print(capture_check.render(rows), flush=True)
@@ -1092,6 +1093,12 @@ def _parser() -> argparse.ArgumentParser:
         "--capture-only",
         action="store_true",
         help="run only the capture rows (no per-op worlds, no timing)",
+    )
+    p.add_argument(
+        "--host-profile",
+        action="store_true",
+        help="print rank 0's cProfile of each capture row's eager steps (where the host's time "
+        "per step goes)",
     )
     p.add_argument(
         "--timeout-s",

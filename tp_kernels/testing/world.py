@@ -13,10 +13,13 @@ whole world is torn down, since its process group can no longer be trusted, and 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import faulthandler
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -48,6 +51,9 @@ def _worker(
     tasks: mp.Queue,
     results: mp.Queue,
 ) -> None:
+    # A rank that hangs prints every thread's stack on SIGUSR1, which _fail sends before it
+    # stops the world: the one clue to where a hang was.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -240,6 +246,12 @@ class LocalWorld:
         dead: list[int],
         timeout_s: float,
     ) -> None:
+        hung = [r for r in missing if r not in errors and r not in dead]
+        for rank in hung:
+            with contextlib.suppress(Exception):
+                os.kill(self._procs[rank].pid, signal.SIGUSR1)
+        if hung:
+            time.sleep(1.0)  # for the stacks to be written
         self.close()
         parts = [f"{what} failed in a local world of {self.world_size} ranks"]
         for rank in sorted(errors):
@@ -247,14 +259,16 @@ class LocalWorld:
         silent = [r for r in missing if r not in errors]
         if silent:
             crashed = [r for r in silent if r in dead]
-            hung = [r for r in silent if r not in dead]
             if crashed:
                 parts.append(
                     f"--- ranks {crashed} exited without answering (a crash: see their "
                     f"stderr above)"
                 )
             if hung:
-                parts.append(f"--- ranks {hung} gave no answer within {timeout_s:.0f} s (hung)")
+                parts.append(
+                    f"--- ranks {hung} gave no answer within {timeout_s:.0f} s (hung): their "
+                    "stacks are in stderr above"
+                )
         raise RankError("\n".join(parts))
 
     def close(self) -> None:
