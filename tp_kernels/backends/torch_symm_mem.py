@@ -319,7 +319,14 @@ class TorchSymmMemBackend(Backend):
     def capture_unready_reason(
         self, group: dist.ProcessGroup, device: torch.device, need: CaptureNeed
     ) -> str | None:
-        return None if group.size() == 1 else _workspace_short_reason(group, need)
+        if group.size() == 1:
+            return None
+        if need.op == "all_gather":
+            # The backward's re-gather is the group's own collective, not torch's fused op:
+            # capturable where the group's collectives are (NCCL), not on a gloo group of CUDA
+            # tensors (on one H200 such a capture was invalidated mid-backward).
+            return super().capture_unready_reason(group, device, need)
+        return _workspace_short_reason(group, need)
 
     def reserve(self, group: dist.ProcessGroup, device: torch.device, nbytes: int) -> None:
         """Grow torch's workspace of ``group`` to what calls of up to ``nbytes`` ask for: the
