@@ -28,9 +28,15 @@ What runs (``--device cuda``, the default, on a machine with one GPU):
    ``reduce_op="avg"``. Shapes shrink and grow again, so symm's workspace grows between calls;
    each call is 2 fused calls (forward, then the other op in backward), so symm runs 60
    consecutive calls per world (36 with ``--quick``), alternating its two buffer halves.
-3. The tile-GEMM timing: :func:`tp_kernels.bench.gpu_kernels.main` at M=8192 N=3584 K=8192 bf16,
+3. The capture rows (:mod:`tp_kernels.bench.capture_check`; ``--skip-capture`` leaves them out,
+   ``--capture-only`` runs nothing else): with 2 ranks, a TP MLP step per backend captured in a
+   CUDA graph after three eager steps, replayed 20 times with new inputs against eager steps on
+   the same inputs, and timed both ways (host and device time per step); a ``local (no comm)``
+   row times the step's matmuls alone; ``--host-profile`` prints rank 0's cProfile of each
+   row's eager steps. On ``--device cpu`` an eager stand-in takes the graph's place.
+4. The tile-GEMM timing: :func:`tp_kernels.bench.gpu_kernels.main` at M=8192 N=3584 K=8192 bf16,
    in this process once the worlds are gone (``--skip-timing`` leaves it out).
-4. The cost model's calibration (:func:`calibrate_cost_model`; ``--skip-timing`` leaves it out
+5. The cost model's calibration (:func:`calibrate_cost_model`; ``--skip-timing`` leaves it out
    too), timed on the device by events: device-to-device copies of chunk sizes, and at the Llama
    shapes (:data:`CALIBRATION_GEMMS`) the all-gather's consumer kernel
    (:func:`tp_kernels.kernels.ag_matmul_consumer`) launched as rank 0 of 8 with every progress
@@ -81,17 +87,16 @@ is set for those rows); tiny shapes, the interpreter is slow. The cuBLAS timing 
 line saying why. Without CUDA and without ``--device cpu`` it says there is no CUDA device and
 exits 0.
 
-Expected time. One H200 (estimates, not measured yet: this was written on a machine without a GPU):
-starting a world ~10 s; the symm rows compile and autotune the Triton kernels (~1-2 min over the
-2-rank world's six symm rows, little in the 4-rank world, whose ranks find Triton's cache filled);
-every other row takes about a second; the timing ~30-60 s (compiling and autotuning included);
-the calibration ~20-60 s (compiling the consumer for a Linear's transposed weight and autotuning
-it at four shapes; the timed runs ~1 s): 3-6 minutes in all, plus up to one deadline per world for
-each backend that hangs. ``--quick`` runs 3 calls per row instead of 5, 10 timed GEMM calls
-instead of 50 and 5 timed calibration runs instead of 20; ``--worlds 2`` and ``--dtypes`` trim
-further. ``--device cpu`` on 2 cores (measured, on a shared machine): 1.3-2.3 min in all, of
-which the 2-rank world 24-39 s and the 4-rank world 52-95 s (starting it ~17 s; each interpreted
-Triton row 2-8 s); ``--quick --worlds 2`` 30-40 s.
+Expected time. On one H200 (measured 2026-12-04, benchmarks/README.md): the 2-rank world with
+``--quick --dtypes bf16 fp32`` took 195 s, of which symm's first bf16 row 48 s (compiling and
+autotuning) and its fp32 row its whole 120 s deadline (fp32 autotuning alone takes ~35 s per key);
+other rows under 10 s; the capture rows about a minute; the bf16 tile-GEMM check 6 s. Not measured
+yet: the 4-rank world, the calibration, a full run (estimate: 5-10 minutes, plus up to one deadline
+per world for each backend that hangs). ``--quick`` runs 3 calls per row instead of 5, 10 timed GEMM
+calls instead of 50 and 5 timed calibration runs instead of 20; ``--worlds 2`` and ``--dtypes`` trim
+further. ``--device cpu`` on 2 cores (measured, on a shared machine): 1.3-2.3 min in all, of which
+the 2-rank world 24-39 s and the 4-rank world 52-95 s (starting it ~17 s; each interpreted Triton
+row 2-8 s); ``--quick --worlds 2`` 30-40 s.
 
 ``--cuda-max-connections 1`` (worth a second run on first contact, ``--backends symm --worlds
 2 --skip-timing``, about a minute) gives the ranks ``CUDA_DEVICE_MAX_CONNECTIONS=1``, as
