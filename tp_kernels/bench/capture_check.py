@@ -19,9 +19,10 @@ one eager step on them, the same copied into the graph's input tensors and the g
 floor (times the largest ``|eager|``), and no replay may return the previous replay's ``y`` (a
 graph that ignored its new inputs). The op counters must see the captured step's four fused calls
 (both ops, forward and backward) on the backend (``auto``: on the one it took). Then ``timed`` eager
-steps and ``timed`` replays: the host's time per step (the Python that enqueues it) and the
-device's (CUDA events around it on the rank's stream; the ranks share the GPU, so each rank's
-device time includes the other's work running beside it), medians per rank, the slowest rank's.
+steps and ``timed`` replays: the host's time per step (the Python that enqueues it, from an idle
+device) and the device's (back to back, CUDA events around each step on the rank's stream; the
+ranks share the GPU, so each rank's device time includes the other's work and, as separate
+processes, the GPU's time slicing between them), medians per rank, the slowest rank's.
 
 A backend that says it cannot be captured for the step (``Backend.capture_unready_reason`` after
 the eager steps: gloo's host-side collectives, say) gets an ``n/a`` row with its reason.
@@ -184,23 +185,28 @@ def _median_us(values: Sequence[float]) -> float:
 
 
 def _time(fn: Callable[[], object], n: int, device: torch.device) -> tuple[float, float]:
-    """Medians of the host's and the device's time per call of ``fn``, in us. The ranks start
-    together (one barrier, outside the timed calls)."""
-    dist.barrier()
+    """Medians, in us, of the host's time per call of ``fn`` and of the device's. Host: ``n``
+    calls, each from an idle device (synchronized first, outside the time), so that a full launch
+    queue never blocks the host inside a call. Device: ``n`` calls back to back, as training runs
+    them, each between CUDA events on the rank's stream. The ranks start each loop together (a
+    barrier)."""
     host: list[float] = []
+    dist.barrier()
+    for _ in range(n):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        fn()
+        host.append(time.perf_counter() - started)
     if device.type != "cuda":
-        for _ in range(n):
-            started = time.perf_counter()
-            fn()
-            host.append(time.perf_counter() - started)
         return _median_us(host), _median_us(host)
+    torch.cuda.synchronize()
+    dist.barrier()
     events = []
     for _ in range(n):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        started = time.perf_counter()
         fn()
-        host.append(time.perf_counter() - started)
         end.record()
         events.append((start, end))
     torch.cuda.synchronize()
