@@ -31,8 +31,9 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
-from _numerics import FLOOR
 from torch.distributed.tensor import DTensor
+
+from tp_kernels.testing.numerics import FLOOR
 
 __all__ = ["EXACT", "Tol", "TruthError", "compare", "kind", "truth_error"]
 

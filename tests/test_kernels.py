@@ -21,10 +21,10 @@ import time  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from _numerics import check_close  # noqa: E402
 
 from tp_kernels import kernels, signals  # noqa: E402
 from tp_kernels.backends import symm_gather, symm_scatter  # noqa: E402
+from tp_kernels.testing.numerics import check_close  # noqa: E402
 
 
 def _require_interpreter() -> None:

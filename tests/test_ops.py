@@ -15,12 +15,12 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from _numerics import check_close
 
 import tp_kernels as tpk
 from tp_kernels import backends, config
 from tp_kernels.backends import auto, current_backend, pipelined
 from tp_kernels.ops._checks import check_all_gather_matmul, check_matmul_reduce_scatter
+from tp_kernels.testing.numerics import check_close
 
 BACKENDS = ("reference", "pipelined", "symm")
 DTYPES = (torch.float64, torch.float32, torch.bfloat16)

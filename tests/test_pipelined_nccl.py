@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from _fused_runs import ag_data, ag_run, rs_data, rs_run
-from _numerics import assert_no_failures, check_close
 
 from tp_kernels.backends import pipelined
+from tp_kernels.testing.numerics import assert_no_failures, check_close
 
 # ---------------------------------------------------------------- NCCL's contract, on gloo
 

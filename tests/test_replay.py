@@ -21,12 +21,12 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from _numerics import check_close  # noqa: E402
 from _replay import Recorder  # noqa: E402
 
 from tp_kernels import config  # noqa: E402
 from tp_kernels.backends import symm as symm_backend  # noqa: E402
 from tp_kernels.ops import _compute  # noqa: E402
+from tp_kernels.testing.numerics import check_close  # noqa: E402
 
 # Tokens per rank, model width, hidden width per rank: tiny and uneven.
 M, D, F = 5, 12, 7

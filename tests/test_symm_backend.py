@@ -24,12 +24,12 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from _numerics import check_close  # noqa: E402
 
 from tp_kernels import config, symmetric_memory  # noqa: E402
 from tp_kernels.backends import pipelined  # noqa: E402
 from tp_kernels.backends import symm as symm_backend  # noqa: E402
 from tp_kernels.testing import LocalWorld, RankError  # noqa: E402
+from tp_kernels.testing.numerics import check_close  # noqa: E402
 
 BACKEND = symm_backend.BACKEND
 NAN = float("nan")

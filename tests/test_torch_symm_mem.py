@@ -20,13 +20,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed._symmetric_memory  # noqa: F401  (defines torch.ops.symm_mem.*)
 from _fused_runs import ag_data, ag_run, rs_data, rs_run
-from _numerics import assert_no_failures, check_close
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 import tp_kernels as tpk
 from tp_kernels import backends, symmetric_memory
 from tp_kernels._compat import all_gather_single, reduce_scatter_single
 from tp_kernels.backends import auto, base, torch_symm_mem
+from tp_kernels.testing.numerics import assert_no_failures, check_close
 
 NAME = "torch_symm_mem"
 

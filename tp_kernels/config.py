@@ -27,9 +27,10 @@ together. ``Setting.reset()`` forgets the override and the value read (for tests
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
 __all__ = [
@@ -91,6 +92,19 @@ class Setting(Generic[T]):
         global _generation
         self._override = self._read = _UNSET
         _generation += 1
+
+    @contextlib.contextmanager
+    def overriding(self, value: T, *, argument: str = "value") -> Iterator[None]:
+        """:meth:`set` for the block; then the setting is what it was before (an override, or the
+        environment's value)."""
+        global _generation
+        saved = self._override
+        self.set(value, argument=argument)
+        try:
+            yield
+        finally:
+            self._override = saved
+            _generation += 1
 
     def __repr__(self) -> str:
         return f"Setting({self.env}={self.get()!r})"

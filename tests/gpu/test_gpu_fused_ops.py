@@ -37,9 +37,9 @@ from collections.abc import Callable, Sequence
 
 import pytest
 import torch
-from _numerics import check_close, floors_for
 
 import tp_kernels as tpk
+from tp_kernels.testing.numerics import check_close, floors_for
 
 pytestmark = pytest.mark.gpu
 

@@ -60,14 +60,10 @@ seed (on the CPU, in fp32, rounded once to the dtype), so each rank rebuilds eve
   bias``, ``grad a_r = (G @ b^T)[.., K_r]``, ``grad b_r = (a^T G)[K_r]`` (both ``/ W`` for avg),
   ``grad bias = G`` summed over all its rows.
 
-Each result is compared with the same formula in float64 on the rank (the truth). Tolerance, the
-rule of the fused-op tests (tests/_numerics.py), per result: ``2 * max|ref - truth| + FLOOR[dtype]
-* max|mag|``, where ``ref`` is the same formula computed on one device in the dtype (its own
-rounding, doubled: the fused path may err as much, the other way) and ``mag`` is the formula on
-absolute values (the size of the terms summed, which bounds every rounding of a sum, even where
-the terms cancel). See :data:`FLOOR` for why each floor; ``torch_symm_mem`` rows use the wider
-:data:`TORCH_SYMM_MEM_FLOOR` (its backward's addend is reduced outside torch's op, in the
-dtype). The table shows, per row, the largest ``max|got - truth| / tolerance`` over every
+Each result is compared with the same formula in float64 on the rank (the truth), by the rule of
+the fused-op tests (:mod:`tp_kernels.testing.numerics`, which argues each dtype's floor;
+``torch_symm_mem`` rows get its wider floors: its backward's addend is reduced outside torch's op,
+in the dtype). The table shows, per row, the largest ``max|got - truth| / tolerance`` over every
 result, call and rank; a row passes when it is at most 1, nothing had the wrong shape or dtype,
 and the op counters (:func:`tp_kernels.comm_stats`) saw exactly 2 fused calls per call on that
 backend.
@@ -82,8 +78,9 @@ collective costs the whole deadline (the survivor is only stopped then).
 ``--device cpu`` (no GPU needed) runs what can run on a CPU: the same worlds of gloo ranks on CPU
 tensors, every backend that is available there, and symm twice: on its default torch path, and as
 ``symm[triton]`` on its Triton path in Triton's interpreter (the ranks' environment has
-``TRITON_INTERPRET=1`` from the start, before Triton is imported, and ``TP_KERNELS_SYMM_TRITON=1``
-is set for those rows); tiny shapes, the interpreter is slow. The cuBLAS timing is skipped with a
+``TRITON_INTERPRET=1`` from the start, before Triton is imported, and
+``config.SYMM_TRITON`` is overridden for those rows: a row of a path that cannot run says why and
+fails); tiny shapes, the interpreter is slow. The cuBLAS timing is skipped with a
 line saying why. Without CUDA and without ``--device cpu`` it says there is no CUDA device and
 exits 0.
 
@@ -105,11 +102,6 @@ stream wait enqueued ahead of the work it waits for (the reduce-scatter pusher's
 ``cuStreamWaitValue32`` before its producer) would never end.
 
 Exit status: 0 when every check passes, 1 when one fails, 2 for bad arguments.
-
-Test hook: ``TP_KERNELS_GPU_CHECK_FAULT=<backend>`` (e.g. ``pipelined`` or ``symm[triton]``) makes
-that backend's ``all_gather_matmul`` add 1000 to the first element of its first output, in every
-rank, for the rows of that backend; every check that sees that output must then FAIL (the header
-says when the hook is on). It exists so that a test can see a wrong result reported.
 """
 
 from __future__ import annotations
@@ -121,29 +113,25 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from tp_kernels import cost, signals
+from tp_kernels import config, cost, signals
 from tp_kernels.bench import capture_check
 from tp_kernels.bench.protocol import DTYPES, render_table
 from tp_kernels.testing import LocalWorld, RankError
+from tp_kernels.testing.numerics import FLOOR, error_ratio, floors_for
 
 __all__ = [
-    "FAULT_ENV",
-    "FLOOR",
     "NO_CUDA_MESSAGE",
-    "TORCH_SYMM_MEM_FLOOR",
     "AGCase",
     "CalibrationTimings",
     "RSCase",
     "calibrate_cost_model",
     "calibration_report",
-    "error_ratio",
-    "floors_for",
     "main",
     "measure_calibration",
     "parse_args",
@@ -157,8 +145,6 @@ TRITON_LABEL = "symm[triton]"
 # on one device), over which pipelined cannot move CUDA tensors: there it reports why, as n/a.
 REQUIRED = {"cuda": ("symm",), "cpu": ("symm", TRITON_LABEL, "pipelined")}
 OPTIONAL = ("torch_symm_mem", "pipelined")
-FAULT_ENV = "TP_KERNELS_GPU_CHECK_FAULT"
-FAULT_ADDEND = 1000.0
 NO_CUDA_MESSAGE = (
     "no CUDA device: torch {torch} sees none, so there is no GPU path to check. "
     "`--device cpu` runs the same worlds on CPU tensors instead (gloo ranks, the pipelined "
@@ -167,21 +153,6 @@ NO_CUDA_MESSAGE = (
 )
 TIMING_ARGV = ["--M", "8192", "--N", "3584", "--K", "8192", "--dtype", "bf16"]
 
-# Largest error allowed beyond twice the one-device reference's own, as a fraction of the largest
-# |term| summed (max |mag|). Worlds here have W <= 4 ranks (argparse enforces --worlds <= 4), and
-# the fused paths round each of the W partial sums to the dtype (reduce-scatter slots, a
-# reduction in the dtype) where the one-device computation rounds once: W roundings of half an
-# ulp of at most |mag| each. fp16 (11-bit significand): 4 * 2^-11 = 1.95e-3 -> 2e-3. bf16
-# (8 bits): 4 * 2^-8 = 1.6e-2 -> 2e-2. fp32: 4 * 2^-24 = 2.4e-7 plus fp32 accumulation-order
-# noise of two different GEMMs (cuBLAS vs Triton tiles, K <= 2000 terms) -> 2e-6. The same floors
-# as tests/_numerics.py, so this check and the fused-op tests hold results to one rule.
-FLOOR = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 2e-2}
-# torch_symm_mem's floors, as tests/_numerics.py's TORCH_SYMM_MEM_FLOOR: the backward's addend (the
-# gradient of a returned ``a``) is reduce-scattered by the group's collective in the dtype (W - 1
-# running sums rounded) and added after torch's fused op (one more rounding), where symm folds it
-# into its partials. Argued there for W <= 8 (8 half-ulps: fp16 3.9e-3, bf16 3.1e-2); fp32's
-# 8 * 2^-24 stays inside its accumulation-order allowance.
-TORCH_SYMM_MEM_FLOOR = {**FLOOR, torch.float16: 4e-3, torch.bfloat16: 4e-2}
 MAX_WORLD = 4
 
 
@@ -249,34 +220,6 @@ QUICK_CASES = {"cuda": 3, "cpu": 2}
 # ---------------------------------------------------------------- the comparison
 
 
-def floors_for(backend: str) -> dict[torch.dtype, float]:
-    """The floors of ``backend``'s tolerance: :data:`TORCH_SYMM_MEM_FLOOR` or :data:`FLOOR`."""
-    return TORCH_SYMM_MEM_FLOOR if backend == "torch_symm_mem" else FLOOR
-
-
-def error_ratio(
-    got: torch.Tensor,
-    truth: torch.Tensor,
-    reference: torch.Tensor,
-    magnitude: torch.Tensor,
-    floors: dict[torch.dtype, float] = FLOOR,
-) -> float:
-    """``max|got - truth| / (2 max|reference - truth| + floors[dtype] max|magnitude|)``.
-
-    ``truth`` is float64; ``reference`` is the same result computed on one device in the dtype of
-    ``got``; ``magnitude`` the result on absolute values. At most 1 means within tolerance; ``inf``
-    for a wrong shape or dtype, or a NaN.
-    """
-    if got.shape != truth.shape or got.dtype != reference.dtype:
-        return math.inf
-    err = (got.double() - truth).abs().max().item() if got.numel() else 0.0
-    ref_err = (reference.double() - truth).abs().max().item() if got.numel() else 0.0
-    scale = magnitude.abs().max().item() if got.numel() else 0.0
-    tol = 2.0 * ref_err + floors[got.dtype] * max(scale, 1e-30)
-    ratio = err / tol
-    return math.inf if math.isnan(ratio) else ratio
-
-
 # ---------------------------------------------------------------- on each rank
 
 
@@ -311,52 +254,16 @@ def _rank_device(kind: str) -> torch.device:
     return torch.device("cpu")
 
 
-@contextlib.contextmanager
-def _symm_triton(on: bool) -> Iterator[None]:
-    """On CPU, symm takes its Triton path while ``TP_KERNELS_SYMM_TRITON=1`` (read per call)."""
-    if not on:
-        yield
-        return
-    before = os.environ.get("TP_KERNELS_SYMM_TRITON")
-    os.environ["TP_KERNELS_SYMM_TRITON"] = "1"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["TP_KERNELS_SYMM_TRITON"]
-        else:
-            os.environ["TP_KERNELS_SYMM_TRITON"] = before
-
-
-@contextlib.contextmanager
-def _injected_fault(label: str, backend: str) -> Iterator[None]:
-    """The test hook of the module docstring: while ``FAULT_ENV`` names ``label``, the backend's
-    ``all_gather_matmul`` returns a first output that is off by ``FAULT_ADDEND`` in one element."""
-    if os.environ.get(FAULT_ENV) != label:
-        yield
-        return
-    from tp_kernels.backends import get_backend
-
-    impl = get_backend(backend)
-    original = impl.all_gather_matmul
-
-    def wrong(*args, **kwargs):
-        a, outs = original(*args, **kwargs)
-        outs[0][0, 0] += FAULT_ADDEND
-        return a, outs
-
-    # An instance attribute shadows the method of the (singleton) backend for this row only.
-    impl.all_gather_matmul = wrong
-    try:
-        yield
-    finally:
-        del impl.all_gather_matmul
+def _symm_triton(on: bool) -> contextlib.AbstractContextManager[None]:
+    """On CPU, symm takes its Triton path while this holds (through :mod:`tp_kernels.config`,
+    whose first read of ``TP_KERNELS_SYMM_TRITON`` is kept: the environment is not read again)."""
+    return config.SYMM_TRITON.overriding(True) if on else contextlib.nullcontext()
 
 
 def rank_backends(device_kind: str) -> dict[str, str]:
     """``{label: "ok" or why not}`` on this rank: :func:`tp_kernels.available_backends` for the
     device, then each backend's own check for this world's group (what a call with
-    ``backend=name`` asks); on CPU also ``symm[triton]``, with ``TP_KERNELS_SYMM_TRITON=1``."""
+    ``backend=name`` asks); on CPU also ``symm[triton]``, with ``config.SYMM_TRITON`` on."""
     import tp_kernels
     from tp_kernels.backends import get_backend
 
@@ -519,7 +426,7 @@ def rank_row(task: RowTask) -> RankRow:
     dtype = DTYPES[task.dtype]
     items = _ag_items if task.op == AG else _rs_items
     ratio, worst, problems = -1.0, "-", []
-    with _symm_triton(task.label == TRITON_LABEL), _injected_fault(task.label, task.backend):
+    with _symm_triton(task.label == TRITON_LABEL):
         tp_kernels.reset_comm_stats()
         for i, case in enumerate(task.cases):
             seed = task.seed + 100 * i + (0 if task.op == AG else 50)
@@ -1156,11 +1063,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"tp_kernels.bench.gpu_check --device {args.device}: {_versions(args.device)}")
     quick = " (--quick)" if args.quick else ""
     print(f"worlds {args.worlds}, dtypes {args.dtypes}{quick}; gloo process groups", flush=True)
-    if os.environ.get(FAULT_ENV):
-        print(
-            f"TEST HOOK {FAULT_ENV}={os.environ[FAULT_ENV]}: that backend's all_gather_matmul "
-            "returns a wrong element; its checks must FAIL"
-        )
     print_first_contact_facts(args.device, args.symm_timeout_s, args.cuda_max_connections)
     failed: list[str] = []
     for world_size in [] if args.capture_only else args.worlds:

@@ -32,6 +32,8 @@ dtype (W - 1 running sums rounded) and then added (one more rounding). With ``u`
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 FLOOR = {torch.float64: 1e-12, torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -83,3 +85,20 @@ def assert_no_failures(per_rank: list[list[str]]) -> None:
     """Fail with every rank's mismatches (the first 30) when any rank reported one."""
     lines = [f"rank {r}: {f}" for r, fails in enumerate(per_rank) for f in fails]
     assert not lines, f"{len(lines)} mismatches:\n" + "\n".join(lines[:30])
+
+
+def error_ratio(
+    got: torch.Tensor,
+    truth: torch.Tensor,
+    reference: torch.Tensor,
+    magnitude: torch.Tensor,
+    floors: dict[torch.dtype, float] = FLOOR,
+) -> float:
+    """``max|got - truth|`` over :func:`tolerance`: at most 1 is within it; ``inf`` for a wrong
+    shape or dtype (against ``reference``'s), or a NaN. Empty results are within it."""
+    if got.shape != truth.shape or got.dtype != reference.dtype:
+        return math.inf
+    if not got.numel():
+        return 0.0
+    ratio = max_error(got, truth) / tolerance(truth, reference, magnitude, floors)
+    return math.inf if math.isnan(ratio) else ratio
