@@ -18,9 +18,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
-from _fused_runs import ag_data, ag_run, rs_data, rs_run
 
 from tp_kernels.backends import pipelined
+from tp_kernels.testing.fused_cases import AGCase, RSCase, run_case
 from tp_kernels.testing.numerics import assert_no_failures, check_close
 
 # ---------------------------------------------------------------- NCCL's contract, on gloo
@@ -132,80 +132,67 @@ def test_shim_keeps_nccl_contract(worlds):
 
 
 @dataclasses.dataclass(frozen=True)
-class AGCase:
-    shard: tuple[int, ...]  # a_shard's shape on every rank
-    dim: int
-    ns: tuple[int, ...]
-    chunks: int | None  # pipelined.set_chunks; None: the backend picks from the shape
-    return_a: bool = False
+class Case:
+    """One fused call, with the pipelined backend's chunks (``pipelined.set_chunks``; None: the
+    backend picks from the shape) and the dtypes it runs in."""
+
+    call: AGCase | RSCase
+    chunks: int | None
     dtypes: tuple[torch.dtype, ...] = (torch.float64, torch.float32)
 
 
 AG_CASES = [
     # 7 rows in 3 blocks of 2, 2, 3 (uneven), two bs, A returned and used.
-    AGCase((7, 5), 0, (3, 2), chunks=3, return_a=True),
-    AGCase((7, 5), 0, (4,), chunks=3),
+    Case(AGCase((7, 5), 0, (3, 2), return_a=True), chunks=3),
+    Case(AGCase((7, 5), 0, (4,)), chunks=3),
     # batch 2 gathered on dim 1: 5*2 = 10 rows per shard, blocks of 3, 3, 4.
-    AGCase((2, 5, 6), 1, (4, 1), chunks=3),
-    AGCase((2, 5, 6), 1, (3,), chunks=4, return_a=True),
+    Case(AGCase((2, 5, 6), 1, (4, 1)), chunks=3),
+    Case(AGCase((2, 5, 6), 1, (3,), return_a=True), chunks=4),
     # 2 MiB per shard: the backend splits each peer transfer into 2 blocks by itself.
-    AGCase((512, 1024), 0, (8,), chunks=None, dtypes=(torch.float32,)),
+    Case(AGCase((512, 1024), 0, (8,)), chunks=None, dtypes=(torch.float32,)),
 ]
-
-
-@dataclasses.dataclass(frozen=True)
-class RSCase:
-    rows: tuple[int, ...]  # a's shape without K, with s in place of M (M = W * s)
-    dim: int
-    k: int
-    n: int
-    chunks: int | None
-    reduce_op: str = "sum"
-    bias: bool = False
-    dtypes: tuple[torch.dtype, ...] = (torch.float64, torch.float32)
-
-
 RS_CASES = [
-    RSCase((7,), 0, 6, 5, chunks=3),
-    RSCase((7,), 0, 4, 3, chunks=3, reduce_op="avg", bias=True),
+    Case(RSCase((7,), 0, 6, 5), chunks=3),
+    Case(RSCase((7,), 0, 4, 3, reduce_op="avg", bias=True), chunks=3),
     # batch 2 scattered on dim 1: 2*5 = 10 rows per destination, blocks of 3, 3, 4.
-    RSCase((2, 5), 1, 4, 6, chunks=3),
-    RSCase((2, 5), 1, 3, 2, chunks=4, reduce_op="avg", bias=True),
+    Case(RSCase((2, 5), 1, 4, 6), chunks=3),
+    Case(RSCase((2, 5), 1, 3, 2, reduce_op="avg", bias=True), chunks=4),
     # 2 MiB per destination (and per gathered grad shard in backward): 2 blocks by itself.
-    RSCase((512,), 0, 8, 1024, chunks=None, dtypes=(torch.float32,)),
+    Case(RSCase((512,), 0, 8, 1024), chunks=None, dtypes=(torch.float32,)),
 ]
 
 
-def _compare(tag: str, run, case, data) -> list[str]:
-    """``pipelined`` against the float64 truth, within twice the reference's own error."""
+def _compare(tag: str, case: Case, seed: int) -> list[str]:
+    """``pipelined`` against the float64 truth, within twice the one-process result's own error."""
     failures = []
-    truth = run(case, data, "reference", torch.float64)
-    magnitude = run(case, data, "reference", torch.float64, magnitude=True)
     for dtype in case.dtypes:
-        reference = run(case, data, "reference", dtype)
         with _nccl_style_batches():
-            got = run(case, data, "pipelined", dtype)
+            found = run_case(
+                case.call,
+                dtype=dtype,
+                device=torch.device("cpu"),
+                group=dist.group.WORLD,
+                seed=seed,
+                backend="pipelined",
+            )
             served = len(_batches)
         if served == 0:
             failures.append(f"{tag} {dtype}: the shim served no batch; the test tests nothing")
-        for i, (g, t, r, m) in enumerate(zip(got, truth, reference, magnitude)):
-            msg = check_close(f"result {i}", g, t, r, m)
+        for name, g, t, r, m in zip(
+            found.names, found.got, found.truth, found.reference, found.magnitude, strict=True
+        ):
+            msg = check_close(name, g, t, r, m)
             if msg:
                 failures.append(f"{tag} {dtype}: {msg}")
     return failures
 
 
 def _run_cases(kind: str) -> list[str]:
-    rank = dist.get_rank()
-    cases, run, make = {
-        "ag": (AG_CASES, ag_run, ag_data),
-        "rs": (RS_CASES, rs_run, rs_data),
-    }[kind]
     failures = []
     try:
-        for i, case in enumerate(cases):
+        for i, case in enumerate(AG_CASES if kind == "ag" else RS_CASES):
             pipelined.set_chunks(case.chunks)
-            failures += _compare(f"case {i} {case}", run, case, make(case, 100 * i + rank))
+            failures += _compare(f"case {i} {case}", case, seed=100 * i)
     finally:
         pipelined.set_chunks(None)
     return failures

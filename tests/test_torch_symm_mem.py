@@ -11,7 +11,6 @@ backend and a float64 truth.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 from collections.abc import Iterator
 
@@ -19,13 +18,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._symmetric_memory  # noqa: F401  (defines torch.ops.symm_mem.*)
-from _fused_runs import ag_data, ag_run, rs_data, rs_run
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 import tp_kernels as tpk
 from tp_kernels import backends, symmetric_memory
 from tp_kernels._compat import all_gather_single, reduce_scatter_single
 from tp_kernels.backends import auto, base, torch_symm_mem
+from tp_kernels.testing.fused_cases import AGCase, RSCase, run_case
 from tp_kernels.testing.numerics import assert_no_failures, check_close
 
 NAME = "torch_symm_mem"
@@ -244,37 +243,17 @@ def _fake_torch_ops() -> Iterator[None]:
         lib._destroy()  # the rank processes serve the whole session: leave no CPU kernel behind
 
 
-@dataclasses.dataclass(frozen=True)
-class AGCase:
-    shard: tuple[int, ...]
-    dim: int
-    ns: tuple[int, ...]
-    return_a: bool
-
-
 AG_CASES = [
-    AGCase((3, 5), 0, (4,), return_a=False),
+    AGCase((3, 5), 0, (4,)),
     AGCase((3, 5), 0, (2, 3, 1), return_a=True),
-    AGCase((2, 3, 6), 1, (4, 5), return_a=False),
+    AGCase((2, 3, 6), 1, (4, 5)),
     AGCase((2, 3, 6), 1, (2,), return_a=True),
 ]
-
-
-@dataclasses.dataclass(frozen=True)
-class RSCase:
-    rows: tuple[int, ...]  # a's shape without K, with s in place of M (M = W * s)
-    dim: int
-    k: int
-    n: int
-    reduce_op: str
-    bias: bool
-
-
 RS_CASES = [
-    RSCase((3,), 0, 5, 4, "sum", bias=False),
-    RSCase((3,), 0, 4, 6, "avg", bias=True),
-    RSCase((2, 3), 1, 4, 5, "sum", bias=True),
-    RSCase((2, 3), 1, 3, 2, "avg", bias=False),
+    RSCase((3,), 0, 5, 4),
+    RSCase((3,), 0, 4, 6, reduce_op="avg", bias=True),
+    RSCase((2, 3), 1, 4, 5, bias=True),
+    RSCase((2, 3), 1, 3, 2, reduce_op="avg"),
 ]
 
 DTYPES = (torch.float64, torch.float32)
@@ -304,28 +283,27 @@ def _expected_calls(kind: str, case) -> list[tuple]:
 
 
 def _run_glue(kind: str) -> list[str]:
-    rank = dist.get_rank()
-    cases, run, make = {
-        "ag": (AG_CASES, ag_run, ag_data),
-        "rs": (RS_CASES, rs_run, rs_data),
-    }[kind]
+    cases = AG_CASES if kind == "ag" else RS_CASES
     failures = []
     for i, case in enumerate(cases):
         tag = f"case {i} {case}"
-        data = make(case, 100 * i + rank)
-        truth = run(case, data, "reference", torch.float64)
-        magnitude = run(case, data, "reference", torch.float64, magnitude=True)
         for dtype in DTYPES:
-            reference = run(case, data, "reference", dtype)
             with _fake_torch_ops():
-                got = run(case, data, NAME, dtype)
+                found = run_case(
+                    case,
+                    dtype=dtype,
+                    device=torch.device("cpu"),
+                    group=dist.group.WORLD,
+                    seed=100 * i,
+                    backend=NAME,
+                )
                 calls = [call for call in _calls if call[0] != "grow"]
             if calls != _expected_calls(kind, case):
                 failures.append(f"{tag} {dtype}: calls {calls} != {_expected_calls(kind, case)}")
-            if len(got) != len(truth):
-                failures.append(f"{tag} {dtype}: {len(got)} results, expected {len(truth)}")
-            for j, (g, t, r, m) in enumerate(zip(got, truth, reference, magnitude)):
-                msg = check_close(f"result {j}", g, t, r, m)
+            for name, g, t, r, m in zip(
+                found.names, found.got, found.truth, found.reference, found.magnitude, strict=True
+            ):
+                msg = check_close(name, g, t, r, m)
                 if msg:
                     failures.append(f"{tag} {dtype}: {msg}")
     return failures

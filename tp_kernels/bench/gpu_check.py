@@ -47,18 +47,9 @@ What runs (``--device cuda``, the default, on a machine with one GPU):
    figures and cuBLAS's fit (the model gives cuBLAS's tiles the same figures), with the ``bench
    model`` command that uses them.
 
-What is checked, on every rank ``r`` of ``W``, for every call: the whole problem is drawn from a
-seed (on the CPU, in fp32, rounded once to the dtype), so each rank rebuilds every rank's shards.
-
-* ``a, outs = all_gather_matmul(a_shard, bs, d)``; with ``A = cat_s a_shard(s)`` along ``d``, the
-  upstream gradients ``G[s][j]`` of rank ``s``'s ``outs[j]`` and ``GA[s]`` of its ``a``:
-  ``outs[j] = A @ bs_r[j]``, ``a = A``, ``grad a_shard = chunk_r(sum_s sum_j G[s][j] @ bs_s[j]^T +
-  sum_s GA[s])``, ``grad bs_r[j] = A^T G[r][j]`` (leading dims flattened).
-* ``out = matmul_reduce_scatter(a_r, b_r, d, bias=bias)``; with the whole ``a = [.., W*m, ..,
-  K]`` (rank ``r`` holds its columns ``K_r``, and the rows ``K_r`` of the whole ``b``), ``c = a @
-  b`` (``/ W`` for avg) and the upstream gradient ``G`` of the whole output: ``out = chunk_r(c) +
-  bias``, ``grad a_r = (G @ b^T)[.., K_r]``, ``grad b_r = (a^T G)[K_r]`` (both ``/ W`` for avg),
-  ``grad bias = G`` summed over all its rows.
+What is checked, on every rank, for every call: the results and gradients of
+:func:`tp_kernels.testing.fused_cases.run_case` (its docstring has each formula), whose whole
+problem is drawn from a seed so that each rank rebuilds every rank's shards.
 
 Each result is compared with the same formula in float64 on the rank (the truth), by the rule of
 the fused-op tests (:mod:`tp_kernels.testing.numerics`, which argues each dtype's floor;
@@ -123,13 +114,12 @@ from tp_kernels import config, cost, signals
 from tp_kernels.bench import capture_check
 from tp_kernels.bench.protocol import DTYPES, render_table
 from tp_kernels.testing import LocalWorld, RankError
-from tp_kernels.testing.numerics import FLOOR, error_ratio, floors_for
+from tp_kernels.testing.fused_cases import AGCase, RSCase, run_case
+from tp_kernels.testing.numerics import FLOOR, floors_for
 
 __all__ = [
     "NO_CUDA_MESSAGE",
-    "AGCase",
     "CalibrationTimings",
-    "RSCase",
     "calibrate_cost_model",
     "calibration_report",
     "main",
@@ -154,33 +144,6 @@ NO_CUDA_MESSAGE = (
 TIMING_ARGV = ["--M", "8192", "--N", "3584", "--K", "8192", "--dtype", "bf16"]
 
 MAX_WORLD = 4
-
-
-@dataclass(frozen=True)
-class AGCase:
-    """One ``all_gather_matmul`` call: ``a_shard`` of shape ``shard`` on every rank, gathered
-    along ``dim``; rank ``r``'s ``bs[j]`` is ``[K, ns[j] + r * n_step]``; ``return_a`` returns the
-    gathered ``a`` and feeds a gradient into it."""
-
-    shard: tuple[int, ...]
-    dim: int
-    ns: tuple[int, ...]
-    n_step: int = 0
-    return_a: bool = False
-
-
-@dataclass(frozen=True)
-class RSCase:
-    """One ``matmul_reduce_scatter`` call whose output on every rank is ``rows + (n,)``,
-    scattered along ``dim``; rank ``r`` holds ``K_r = k + r * k_step`` columns of ``a``."""
-
-    rows: tuple[int, ...]
-    dim: int
-    k: int
-    n: int
-    k_step: int = 0
-    reduce_op: str = "sum"
-    bias: bool = False
 
 
 # Shapes grow, shrink and grow again, so symm's workspace is reallocated between calls; none of
@@ -287,167 +250,42 @@ def rank_backends(device_kind: str) -> dict[str, str]:
     return statuses
 
 
-def _randn(gen: torch.Generator, shape: Sequence[int], dtype: torch.dtype, device) -> torch.Tensor:
-    # Drawn in fp32 on the CPU from one generator, so every rank draws the same whole problem;
-    # rounded once to the dtype: those are the values every computation, the truth included, sees.
-    return torch.randn(*shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
-
-
-def _as(t: torch.Tensor, f64: bool, absolute: bool) -> torch.Tensor:
-    """``t`` for one of the three computations: the truth (float64), the one-device reference (its
-    own dtype) or the magnitude (float64 of ``|t|``)."""
-    t = t.abs() if absolute else t
-    return t.double() if f64 else t
-
-
-def _ag_math(a, bs, gs, gas, rank: int, dim: int) -> list[torch.Tensor]:
-    """Rank ``rank``'s ``[outs..., a, grad a_shard, grad bs...]`` (``a`` only when ``gas``) of the
-    whole problem, in the dtype of the tensors given. ``bs[s][j]``, ``gs[s][j]``: rank ``s``'s
-    weights and its outputs' upstream gradients; ``gas[s]``: the gradient of rank ``s``'s ``a``."""
-    world, k = len(bs), a.shape[-1]
-    outs = [a @ b for b in bs[rank]]
-    # One product over every rank's outputs, as the fused backward makes one per rank.
-    grad_a = (
-        torch.cat([g for row in gs for g in row], dim=-1)
-        @ torch.cat([b for row in bs for b in row], dim=1).t()
-    )
-    if gas is not None:
-        for ga in gas:
-            grad_a = grad_a + ga
-    flat = a.reshape(-1, k).t()
-    grad_bs = [flat @ g.reshape(-1, g.shape[-1]) for g in gs[rank]]
-    returned = [a] if gas is not None else []
-    return [*outs, *returned, grad_a.chunk(world, dim)[rank], *grad_bs]
-
-
-def _ag_items(case: AGCase, dtype, device, rank: int, world: int, seed: int, backend: str):
-    """``(names, got, truth, reference, magnitude)`` of one all_gather_matmul call."""
-    import tp_kernels
-
-    gen = torch.Generator().manual_seed(seed)
-    full = list(case.shard)
-    full[case.dim] *= world
-    k = full[-1]
-    widths = [[n + r * case.n_step for n in case.ns] for r in range(world)]
-    a = _randn(gen, full, dtype, device)
-    bs = [[_randn(gen, (k, n), dtype, device) for n in row] for row in widths]
-    gs = [[_randn(gen, (*full[:-1], n), dtype, device) for n in row] for row in widths]
-    gas = [_randn(gen, full, dtype, device) for _ in range(world)] if case.return_a else None
-
-    a_shard = a.chunk(world, case.dim)[rank].contiguous().requires_grad_()
-    mine = [b.clone().requires_grad_() for b in bs[rank]]
-    a_out, outs = tp_kernels.all_gather_matmul(
-        a_shard, mine, case.dim, dist.group.WORLD, backend=backend, return_a=case.return_a
-    )
-    tensors, grads = list(outs), list(gs[rank])
-    if case.return_a:
-        tensors.append(a_out)
-        grads.append(gas[rank])
-    torch.autograd.backward(tensors, grads)
-    got = [o.detach() for o in outs] + ([a_out.detach()] if case.return_a else [])
-    got += [a_shard.grad, *(b.grad for b in mine)]
-
-    def on(f64: bool, absolute: bool) -> list[torch.Tensor]:
-        c = lambda t: _as(t, f64, absolute)
-        return _ag_math(
-            c(a),
-            [[c(b) for b in row] for row in bs],
-            [[c(g) for g in row] for row in gs],
-            None if gas is None else [c(t) for t in gas],
-            rank,
-            case.dim,
-        )
-
-    names = [f"out[{j}]" for j in range(len(outs))] + (["a"] if case.return_a else [])
-    names += ["grad a_shard"] + [f"grad b[{j}]" for j in range(len(mine))]
-    return names, got, on(True, False), on(False, False), on(True, True)
-
-
-def _rs_math(a, b, bias, g, rank: int, world: int, case: RSCase, ks: slice) -> list[torch.Tensor]:
-    """Rank ``rank``'s ``[out, grad a, grad b(, grad bias)]`` of the whole problem, in the dtype
-    of the tensors given."""
-    n = b.shape[1]
-    c = a @ b
-    grad_a = g @ b.t()
-    grad_b = a.reshape(-1, a.shape[-1]).t() @ g.reshape(-1, n)
-    if case.reduce_op == "avg":
-        c, grad_a, grad_b = c / world, grad_a / world, grad_b / world
-    if bias is None:
-        return [c.chunk(world, case.dim)[rank], grad_a[..., ks], grad_b[ks]]
-    out = (c + bias).chunk(world, case.dim)[rank]
-    # The bias is replicated: its gradient is the whole output's, summed over every row.
-    return [out, grad_a[..., ks], grad_b[ks], g.reshape(-1, n).sum(0)]
-
-
-def _rs_items(case: RSCase, dtype, device, rank: int, world: int, seed: int, backend: str):
-    """``(names, got, truth, reference, magnitude)`` of one matmul_reduce_scatter call."""
-    import tp_kernels
-
-    gen = torch.Generator().manual_seed(seed)
-    rows = list(case.rows)
-    rows[case.dim] *= world
-    widths = [case.k + r * case.k_step for r in range(world)]
-    start = sum(widths[:rank])
-    ks = slice(start, start + widths[rank])
-    a = _randn(gen, (*rows, sum(widths)), dtype, device)
-    b = _randn(gen, (sum(widths), case.n), dtype, device)
-    bias = _randn(gen, (case.n,), dtype, device) if case.bias else None
-    g = _randn(gen, (*rows, case.n), dtype, device)
-
-    a_r = a[..., ks].contiguous().requires_grad_()
-    b_r = b[ks].contiguous().requires_grad_()
-    bias_r = bias.clone().requires_grad_() if bias is not None else None
-    out = tp_kernels.matmul_reduce_scatter(
-        a_r,
-        b_r,
-        case.dim,
-        dist.group.WORLD,
-        reduce_op=case.reduce_op,
-        backend=backend,
-        bias=bias_r,
-    )
-    out.backward(g.chunk(world, case.dim)[rank])
-    got = [out.detach(), a_r.grad, b_r.grad] + ([bias_r.grad] if bias is not None else [])
-
-    def on(f64: bool, absolute: bool) -> list[torch.Tensor]:
-        c = lambda t: None if t is None else _as(t, f64, absolute)
-        return _rs_math(c(a), c(b), c(bias), c(g), rank, world, case, ks)
-
-    names = ["out", "grad a", "grad b"] + (["grad bias"] if bias is not None else [])
-    return names, got, on(True, False), on(False, False), on(True, True)
-
-
 def rank_row(task: RowTask) -> RankRow:
     """Run one row's calls on this rank and compare every result (see the module docstring)."""
     import tp_kernels
 
     device = _rank_device(task.device)
-    dist_rank, world = dist.get_rank(), dist.get_world_size()
+    dist_rank = dist.get_rank()
     dtype = DTYPES[task.dtype]
-    items = _ag_items if task.op == AG else _rs_items
     ratio, worst, problems = -1.0, "-", []
     with _symm_triton(task.label == TRITON_LABEL):
         tp_kernels.reset_comm_stats()
         for i, case in enumerate(task.cases):
             seed = task.seed + 100 * i + (0 if task.op == AG else 50)
-            names, got, truth, ref, mag = items(
-                case, dtype, device, dist_rank, world, seed, task.backend
+            found = run_case(
+                case,
+                dtype=dtype,
+                device=device,
+                group=dist.group.WORLD,
+                seed=seed,
+                backend=task.backend,
             )
-            for name, g, t, r, m in zip(names, got, truth, ref, mag, strict=True):
-                value = error_ratio(g, t, r, m, floors_for(task.backend))
+            for name, g, t in zip(found.names, found.got, found.truth, strict=True):
                 if g.shape != t.shape or g.dtype != dtype:
                     problems.append(
                         f"call {i + 1} {name}: {tuple(g.shape)} {g.dtype}, expected "
                         f"{tuple(t.shape)} {dtype}"
                     )
-                if name == "a" and not torch.equal(g, r):  # a copy: the same bits or wrong
+            if "a" in found.names:  # a copy: the same bits or wrong
+                index = found.names.index("a")
+                if not torch.equal(found.got[index], found.reference[index]):
                     problems.append(f"call {i + 1}: the returned a is not the gathered shards")
-                if value > ratio:
-                    ratio, worst = value, f"call {i + 1} {name}, rank {dist_rank}"
+            value, name = found.worst(floors_for(task.backend))
+            if value > ratio:
+                ratio, worst = value, f"call {i + 1} {name}, rank {dist_rank}"
         if device.type == "cuda":
-            torch.cuda.synchronize(
-                device
-            )  # an asynchronous CUDA error fails this row, not the next
+            # An asynchronous CUDA error fails this row, not the next.
+            torch.cuda.synchronize(device)
         stats = tp_kernels.comm_stats()
     calls = sum(stats.total(kind=op, backend=task.backend) for op in OPS)
     return RankRow(ratio, worst, calls, problems)
