@@ -54,20 +54,26 @@ FULL_GRID_DTYPE = torch.float32
 # infinite bound accepts every finite value); _dropout_mask_is_real checks the values' form.
 SHAPES_ONLY = Tol(math.inf, math.inf)
 
-STYLE_NAMES = (
-    "ColwiseParallel",
-    "RowwiseParallel",
-    "SequenceParallel",
-    "PrepareModuleInput",
-    "PrepareModuleOutput",
-    "PrepareModuleInputOutput",
-)
+STYLE_NAMES = tpk.styles.STYLE_NAMES
 FUSABLE = ("ColwiseParallel", "RowwiseParallel")
 # Subclassed without a new argument (to group the gather of a block; to run norms locally).
 SUBCLASSED = FUSABLE + ("SequenceParallel", "PrepareModuleInput", "PrepareModuleInputOutput")
 
 
 # --- checks with no process group ---------------------------------------------------------------
+
+
+def test_every_pytorch_style_is_named() -> None:
+    """STYLE_NAMES (what tp_kernels offers and the integrations rebind) is every concrete style
+    PyTorch exports."""
+    theirs = {
+        name
+        for name in torch_tp.__all__
+        if isinstance(getattr(torch_tp, name), type)
+        and issubclass(getattr(torch_tp, name), torch_tp.ParallelStyle)
+        and name != "ParallelStyle"
+    }
+    assert set(STYLE_NAMES) == theirs
 
 
 @pytest.mark.parametrize("name", STYLE_NAMES + ("ParallelStyle",))

@@ -80,6 +80,16 @@ __all__ = [
     "SequenceParallel",
 ]
 
+# Every style of torch.distributed.tensor.parallel, by name: tp_kernels offers each under it.
+STYLE_NAMES = (
+    "ColwiseParallel",
+    "RowwiseParallel",
+    "SequenceParallel",
+    "PrepareModuleInput",
+    "PrepareModuleOutput",
+    "PrepareModuleInputOutput",
+)
+
 logger = logging.getLogger("tp_kernels")
 _SUPPORTED = (nn.Linear, nn.Embedding)
 _reported: set[tuple[str, str]] = set()

@@ -71,19 +71,10 @@ __all__ = [
 
 logger = logging.getLogger("tp_kernels")
 
-# The names rebound wherever a module holds PyTorch's class under them (or any other name).
-STYLE_NAMES = (
-    "ColwiseParallel",
-    "RowwiseParallel",
-    "SequenceParallel",
-    "PrepareModuleInput",
-    "PrepareModuleOutput",
-    "PrepareModuleInputOutput",
-)
 # PyTorch's class -> tp_kernels' class of the same name.
 _STYLES = {
     getattr(_torch_tp, name): getattr(_tpk_styles, name)
-    for name in STYLE_NAMES
+    for name in _tpk_styles.STYLE_NAMES
     if getattr(_torch_tp, name) is not getattr(_tpk_styles, name)  # re-exports need no patch
 }
 _IMPORT_LINE = "from torch.distributed.tensor.parallel import"
