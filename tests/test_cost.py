@@ -1,6 +1,6 @@
 """The cost model (tp_kernels.cost) and its tables (python -m tp_kernels.bench model): the formulas
-checked by hand, each simulated part (waves, two streams, the copy engine, a shared link) and
-each schedule on cases small enough to work out on paper, the CLI's tables and errors."""
+checked by hand, each simulated part (waves, two streams, the copy engine) and each schedule on
+cases small enough to work out on paper, the CLI's tables and errors."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from tp_kernels import cost
+from tp_kernels import cost, tiling
 from tp_kernels.bench import main as bench_main
 from tp_kernels.bench import model
 
@@ -23,8 +23,7 @@ def tiny(**changes) -> cost.DeviceSpec:
     base = dataclasses.replace(
         H100, name="tiny", peak_tflops={"bf16": 2.0, "fp16": 2.0, "fp32": 1.0}, sms=2,
         gemm_efficiency=1.0, tile_overhead_s=0.0, link_efficiency=1.0, nccl_efficiency=1.0,
-        hbm_efficiency=1.0, copy_latency_s=0.0, nccl_latency_s=0.0, barrier_s=0.0,
-        remote_latency_s=1e-6, nccl_sms=0,
+        hbm_efficiency=1.0, copy_latency_s=0.0, nccl_latency_s=0.0, barrier_s=0.0, nccl_sms=0,
     )  # fmt: skip
     return dataclasses.replace(base, **changes)
 
@@ -72,6 +71,14 @@ def test_a_gemm_takes_whole_waves_of_tiles():
     assert cost.gemm_s(128, 1024, 256, "bf16", dev, cublas=False) == pytest.approx(one / 2 / 0.9)
 
 
+def test_the_models_tiles_are_on_the_kernels_menu():
+    """Every rated tile shape is one the kernels take (one off the menu would drop out of the
+    model's tiles unseen), in the menu's order."""
+    assert {(bm, bn) for bm, bn, _ in cost.TILES} == set(cost._TILE_RATES)
+    menu = [(bm, bn) for bm, bn, *_ in tiling.GEMM_SHAPES]
+    assert [menu.index(t[:2]) for t in cost.TILES] == sorted(menu.index(t[:2]) for t in cost.TILES)
+
+
 def test_two_streams_share_the_sms_and_copies_take_turns():
     dev = tiny()
     g = cost._Gemm(1, 1.0)
@@ -85,45 +92,6 @@ def test_two_streams_share_the_sms_and_copies_take_turns():
     assert cost._run_streams(copies, cost._Timeline(dev)) == pytest.approx(2.5)
     with pytest.raises(AssertionError, match="never runs"):
         cost._run_streams([[("delay", 1.0, ((0, 1),)), ("delay", 1.0, ())]], cost._Timeline(dev))
-
-
-def test_a_shared_link_splits_its_rate_up_to_each_sms_cap():
-    link = cost._SharedLink(rate=100.0, cap=30.0)
-    link.start(0, 60.0)
-    assert link.speed() == 30.0  # alone: one SM's cap
-    assert link.next_done(0.0) == (pytest.approx(2.0), 0)
-    link.advance(1.0)  # 30 bytes of the first moved
-    for key in (1, 2, 3):
-        link.start(key, 60.0)
-    assert link.speed() == 25.0  # four: the link's share
-    assert link.next_done(1.0) == (pytest.approx(1.0 + 30.0 / 25.0), 0)
-    link.advance(30.0 / 25.0)
-    link.finish()
-    assert link.speed() == 30.0  # three left (30 of 60 bytes each moved): the cap again
-    assert link.next_done(0.0)[0] == pytest.approx(1.0)
-    link.advance(1.0)
-    for _ in range(3):
-        link.finish()
-    assert not link.busy() and link.next_done(5.0) is None
-
-
-def test_the_puller_waits_for_its_transfer_and_its_column_tiles_spin_on_it():
-    # W=2, one M tile per shard (m=128), two column tiles (n=512 of 128x256), 2 SMs. Tickets in
-    # order: own puller (program 0), own column 1 (program 1: spins until the own puller is
-    # done, then computes), peer puller (program 0 at t, transfer of 128 rows x K at one SM's
-    # rate), peer column 1 (program 1, spins on the peer puller).
-    k = 1024
-    dev = tiny(sm_bytes_in_flight=1024)  # 1 KiB over 1 us: ~1 GB/s, far slower than the math
-    p = problem(dev, 128, k, [512])
-    t = tile_s(dev, 128, 256, k)
-    own_copy = 2 * 128 * k * 2 / (dev.hbm_gb_s * 1e9)
-    transfer = 128 * k * 2 / (dev.sm_remote_gb_s() * 1e9)
-    assert transfer > t
-    expected = own_copy + t + max(t, transfer) + t
-    assert cost.symm_puller_s(p) == pytest.approx(expected)
-    # A fast SM: the puller is bound by its math, and the wait is one tile.
-    fast = tiny(sm_bytes_in_flight=1 << 30)
-    assert cost.symm_puller_s(problem(fast, 128, k, [512])) == pytest.approx(own_copy + 3 * t)
 
 
 def test_the_copy_engine_schedule_waits_for_chunks_and_hides_them_behind_the_own_tiles():
@@ -167,9 +135,6 @@ def test_the_copy_engine_consumer_takes_up_to_three_right_hand_matrices_in_one_l
     four = problem(dev, 128, k, [256, 256, 256, 256])
     fourth = cost.gemm_s(2 * 128, k, 256, "bf16", dev, cublas=False)
     assert cost.symm_copy_engine_s(four) == pytest.approx(own_copies + shard + 2 * t + fourth)
-    from tp_kernels.kernels import ag_matmul
-
-    assert cost._BS_PER_LAUNCH == ag_matmul.MAX_BS_PER_LAUNCH
 
 
 def test_chunks_pay_where_a_tile_can_start_on_a_half_shard_sooner_than_a_copy_costs():
@@ -189,21 +154,17 @@ def test_chunks_pay_where_a_tile_can_start_on_a_half_shard_sooner_than_a_copy_co
     assert cost.copy_engine_chunks(costly, 4) == 1
 
 
-def test_the_reduce_scatter_producer_stores_in_bursts_then_reduces():
-    # The removed direct stores: W=2, m=256 (two M tiles), n=256, 2 SMs: programs 0 and 1
-    # compute the two tiles owed to the peer at once, store them together (each at half the
-    # link, as it is below one SM's cap), fence (one round trip), then compute the own two
-    # tiles; then the reduction pass over 2 slots and the result.
+def test_the_reduce_scatter_producer_pushes_each_block_then_reduces():
+    # W=2, m=256 (two M tiles), n=256, 2 SMs: both tiles owed to the peer are done at t and
+    # pushed as one block while the own tiles compute; the push (256 x 256 x 2 bytes at 1 GB/s)
+    # outlasts them; then the reduction pass over 2 slots and the result.
     k = 1024
-    dev = tiny(link_gb_s=1.0, sm_bytes_in_flight=1 << 30)
+    dev = tiny(link_gb_s=1.0)
     p = problem(dev, 256, k, [256])
     t = tile_s(dev, 128, 256, k)
-    stores = 2 * 128 * 256 * 2 / 1e9
+    push = 256 * 256 * 2 / 1e9
     reduce = 3 * 256 * 256 * 2 / (dev.hbm_gb_s * 1e9)
-    assert cost.symm_rs_direct_store_s(p) == pytest.approx(t + stores + 1e-6 + t + reduce)
-    # The copy-engine push as built: both peer tiles done at t, pushed as one block while the
-    # own tiles compute; the push (256 x 256 x 2 bytes at 1 GB/s) outlasts them.
-    assert cost.symm_reduce_scatter_s(p) == pytest.approx(t + stores + reduce)
+    assert cost.symm_reduce_scatter_s(p) == pytest.approx(t + push + reduce)
 
 
 def test_reference_and_the_decompositions_on_paper():
@@ -260,23 +221,20 @@ def test_schedule_table_covers_the_llama_shapes_and_marks_where_fusion_loses(cap
     # wq/wk/wv at TP=8 on 70B: (64 + 2 * 8) heads x 128 / 8 columns per rank; w2: 28672 / 8.
     assert "llama3-70b   8192    attention.wq/wk/wv  1024x8192x1280" in out
     assert "llama3-405b  2048    feed_forward.w2  256x6656x16384" in out
-    assert "one SM's remote rate = 21.8 GB/s" in out
     table = model.schedule_rows(H100, 8)
     assert [len(rows) for rows in table.values()] == [12, 12]  # 3 models x 2 token counts x 2
     for rows in table.values():
         for *_, times, verdict in rows:
-            built = {s: t for s, t in times.items() if "proposed" not in s}
-            fused_best = min(t for s, t in built.items() if s != "reference")
-            loses = fused_best >= built["reference"]
+            fused_best = min(t for s, t in times.items() if s != "reference")
+            loses = fused_best >= times["reference"]
             assert verdict.startswith("NONE") == loses
-            assert loses or built[verdict] == fused_best
+            assert loses or times[verdict] == fused_best
 
 
 def test_param_replaces_a_figure_and_bad_ones_are_refused(capsys):
-    assert bench_main(["model", "--tokens", "8192", "--param", "sm_bytes_in_flight=22500"]) == 0
+    assert bench_main(["model", "--tokens", "8192", "--param", "nccl_sms=16"]) == 0
     out = capsys.readouterr().out
-    assert "sm_bytes_in_flight = 22500: given with --param" in out
-    assert "one SM's remote rate = 15.0 GB/s" in out
+    assert "nccl_sms = 16: given with --param" in out
     with pytest.raises(SystemExit) as info:
         model.main(["--param", "warp_speed=3"])
     assert info.value.code == 2
@@ -372,77 +330,3 @@ def test_auto_predicts_each_right_hand_width_not_an_even_split():
     true = cost.op_cost(AG, m, k, sum(ns), 8, "bf16", H100, ns=ns).backends_s
     assert even["torch_symm_mem"] < even["reference"]  # the even split would keep fusion
     assert min(true[b] for b in ("torch_symm_mem", "symm", "pipelined")) >= true["reference"]
-
-
-def synthetic_gemms(device, efficiency, overhead):
-    """GEMM timings a GPU of the model's kind would give: whole waves of 128x256 tiles."""
-    per_sm = device.peak_tflops["bf16"] * 1e12 / device.sms * efficiency
-    out = []
-    for rows, k, n in ((8192, 4096, 1792), (8192, 8192, 3584), (8192, 16384, 6656)):
-        waves = math.ceil(math.ceil(rows / 128) * math.ceil(n / 256) / device.sms)
-        seconds = waves * (overhead + 2 * 128 * 256 * k / per_sm)
-        out.append(cost.GemmTiming.in_whole_waves(rows, k, n, seconds, device.sms))
-    return out
-
-
-def test_calibration_recovers_the_figures_that_made_the_timings():
-    copies = [(mib << 20, 4e-6 + (mib << 20) / 1.5e12) for mib in (1, 4, 16)]
-    assert cost.fit_copies(copies) == pytest.approx((1500.0, 4e-6))
-    gemms = synthetic_gemms(H100, 0.62, 2e-6)
-    assert [g.waves for g in gemms] == [4, 7, 13]  # 448, 896, 1664 tiles over 132 SMs
-    assert cost.fit_tiles(gemms, H100) == pytest.approx((0.62, 2e-6))
-    fitted, rate = cost.calibrated(H100, copies, gemms)
-    assert rate == pytest.approx(1500.0)
-    assert (fitted.gemm_efficiency, fitted.tile_overhead_s, fitted.copy_latency_s) == (
-        pytest.approx(0.62),
-        pytest.approx(2e-6),
-        pytest.approx(4e-6),
-    )
-    assert fitted.sources["gemm_efficiency"].startswith("fitted by tp_kernels.bench.gpu_check")
-    assert "consumer kernel's tiles" in fitted.sources["tile_overhead_s"]
-    assert fitted.link_gb_s == H100.link_gb_s  # a copy within one GPU says nothing of NVLink
-    # Noise moves the fit, not its meaning: 2% on every timing stays within a few percent.
-    noisy = [
-        dataclasses.replace(g, seconds=g.seconds * (1.02 if i % 2 else 0.98))
-        for i, g in enumerate(gemms)
-    ]
-    assert cost.fit_tiles(noisy, H100)[0] == pytest.approx(0.62, rel=0.05)
-
-
-def test_calibration_fits_each_launch_by_the_tiles_it_ran():
-    """The consumer's launches report their autotuned tile and their waves (tiles over the
-    persistent programs, here 8 shards' tiles over 132 programs); the fit gives each tile shape
-    the model's rate for it: 256x128 as 128x256 (1.0), 128x128 0.9, 64x256 and 64x64 as the
-    nearest in reuse, 64x128 (0.75). Timings made that way give back the figures."""
-    efficiency, overhead = 0.58, 3e-6
-    per_sm = H100.peak_tflops["bf16"] * 1e12 / H100.sms * efficiency
-    launches = [  # (rows, k, n, bm, bn, the model's rate of that tile)
-        (8192, 4096, 1792, 128, 128, 0.9),
-        (8192, 8192, 3584, 256, 128, 1.0),
-        (8192, 3584, 8192, 64, 256, 0.75),
-        (8192, 16384, 6656, 128, 256, 1.0),
-        (8192, 2048, 1024, 64, 64, 0.75),
-    ]
-    samples = []
-    for rows, k, n, bm, bn, rate in launches:
-        tiles = 8 * math.ceil(rows // 8 / bm) * math.ceil(n / bn)
-        waves = math.ceil(tiles / min(tiles, H100.sms))
-        seconds = waves * (overhead + 2 * bm * bn * k / (per_sm * rate))
-        samples.append(cost.GemmTiming(rows, k, n, seconds, bm, bn, waves))
-    assert cost.fit_tiles(samples, H100) == pytest.approx((efficiency, overhead))
-    # Taken as whole waves of 128x256 tiles, as cuBLAS's are, the same timings fit otherwise.
-    as_cublas = [
-        cost.GemmTiming.in_whole_waves(s.rows, s.k, s.n, s.seconds, H100.sms) for s in samples
-    ]
-    assert cost.fit_tiles(as_cublas, H100)[0] != pytest.approx(efficiency, rel=0.05)
-
-
-def test_calibration_refuses_samples_that_cannot_fit():
-    with pytest.raises(ValueError, match="copy samples: got 2 samples at 1 distinct sizes"):
-        cost.fit_copies([(1 << 20, 1e-5), (1 << 20, 2e-5)])
-    with pytest.raises(ValueError, match="copy samples: time does not grow"):
-        cost.fit_copies([(1 << 20, 2e-5), (2 << 20, 1e-5)])
-    with pytest.raises(ValueError, match="GEMM samples: got 1 samples"):
-        cost.fit_tiles([cost.GemmTiming.in_whole_waves(8192, 4096, 1792, 1e-3, 132)], H100)
-    with pytest.raises(ValueError, match="has no SMs"):
-        cost.fit_tiles(synthetic_gemms(H100, 0.7, 0.0), cost.measure_cpu())

@@ -1,6 +1,6 @@
 """``python -m tp_kernels.bench.gpu_check`` on a CPU: its CPU mode end to end, a wrong result
-reported as FAIL, a path that cannot run reported as FAIL, its arguments, its capture rows and its
-calibration.
+reported as FAIL, a path that cannot run reported as FAIL, its arguments and its capture rows (its
+calibration: tests/test_calibration.py).
 
 The end-to-end runs use worlds of 2 ranks and ``--quick`` (2 calls per row, tiny shapes); each
 starts its own gloo ranks (~10 s on 2 cores). A wrong result comes from a world whose ranks run a
@@ -12,26 +12,16 @@ when it runs as ``__main__``).
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
-# The calibration's measurement runs the consumer kernel in this process, in the interpreter,
-# which must be chosen before triton is first imported.
-os.environ["TRITON_INTERPRET"] = "1"
+import pytest
+import torch
 
-import dataclasses  # noqa: E402
-import math  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from tp_kernels import cost, kernels, signals  # noqa: E402
-from tp_kernels.bench import gpu_check as gc  # noqa: E402
-from tp_kernels.testing import LocalWorld, RankError  # noqa: E402
-from tp_kernels.testing.numerics import FLOOR  # noqa: E402
+from tp_kernels.bench import gpu_check as gc
+from tp_kernels.testing import LocalWorld, RankError
+from tp_kernels.testing.numerics import FLOOR
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK_CPU = ["--device", "cpu", "--worlds", "2", "--quick"]
@@ -282,152 +272,6 @@ def test_rank_errors_are_summarized_per_rank():
     assert gc.summarize_rank_error(text) == (
         "rank 0: TypeError: bad launch; ranks [1] gave no answer within 60 s (hung)"
     )
-
-
-def _tile_timing(device, rows, k, n, efficiency, overhead, bm=128, bn=256):
-    """A launch of the model's kind: ``seconds`` of whole waves of ``bm x bn`` tiles."""
-    per_sm = device.peak_tflops["bf16"] * 1e12 / device.sms * efficiency
-    waves = math.ceil(math.ceil(rows / bm) * math.ceil(n / bn) / device.sms)
-    seconds = waves * (overhead + 2 * bm * bn * k / per_sm)
-    return cost.GemmTiming(rows, k, n, seconds, bm, bn, waves)
-
-
-def test_calibration_prints_the_fitted_figures_beside_the_assumed():
-    h100 = cost.DEVICES["h100"]
-    shapes = gc.CALIBRATION_GEMMS
-    timings = gc.CalibrationTimings(
-        copies=[(mib << 20, 5e-6 + (mib << 20) / 2e12) for mib in gc.CALIBRATION_CHUNK_MIB],
-        consumer=[_tile_timing(h100, *shape, 0.6, 1.5e-6) for shape in shapes],
-        cublas=[_tile_timing(h100, *shape, 0.7, 1e-6) for shape in shapes],
-    )
-    out = gc.calibration_report(h100, timings)
-    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
-    # figure, assumed, fitted from the consumer, cuBLAS's fit beside it
-    assert rows["gemm_efficiency"][1:] == ["0.75", "0.6", "0.7"]
-    assert rows["tile_overhead_s"][1:] == ["1e-06", "1.5e-06", "1e-06"]
-    assert rows["copy_latency_s"][1:] == ["3e-06", "5e-06"]
-    assert " ".join(rows["copy"]) == "copy rate GB/s 382 (NVLink) 2000 (within one GPU)"
-    assert "copies: 1 MiB 5.5 us, 2 MiB 6.0 us" in out
-    # 8192x8192x3584: 896 tiles of 128x256 in 7 waves of 121 us at 60% of 7.5 TFLOP/s per SM
-    consumer = out.index("consumer (rank 0 of 8, no wait):\n  8192x4096x1792 0.245 ms")
-    line = "\n  8192x8192x3584 0.846 ms (569 TFLOP/s; 128x256 tiles, 7 waves, 120.9 us each)\n"
-    assert out.index(line) > consumer
-    assert out.index("cuBLAS (torch.mm, tiles assumed):\n  8192x4096x1792 0.209 ms") > consumer
-    assert (
-        "python -m tp_kernels.bench model --param gemm_efficiency=0.6 "
-        "--param tile_overhead_s=1.5e-06 --param copy_latency_s=5e-06" in out
-    )
-    # cuBLAS's fit is beside the figures, not one of them: timings that fit no line say so there.
-    flat = [dataclasses.replace(t, seconds=1e-3, waves=1) for t in timings.cublas]
-    out = gc.calibration_report(h100, dataclasses.replace(timings, cublas=flat))
-    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
-    assert rows["gemm_efficiency"][1:5] == ["0.75", "0.6", "no", "fit:"]
-    assert "GEMM samples: time does not grow with K" in out
-
-
-def _host_clock(returned: list[float]):
-    """A timer for the CPU: the median of ``reps`` runs on the host clock, kept in ``returned``."""
-
-    def timer(fn, reps: int) -> float:
-        times = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        returned.append(statistics.median(times))
-        return returned[-1]
-
-    return timer
-
-
-def _counting(monkeypatch, launch=None) -> list[dict]:
-    """Replace ``kernels.ag_matmul_consumer`` by ``launch`` (default: the kernel itself) that
-    records the arguments of each call."""
-    real = kernels.ag_matmul_consumer
-    calls: list[dict] = []
-
-    def consumer(a, bs, outs, **kw):
-        calls.append(kw)
-        (launch or real)(a, bs, outs, **kw)
-
-    monkeypatch.setattr(kernels, "ag_matmul_consumer", consumer)
-    return calls
-
-
-# Two ranks' gathered A of 16 and 24 rows per shard (the second not a whole 16-row tile), K and N
-# not multiples of the interpreter's 16x16x16 tiles.
-TINY_GEMMS = ((32, 16, 24), (48, 40, 20))
-
-
-def test_calibration_times_the_consumer_as_built_in_the_interpreter(monkeypatch):
-    """The measurement end to end on a CPU: the consumer launched as rank 0 of 2, every progress
-    word already raised, checked against torch.mm (it raises otherwise), then timed
-    by the injected clock; its tiles (the interpreter's one 16x16 config) and waves (tiles over
-    the interpreter's 2 persistent programs) as launched."""
-    assert kernels.INTERPRET, "tp_kernels.kernels was imported before TRITON_INTERPRET=1"
-    calls = _counting(monkeypatch)
-    returned: list[float] = []
-    timings = gc.measure_calibration(
-        True, device=torch.device("cpu"), timer=_host_clock(returned), gemms=TINY_GEMMS,
-        chunk_mib=(1, 2), world_size=2,
-    )  # fmt: skip
-    # Timed in order: the copies, then per shape the consumer and torch.mm.
-    assert [b for b, _ in timings.copies] == [1 << 20, 2 << 20]
-    assert [t for _, t in timings.copies] == returned[:2]
-    # 2 shards x ceil(16/16) x ceil(24/16) = 4 tiles; 2 x ceil(24/16) x ceil(20/16) = 8 tiles
-    assert timings.consumer == [
-        cost.GemmTiming(32, 16, 24, returned[2], 16, 16, 2),
-        cost.GemmTiming(48, 40, 20, returned[4], 16, 16, 4),
-    ]
-    assert timings.cublas == [
-        cost.GemmTiming(32, 16, 24, returned[3], 128, 256, 1),
-        cost.GemmTiming(48, 40, 20, returned[5], 128, 256, 1),
-    ]
-    # One checked launch and 5 timed ones (--quick) per shape, each as rank 0 of 2 with one
-    # chunk per shard and its progress words raised.
-    assert len(calls) == 2 * (1 + 5)
-    assert {(c["rank"], c["world_size"]) for c in calls} == {(0, 2)}
-    assert [c["chunk_rows"] for c in calls] == [16] * 6 + [24] * 6
-    assert all(c["progress"].tolist() == [signals.RAISED] * 2 for c in calls)
-
-
-@pytest.mark.parametrize(
-    ("wrong", "error"),
-    [
-        ("words", "a tile waited past 0.05 s for a progress word already raised"),
-        ("output", "its output differs from torch.mm by"),
-    ],
-)
-def test_a_wrong_consumer_launch_fails_the_calibration(monkeypatch, wrong, error):
-    """The check before the timing sees a launch that waits (words not raised) and one whose
-    output is wrong (an element off)."""
-    assert kernels.INTERPRET, "tp_kernels.kernels was imported before TRITON_INTERPRET=1"
-    real = kernels.ag_matmul_consumer
-
-    def launch(a, bs, outs, **kw):
-        if wrong == "words":
-            kw = {**kw, "progress": torch.zeros_like(kw["progress"])}
-        real(a, bs, outs, **kw)
-        if wrong == "output":
-            outs[0][0, 0] += 1.0
-
-    _counting(monkeypatch, launch)
-    monkeypatch.setattr(gc, "CALIBRATION_WAIT_S", 0.05)
-    with pytest.raises(RuntimeError, match=error):
-        gc.measure_calibration(
-            True, device=torch.device("cpu"), timer=_host_clock([]), gemms=TINY_GEMMS[:1],
-            chunk_mib=(1, 2), world_size=2,
-        )  # fmt: skip
-
-
-def test_a_calibration_that_raises_is_a_failed_check_not_a_crash(monkeypatch, capsys):
-    def broken(quick):
-        raise RuntimeError("no CUDA here")
-
-    monkeypatch.setattr(gc, "measure_calibration", broken)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
-    assert gc.calibrate_cost_model(quick=True) is False
-    assert "FAIL: the calibration raised RuntimeError: no CUDA here" in capsys.readouterr().out
 
 
 def _replay_that_ignores_its_inputs(backend: str) -> list:

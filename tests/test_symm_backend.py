@@ -25,7 +25,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from tp_kernels import config, symmetric_memory  # noqa: E402
+from tp_kernels import config, symmetric_memory, tiling  # noqa: E402
 from tp_kernels.backends import pipelined  # noqa: E402
 from tp_kernels.backends import symm as symm_backend  # noqa: E402
 from tp_kernels.testing import LocalWorld, RankError  # noqa: E402
@@ -725,13 +725,13 @@ def test_chunks_are_the_models_fastest_or_the_setting(monkeypatch):
     for bad in (0, 5, True, 2.0):
         with pytest.raises(ValueError, match="chunks: expected an int from 1 to 4 or None"):
             config.SYMM_CHUNKS.set(bad, argument="chunks")
-    assert symm_gather.chunk_rows(1024, 1, interpret=False) == 1024
-    assert symm_gather.chunk_rows(1024, 3, interpret=False) == 512  # 2 chunks
-    assert symm_gather.chunk_rows(40, 4, interpret=True) == 16  # 3 chunks
-    assert symm_gather.chunk_rows(0, 1, interpret=False) == 1  # never a zero divisor
+    assert tiling.chunk_rows(1024, 1, interpret=False) == 1024
+    assert tiling.chunk_rows(1024, 3, interpret=False) == 512  # 2 chunks
+    assert tiling.chunk_rows(40, 4, interpret=True) == 16  # 3 chunks
+    assert tiling.chunk_rows(0, 1, interpret=False) == 1  # never a zero divisor
     for m in (1, 5, 255, 256, 257, 1000, 4096, 5000):
         for chunks in range(1, symm_gather.MAX_CHUNKS + 1):
-            rows = symm_gather.chunk_rows(m, chunks, interpret=False)
+            rows = tiling.chunk_rows(m, chunks, interpret=False)
             assert rows % 256 == 0 and -(-m // rows) <= chunks, (m, chunks, rows)
 
 

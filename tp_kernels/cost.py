@@ -12,40 +12,36 @@ the output columns (the sum over every ``b`` of an all-gather-matmul), in a dtyp
 tiles; each schedule's time does. Every rank runs the same schedule on the same shapes, so one
 rank is simulated and a peer's data is ready when this rank's own is.
 
-How a GPU is simulated (:class:`_Timeline`, :func:`_gemm`, :class:`_SharedLink`):
+How a GPU is simulated (:class:`_Timeline`, :func:`_gemm`):
 
 * A GEMM is tiles over the SMs: a ``BM x BN`` tile takes ``tile_overhead_s + 2*BM*BN*K /
   (peak per SM * gemm_efficiency * the tile shape's relative rate)``; a launch's tiles go to the
   SM that frees first, so a GEMM of ``T`` tiles alone takes ``ceil(T / SMs)`` waves and two
   GEMMs on two streams share the SMs (cuBLAS's tile shape: the menu's fastest for the shape).
+  The tiles, their order, the chunks and the row blocks are the kernels' and the backends' own
+  (:mod:`tp_kernels.tiling`).
 * The copy engine moves one copy at a time (copies from two streams do not overlap, as torch's
   comment in ``_pipelined_all_gather_and_consume`` says) at ``link_gb_s * link_efficiency``,
   each copy paying ``copy_latency_s`` (launch, completion, the progress word's stream write).
-* An SM reading or writing peer memory moves at most ``sm_bytes_in_flight / remote_latency_s``
-  (Little's law: the bytes its outstanding requests cover over the round trip), and the SMs that
-  use the link at once share ``link_gb_s * link_efficiency`` equally (processor sharing).
 * NCCL: a collective at ``link_gb_s * nccl_efficiency`` plus ``nccl_latency_s`` per message;
   its kernels hold ``nccl_sms`` SMs while it runs.
 * A pass over memory (a local copy, the reduce-scatter's sum) moves its bytes at ``hbm_gb_s *
   hbm_efficiency``.
 
-Schedules (one function each, its docstring says what it models): ``reference``
-(:func:`reference_s`), ``torch_symm_mem`` (:func:`torch_symm_mem_s`), ``pipelined``
-(:func:`pipelined_s`), and ``symm``'s: the pulling consumer (:func:`symm_puller_s`), the
-copy-engine producer (:func:`symm_copy_engine_s`), the matmul-reduce-scatter producer whose
-blocks the copy engine pushes, with its reduction pass (:func:`symm_reduce_scatter_s`), and the
-producer that stored its tiles straight into the peers (:func:`symm_rs_direct_store_s`).
-``symm``'s all-gather is predicted by its copy-engine schedule and its reduce-scatter by the
-copy-engine push, the ones built; the puller and the direct stores, which the model found
-faster at no shape where another backend was not as fast or faster, were removed from the
-backend and stay here as the record of why (``symm[puller, removed]`` and ``symm[direct-store,
-removed]`` in the schedule table). On a CPU (``sms is None``) a GEMM is
-one piece of work at the measured rate and ``symm`` is its torch path (:func:`symm_cpu_s`).
+Schedules, one function each for the schedules built, its docstring saying what it models:
+``reference`` (:func:`reference_s`), ``torch_symm_mem`` (:func:`torch_symm_mem_s`),
+``pipelined`` (:func:`pipelined_s`), and ``symm``'s all-gather, the copy-engine producer
+(:func:`symm_copy_engine_s`), and matmul-reduce-scatter, the producer whose blocks the copy
+engine pushes, with its reduction pass (:func:`symm_reduce_scatter_s`). On a CPU (``sms is
+None``) a GEMM is one piece of work at the measured rate and ``symm`` is its torch path
+(:func:`symm_cpu_s`). The schedules the model retired (``symm``'s pulling consumer and its
+reduce-scatter's direct stores) are recorded, with the numbers that retired them, in
+benchmarks/README.md.
 
 Every figure of a :class:`DeviceSpec` names its source in ``sources``: a datasheet, or
-"assumed" with the reasoning; :func:`tp_kernels.bench.gpu_check.calibrate_cost_model` fits the
-consumer kernel's per-tile rate and the copy engine's rate and latency on a GPU and prints them
-beside these.
+"assumed" with the reasoning; :mod:`tp_kernels.bench.calibration` (run by ``gpu_check``) fits
+the consumer kernel's per-tile rate and the copy engine's rate and latency on a GPU and prints
+them beside these.
 """
 
 from __future__ import annotations
@@ -60,20 +56,18 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tp_kernels import config, tiling
+
 __all__ = [
     "DEVICES",
     "DTYPE_NAMES",
     "SCHEDULES",
+    "TILES",
     "DeviceSpec",
-    "GemmTiming",
     "OpCost",
     "Problem",
-    "calibrated",
     "copy_engine_chunks",
     "device_spec",
-    "fit_copies",
-    "fit_line",
-    "fit_tiles",
     "gemm_s",
     "measure_cpu",
     "op_cost",
@@ -81,9 +75,7 @@ __all__ = [
     "reference_s",
     "symm_copy_engine_s",
     "symm_cpu_s",
-    "symm_puller_s",
     "symm_reduce_scatter_s",
-    "symm_rs_direct_store_s",
     "torch_symm_mem_s",
 ]
 
@@ -91,16 +83,20 @@ AG, RS = "all_gather_matmul", "matmul_reduce_scatter"
 _ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # The model's dtype names for torch dtypes (other dtypes have no tensor-core rate to model).
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-# Columns of the schedule table, per op: the symm schedules that exist for it.
-SCHEDULES = {
-    AG: ("reference", "torch_symm_mem", "pipelined", "symm[puller, removed]", "symm[copy-engine]"),
-    RS: ("reference", "torch_symm_mem", "pipelined", "symm[direct-store, removed]", "symm"),
-}
-# GEMM tile shapes (BM, BN) and their rate relative to the largest: smaller tiles reuse each
-# loaded byte less (assumed; these are the shapes of kernels._shared.GEMM_SHAPES that 16-bit
-# GEMMs use, and cuBLAS's are similar).
-TILES = ((128, 256, 1.0), (128, 128, 0.9), (64, 128, 0.75))
-GROUP_M = 8  # kernels._shared.GROUP_M: M tiles that walk the column tiles together
+# Columns of the schedule table, per op (on a GPU; a CPU has no torch_symm_mem).
+SCHEDULES = {op: ("reference", "torch_symm_mem", "pipelined", "symm") for op in (AG, RS)}
+# The rate of a tile shape (BM, BN) relative to the largest: smaller tiles reuse each loaded
+# byte less (assumed). The model's GEMMs take the shapes of the kernels' menu that are rated
+# here, three that 16-bit GEMMs use (cuBLAS's are similar); the menu's others are not modeled.
+_TILE_RATES = {(128, 256): 1.0, (128, 128): 0.9, (64, 128): 0.75}
+# (BM, BN, rate) of the model's tile shapes, in the menu's order (a tie goes to the first).
+TILES: tuple[tuple[int, int, float], ...] = tuple(
+    dict.fromkeys(
+        (bm, bn, _TILE_RATES[bm, bn])
+        for bm, bn, *_ in tiling.GEMM_SHAPES
+        if (bm, bn) in _TILE_RATES
+    )
+)
 _NVIDIA = "https://www.nvidia.com/en-us/data-center"
 _HOPPER = "https://developer.nvidia.com/blog/nvidia-hopper-architecture-in-depth/"
 
@@ -120,10 +116,6 @@ _ASSUMED = {
     "launch, protocol handshake)",
     "barrier_s": "assumed: 4 us for a symmetric-memory barrier (a signal to every peer over "
     "NVLink and a poll)",
-    "remote_latency_s": "assumed: 1.5 us round trip of an SM's load from a peer's memory over "
-    "NVLink and the switch (the issue's 1-2 us)",
-    "sm_bytes_in_flight": "assumed: 32 KiB, two pipeline stages of a 128x64 16-bit A tile "
-    "outstanding per SM (the GEMMs' 3 stages, one being consumed)",
     "nccl_sms": "assumed: NCCL's point-to-point kernels hold 8 SMs while they move bytes",
 }
 
@@ -149,18 +141,12 @@ class DeviceSpec:
     copy_latency_s: float = 3e-6
     nccl_latency_s: float = 10e-6
     barrier_s: float = 4e-6
-    remote_latency_s: float = 1.5e-6
-    sm_bytes_in_flight: int = 32 << 10
     nccl_sms: int = 8
 
     @property
     def source(self) -> str:
         """The datasheet figures' source (one line)."""
         return self.sources["peak_tflops"]
-
-    def sm_remote_gb_s(self) -> float:
-        """One SM's rate to or from peer memory: bytes in flight over the round trip."""
-        return self.sm_bytes_in_flight / self.remote_latency_s / 1e9
 
 
 def _gpu(name, peak, sms, hbm, link, datasheet, sms_source) -> DeviceSpec:
@@ -263,7 +249,7 @@ def device_spec(device: torch.device) -> DeviceSpec | None:
 
 
 # --------------------------------------------------------------------------------------------
-# The GPU's parts: GEMM tiles, a timeline of streams over SMs and the copy engine, a shared link.
+# The GPU's parts: GEMM tiles, a timeline of streams over SMs and the copy engine.
 
 
 @dataclass(frozen=True)
@@ -412,41 +398,6 @@ def _run_streams(streams: list[list[tuple]], timeline: _Timeline) -> float:
     return max(done.values(), default=0.0)
 
 
-class _SharedLink:
-    """Transfers sharing the link: each of the ``n`` in flight moves at ``min(cap, rate / n)``
-    bytes/s (processor sharing; ``cap`` is one SM's remote rate). All in flight move at one
-    speed, so the link counts the bytes each has been served since it started (``served``) and
-    a transfer ends when that count has grown by its size: a heap of those end counts."""
-
-    def __init__(self, rate: float, cap: float) -> None:
-        self.rate, self.cap = rate, cap
-        self.served = 0.0
-        self._ends: list[tuple[float, int]] = []  # (served when it ends, key)
-
-    def busy(self) -> bool:
-        return bool(self._ends)
-
-    def speed(self) -> float:
-        return min(self.cap, self.rate / len(self._ends)) if self._ends else 0.0
-
-    def start(self, key: int, nbytes: float) -> None:
-        heapq.heappush(self._ends, (self.served + nbytes, key))
-
-    def next_done(self, now: float) -> tuple[float, int] | None:
-        """When the first transfer in flight ends at today's speed, and its key."""
-        if not self._ends:
-            return None
-        end, key = self._ends[0]
-        return now + max(end - self.served, 0.0) / self.speed(), key
-
-    def advance(self, seconds: float) -> None:
-        self.served += self.speed() * seconds
-
-    def finish(self) -> None:
-        """The first transfer (the one :meth:`next_done` names) has ended."""
-        heapq.heappop(self._ends)
-
-
 # --------------------------------------------------------------------------------------------
 # The schedules.
 
@@ -522,19 +473,17 @@ def torch_symm_mem_s(p: Problem, op: str) -> float:
 def pipelined_s(p: Problem, op: str) -> float:
     """``pipelined``: :mod:`tp_kernels.backends.schedule`'s order with NCCL point-to-point blocks.
 
-    Each peer's block is split into row blocks (``pipelined.chunks_for``: one per MiB, at most
-    4, or the count set), one NCCL batch each, run one after another on NCCL's stream while
-    NCCL's kernels hold ``nccl_sms`` SMs (the GEMMs get the rest). AG: every transfer posted up
-    front; the own shard's GEMMs (one per row block and ``b``), then each peer's row block's
-    GEMMs once it has landed, peers in the order ``r+1, r+2, ...``. RS: the row blocks owed to
-    ``r+1, ..., r-1`` computed one by one, each sent as soon as it is computed, the own block
-    last; then the ``W`` partials summed in fp32 in rank order (``sum_in_rank_order``: a
-    conversion pass and ``W-1`` additions of an fp32 accumulator). On a CPU the "link" is
-    gloo's."""
-    from tp_kernels.backends.pipelined import chunks_for  # (it imports the ops layer)
-
+    Each peer's block is split into row blocks (:func:`tp_kernels.tiling.transfer_blocks`: one
+    per MiB, at most 4, or the count set), one NCCL batch each, run one after another on NCCL's
+    stream while NCCL's kernels hold ``nccl_sms`` SMs (the GEMMs get the rest). AG: every
+    transfer posted up front; the own shard's GEMMs (one per row block and ``b``), then each
+    peer's row block's GEMMs once it has landed, peers in the order ``r+1, r+2, ...``. RS: the
+    row blocks owed to ``r+1, ..., r-1`` computed one by one, each sent as soon as it is
+    computed, the own block last; then the ``W`` partials summed in fp32 in rank order
+    (``sum_in_rank_order``: a conversion pass and ``W-1`` additions of an fp32 accumulator). On a
+    CPU the "link" is gloo's."""
     dev, w, m = p.dev, p.w, p.m
-    chunks = chunks_for(m, (p.k if op == AG else p.n) * p.e)
+    chunks = tiling.transfer_blocks(m, (p.k if op == AG else p.n) * p.e)
     bounds = [m * i // chunks for i in range(chunks + 1)]
     rows = [b - a for a, b in zip(bounds, bounds[1:])]
     compute_sms = dev.sms - dev.nccl_sms if dev.sms else None
@@ -573,14 +522,14 @@ def _shard_order_tiles(
     """``(shard step, M tile in the shard, column tile)`` of every tile of a launch over the
     right-hand widths ``ns`` in the kernels' order (:func:`tp_kernels.kernels._shared.
     _tile_coords`): shard by shard from this rank's own (step 0), inside a shard each width's
-    tiles in turn, and for one width in groups of :data:`GROUP_M` M tiles that walk the column
-    tiles together, column tile 0 of every M tile of the group first."""
+    tiles in turn, and for one width in groups of :data:`tp_kernels.tiling.GROUP_M` M tiles that
+    walk the column tiles together, column tile 0 of every M tile of the group first."""
     m_tiles = math.ceil(p.m / bm)
     order = []
     for step in range(p.w):
         for n in ns:
-            for first in range(0, m_tiles, GROUP_M):
-                group = range(first, min(first + GROUP_M, m_tiles))
+            for first in range(0, m_tiles, tiling.GROUP_M):
+                group = range(first, min(first + tiling.GROUP_M, m_tiles))
                 order += [(step, mt, col) for col in range(math.ceil(n / bn)) for mt in group]
     return order
 
@@ -610,68 +559,6 @@ def _launch_tile(p: Problem, ns: Sequence[int]) -> tuple[int, int, float]:
     return min(TILES, key=alone_s)
 
 
-def symm_puller_s(p: Problem) -> float:
-    """``symm``'s all-gather as built today (``kernels/ag_matmul.py``, ``backends/symm.py``).
-
-    The own shard is copied into the symmetric buffer (a memory pass) and the ready signals
-    sent. The first launch (``bs[0]``) is persistent, ``min(tiles, SMs)`` programs drawing tiles
-    by ticket in the kernels' order (:func:`_shard_order_tiles`). Column tile 0 of each M tile
-    is its puller: for a peer's shard it reads its ``BM x K`` rows from the peer while it
-    computes, at one SM's remote rate, the pullers in flight sharing the link
-    (:class:`_SharedLink`), and it takes ``max(its compute, its transfer)``; for the own shard it
-    reads local memory. Every other column tile of that M tile spins on its SM from the moment it
-    draws its ticket until the puller's flag, then computes. The further launches (``bs[1:]``)
-    read the local ``A`` only: strided persistent tiles, back to back."""
-    dev = p.dev
-    start = dev.copy_latency_s + p.hbm_s(2 * p.m * p.k * p.e)
-    bm, bn, rel = _launch_tile(p, p.ns[:1])
-    tile_s = _tile_s(dev, p.dtype, bm, bn, p.k, rel)
-    order = _shard_order_tiles(p, p.ns[:1], bm, bn)
-    programs = min(len(order), dev.sms)
-    link = _SharedLink(dev.link_gb_s * 1e9 * dev.link_efficiency, dev.sm_remote_gb_s() * 1e9)
-    free = [(start, i) for i in range(programs)]  # (time the program draws a ticket, program)
-    heapq.heapify(free)
-    pulled: dict[tuple[int, int], float] = {}  # (step, M tile) -> its flag's release
-    blocked: dict[tuple[int, int], list[int]] = {}  # waiters spinning on a flag
-    pulling: dict[int, tuple[tuple[int, int], float]] = {}  # program -> (M tile, compute done)
-    now, ticket = start, 0
-
-    def release(key: tuple[int, int], at: float, program: int) -> None:
-        pulled[key] = at
-        heapq.heappush(free, (at, program))
-        for waiter in blocked.pop(key, []):
-            heapq.heappush(free, (at + tile_s, waiter))
-
-    while ticket < len(order) or link.busy():
-        drawn = free[0][0] if free and ticket < len(order) else math.inf
-        landed = link.next_done(now)
-        if landed is not None and landed[0] < drawn:
-            link.advance(landed[0] - now)
-            now, program = landed
-            link.finish()
-            key, computed = pulling.pop(program)
-            release(key, max(now, computed), program)
-            continue
-        link.advance(drawn - now)
-        now, program = heapq.heappop(free)
-        step, mt, col = order[ticket]
-        ticket += 1
-        key = (step, mt)
-        if col == 0 and step > 0:
-            rows = min(bm, p.m - mt * bm)
-            link.start(program, rows * p.k * p.e)
-            pulling[program] = (key, now + tile_s)
-        elif col == 0:
-            release(key, now + tile_s, program)
-        elif key in pulled:
-            heapq.heappush(free, (max(now, pulled[key]) + tile_s, program))
-        else:
-            blocked.setdefault(key, []).append(program)
-    return max(t for t, _ in free) + sum(
-        gemm_s(p.w * p.m, p.k, n, p.dtype, dev, cublas=False) for n in p.ns[1:]
-    )
-
-
 def copy_engine_chunks(p: Problem, most: int) -> int:
     """Chunks per peer shard of the copy-engine all-gather: of 1 to ``most``, the count whose
     simulated call (:func:`_copy_engine_s`) is the fastest, the fewest on a tie. A chunk lets
@@ -683,15 +570,8 @@ def copy_engine_chunks(p: Problem, most: int) -> int:
 def symm_copy_engine_s(p: Problem) -> float:
     """``symm``'s all-gather as built (issue 20): :func:`_copy_engine_s` with the chunk count the
     backend takes (:func:`tp_kernels.backends.symm_gather.chunks_per_shard`, which asks
-    :func:`copy_engine_chunks`)."""
-    from tp_kernels.backends.symm_gather import MAX_CHUNKS
-
-    return _copy_engine_s(p, copy_engine_chunks(p, MAX_CHUNKS))
-
-
-# Right-hand matrices one launch of the consumer takes (kernels.ag_matmul.MAX_BS_PER_LAUNCH; the
-# model imports no Triton).
-_BS_PER_LAUNCH = 3
+    :func:`copy_engine_chunks`, 1 to :data:`tp_kernels.config.SYMM_MAX_CHUNKS`)."""
+    return _copy_engine_s(p, copy_engine_chunks(p, config.SYMM_MAX_CHUNKS))
 
 
 def _copy_engine_s(p: Problem, chunks: int) -> float:
@@ -700,20 +580,20 @@ def _copy_engine_s(p: Problem, chunks: int) -> float:
     The own shard is copied into its symmetric buffer and into its rows of the gathered ``A``
     (two memory passes, each paying ``copy_latency_s``), then a barrier; on a side stream the
     copy engine copies each peer's shard (``r+1, r+2, ...``) into ``A`` in chunks of
-    :func:`tp_kernels.backends.symm_gather.chunk_rows` rows, each copy paying
+    :func:`tp_kernels.tiling.chunk_rows` rows, each copy paying
     ``copy_latency_s`` (its launch and the progress word's stream write). The consumer's first
-    launch takes up to three right-hand matrices (QKV's, w1/w3's: all of them); it is
+    launch takes up to :data:`tp_kernels.tiling.MAX_BS_PER_LAUNCH` right-hand matrices (QKV's,
+    w1/w3's: all of them); it is
     persistent over every SM, its tiles in the kernels' order, each tile of a peer's shard not
     before the word of the chunk that holds its last row; it reads only local memory (TMA), so
     no SM moves bytes and none waits for a tile that is not running. Further launches (more
     matrices) read ``A`` after it: back-to-back waves."""
-    from tp_kernels.backends.symm_gather import chunk_rows
-
     dev = p.dev
     start = 2 * (dev.copy_latency_s + p.hbm_s(2 * p.m * p.k * p.e))
-    first, rest = p.ns[:_BS_PER_LAUNCH], p.ns[_BS_PER_LAUNCH:]
+    per_launch = tiling.MAX_BS_PER_LAUNCH
+    first, rest = p.ns[:per_launch], p.ns[per_launch:]
     bm, bn, rel = _launch_tile(p, first)
-    rows = chunk_rows(p.m, chunks, interpret=False)
+    rows = tiling.chunk_rows(p.m, chunks, interpret=False)
     landed = {}  # (step, chunk) -> when its word is written
     at = start + dev.barrier_s
     for step in range(1, p.w):
@@ -727,15 +607,15 @@ def _copy_engine_s(p: Problem, chunks: int) -> float:
     tile_s = _tile_s(dev, p.dtype, bm, bn, p.k, rel)
     done = max(_persistent(ready, tile_s, min(len(order), dev.sms), start))
     return done + sum(
-        gemm_s(p.w * p.m, p.k, sum(rest[i : i + _BS_PER_LAUNCH]), p.dtype, dev, cublas=False)
-        for i in range(0, len(rest), _BS_PER_LAUNCH)
+        gemm_s(p.w * p.m, p.k, sum(rest[i : i + per_launch]), p.dtype, dev, cublas=False)
+        for i in range(0, len(rest), per_launch)
     )
 
 
 def _producer_tile(p: Problem) -> tuple[int, int, float]:
-    """``(BM, BN, seconds)`` of the producer's tile (``matmul_rs._producer_config``)."""
-    bm = 128 if p.m >= 128 else 64
-    bn = 256 if p.n >= 256 else 128 if p.n >= 128 else 64
+    """``(BM, BN, seconds)`` of the producer's tile (:func:`tp_kernels.tiling.producer_blocks`,
+    which the kernel takes)."""
+    bm, bn, _ = tiling.producer_blocks(p.m, p.n, fp32=False)
     rel = next((r for tm, tn, r in TILES if (tm, tn) == (bm, bn)), TILES[-1][2])
     return bm, bn, _tile_s(p.dev, p.dtype, bm, bn, p.k, rel)
 
@@ -764,51 +644,6 @@ def symm_reduce_scatter_s(p: Problem) -> float:
     return finish + dev.copy_latency_s + p.hbm_s((p.w + 1) * p.m * p.n * p.e)
 
 
-def symm_rs_direct_store_s(p: Problem) -> float:
-    """``symm``'s matmul-reduce-scatter before issue 20 (removed): the producer stored its
-    tiles straight into the peers' slots.
-
-    The producer is persistent, ``min(tiles, SMs)`` programs, program ``i`` taking tiles ``i,
-    i+P, ...`` (``_producer_config``: 128x256 tiles once ``N >= 256``); the rows owed to ``r+1``
-    come first and the own rows last. After its math a tile stores its ``BM x BN`` partial into
-    the destination's slot: to a peer at one SM's remote rate, the storing SMs sharing the link,
-    then a system-scope release (its fence waits for the stores: one more round trip) before the
-    SM takes its next tile; the own slot's stores are local. Then ``reduce_slots``, on the same
-    stream: a memory pass reading the ``W`` slots (``W*m*N*e``) and writing ``m*N*e``; every
-    peer runs the same schedule, so their slots have landed when this rank's producer is done."""
-    dev = p.dev
-    bm, bn, tile_s = _producer_tile(p)
-    m_tiles, n_tiles = math.ceil(p.m / bm), math.ceil(p.n / bn)
-    tiles = [(step, mt) for step in range(p.w) for mt in range(m_tiles) for _ in range(n_tiles)]
-    programs = min(len(tiles), dev.sms)
-    link = _SharedLink(dev.link_gb_s * 1e9 * dev.link_efficiency, dev.sm_remote_gb_s() * 1e9)
-    computed = [(tile_s, i) for i in range(programs)]  # (math done, program); tile i first
-    heapq.heapify(computed)
-    nxt = list(range(programs))  # each program's current tile
-    now = finish = 0.0
-    while computed or link.busy():
-        stored = link.next_done(now)
-        if stored is not None and (not computed or stored[0] < computed[0][0]):
-            link.advance(stored[0] - now)
-            now, program = stored
-            link.finish()
-            at = now + dev.remote_latency_s
-        else:
-            at, program = heapq.heappop(computed)
-            link.advance(at - now)
-            now = at
-            step, mt = tiles[nxt[program]]
-            if step < p.w - 1:  # a peer's slot
-                rows = min(bm, p.m - mt * bm)
-                link.start(program, rows * min(bn, p.n) * p.e)
-                continue
-        finish = max(finish, at)
-        nxt[program] += programs
-        if nxt[program] < len(tiles):
-            heapq.heappush(computed, (at + tile_s, program))
-    return finish + dev.copy_latency_s + p.hbm_s((p.w + 1) * p.m * p.n * p.e)
-
-
 def symm_cpu_s(p: Problem, op: str) -> float:
     """``symm``'s torch path on a CPU (``backends/schedule.py`` over shared memory, one thread).
 
@@ -828,7 +663,7 @@ def symm_cpu_s(p: Problem, op: str) -> float:
 class OpCost:
     """The model's times (seconds) for one call: the module docstring's compute, comm and speed
     of light; ``schedules_s`` every schedule of :data:`SCHEDULES` for the op (a CPU: the three
-    that run there); ``backends_s`` per backend (``symm``: its faster schedule)."""
+    that run there); ``backends_s`` per backend."""
 
     compute_s: float
     comm_s: float
@@ -874,126 +709,10 @@ def op_cost(
     schedules = {"reference": reference_s(p, op), "pipelined": pipelined_s(p, op)}
     if device.sms is None:
         schedules["symm"] = symm_cpu_s(p, op)
-    elif op == AG:
-        schedules["torch_symm_mem"] = torch_symm_mem_s(p, op)
-        schedules["symm[puller, removed]"] = symm_puller_s(p)
-        schedules["symm[copy-engine]"] = symm_copy_engine_s(p)
     else:
         schedules["torch_symm_mem"] = torch_symm_mem_s(p, op)
-        schedules["symm[direct-store, removed]"] = symm_rs_direct_store_s(p)
-        schedules["symm"] = symm_reduce_scatter_s(p)
-    backends = {b: t for b, t in schedules.items() if "[" not in b}
-    if "symm" not in backends:
-        backends["symm"] = schedules["symm[copy-engine]"]
+        schedules["symm"] = symm_copy_engine_s(p) if op == AG else symm_reduce_scatter_s(p)
+    backends = dict(schedules)
     if "torch_symm_mem" not in backends:
         backends["torch_symm_mem"] = backends["symm"]  # not on a CPU: never a candidate there
     return OpCost(compute, comm, sol, compute + comm, backends, schedules)
-
-
-# --------------------------------------------------------------------------------------------
-# Calibration: the figures a GPU's own timings give (tp_kernels.bench.gpu_check measures them).
-
-
-def fit_line(xs: Sequence[float], ys: Sequence[float], *, argument: str) -> tuple[float, float]:
-    """Least squares ``y = a + b * x`` through the points: ``(a, b)``; ``argument`` names the
-    samples in the error raised when fewer than two distinct ``x`` leave the line undefined."""
-    if len(xs) != len(ys) or len(set(xs)) < 2:
-        raise ValueError(
-            f"{argument}: got {len(xs)} samples at {len(set(xs))} distinct sizes, expected at "
-            "least two sizes to fit a rate and a fixed cost"
-        )
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    return my - b * mx, b
-
-
-def fit_copies(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
-    """``(GB/s, latency s)`` of copies timed as ``(bytes, seconds)``: ``seconds = latency +
-    bytes / rate``."""
-    latency, per_byte = fit_line(
-        [b for b, _ in samples], [t for _, t in samples], argument="copy samples"
-    )
-    if per_byte <= 0:
-        raise ValueError(f"copy samples: time does not grow with size ({samples})")
-    return 1 / per_byte / 1e9, max(latency, 0.0)
-
-
-@dataclass(frozen=True)
-class GemmTiming:
-    """One GEMM launch timed on a GPU: ``rows x k x n`` in ``seconds``, run as ``waves`` rounds of
-    ``bm x bn`` tiles (the most tiles one SM ran: ``ceil(tiles / programs)``)."""
-
-    rows: int
-    k: int
-    n: int
-    seconds: float
-    bm: int
-    bn: int
-    waves: int
-
-    @classmethod
-    def in_whole_waves(
-        cls, rows: int, k: int, n: int, seconds: float, sms: int, bm: int = 128, bn: int = 256
-    ) -> GemmTiming:
-        """A GEMM whose tiles are not known (cuBLAS's), taken as ``bm x bn`` tiles (default: the
-        model's largest) in ``ceil(tiles / sms)`` waves."""
-        waves = math.ceil(math.ceil(rows / bm) * math.ceil(n / bn) / sms)
-        return cls(rows, k, n, seconds, bm, bn, waves)
-
-
-def _tile_rate(bm: int, bn: int) -> float:
-    """A ``bm x bn`` tile's rate relative to the largest: that of the :data:`TILES` entry whose
-    reuse ``bm*bn / (bm+bn)`` (flops per element loaded) is nearest, so a transposed tile rates
-    as its transpose and a tile off the menu as its nearest kin."""
-    reuse = bm * bn / (bm + bn)
-    return min(TILES, key=lambda t: abs(t[0] * t[1] / (t[0] + t[1]) - reuse))[2]
-
-
-def fit_tiles(
-    samples: Sequence[GemmTiming], device: DeviceSpec, dtype: str = "bf16"
-) -> tuple[float, float]:
-    """``(gemm_efficiency, tile_overhead_s)`` from timed GEMM launches.
-
-    The model's tile takes ``tile_overhead_s + 2*BM*BN*k / (peak per SM * gemm_efficiency *
-    rate)`` (``rate``: the tile shape's, :func:`_tile_rate`), so ``seconds / waves`` is a line in
-    ``2*BM*BN*k / rate`` whose slope gives the efficiency and whose intercept the overhead; the
-    samples need at least two distinct values of it (two ``k``)."""
-    if device.sms is None:
-        raise ValueError(f"device: {device.name} has no SMs, so no tiles to fit")
-    flops = [2.0 * s.bm * s.bn * s.k / _tile_rate(s.bm, s.bn) for s in samples]
-    per_wave = [s.seconds / s.waves for s in samples]
-    overhead, per_flop = fit_line(flops, per_wave, argument="GEMM samples")
-    if per_flop <= 0:
-        raise ValueError(f"GEMM samples: time does not grow with K ({samples})")
-    per_sm = device.peak_tflops[dtype] * 1e12 / device.sms
-    return 1 / per_flop / per_sm, max(overhead, 0.0)
-
-
-def calibrated(
-    device: DeviceSpec,
-    copies: Sequence[tuple[int, float]],
-    tiles: Sequence[GemmTiming],
-    dtype: str = "bf16",
-) -> tuple[DeviceSpec, float]:
-    """``device`` with ``gemm_efficiency``, ``tile_overhead_s`` (:func:`fit_tiles` of ``tiles``,
-    the consumer kernel's launches) and ``copy_latency_s`` (:func:`fit_copies`) fitted from one
-    GPU's timings, each source saying so, and the copies' fitted rate (GB/s: a copy within one
-    GPU, an upper bound of a copy over the link, so ``link_gb_s`` stays the datasheet's)."""
-    efficiency, overhead = fit_tiles(tiles, device, dtype)
-    rate, latency = fit_copies(copies)
-    where = "fitted by tp_kernels.bench.gpu_check on this GPU"
-    consumer = f"{where} (the all-gather consumer kernel's tiles at the Llama shapes)"
-    sources = {
-        **device.sources,
-        "gemm_efficiency": consumer,
-        "tile_overhead_s": consumer,
-        "copy_latency_s": f"{where} (device-to-device copies of chunk sizes)",
-    }
-    fitted = dataclasses.replace(
-        device,
-        gemm_efficiency=efficiency,
-        tile_overhead_s=overhead,
-        copy_latency_s=latency,
-        sources=sources,
-    )
-    return fitted, rate

@@ -5,7 +5,8 @@ For one call of an op (shapes as in ``backends/base.py``) on a group of ``W`` ra
 1. **Candidates.** The backends that can run for the group and device, in the order of
    preference ``torch_symm_mem`` (CUDA only), ``symm``, ``pipelined``, ``reference``; a group of
    one takes ``reference`` (nothing to overlap). Ruled out: ``pipelined`` below one block of
-   ``_MIN_BLOCK_BYTES`` per rank (per-message latency would dominate).
+   :data:`tp_kernels.tiling.MIN_TRANSFER_BLOCK_BYTES` per rank (per-message latency would
+   dominate).
 2. **Untimed choice**: the first candidate. It is what a call uses while its shape class has not
    been timed (under ``torch.compile``, or with ``TP_KERNELS_AUTO_TIMING=0``). It depends on
    nothing measured, so every rank makes the same one.
@@ -44,7 +45,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from tp_kernels import config, cost, deadline
+from tp_kernels import config, cost, deadline, tiling
 
 logger = logging.getLogger("tp_kernels")
 
@@ -149,13 +150,12 @@ def candidates(
             names.append(name)
         else:
             ruled_out[name] = f"unavailable: {why}"
-    from tp_kernels.backends.pipelined import _MIN_BLOCK_BYTES
-
     block = shape.rows_bytes(group.size())
-    if "pipelined" in names and block < _MIN_BLOCK_BYTES:
+    if "pipelined" in names and block < tiling.MIN_TRANSFER_BLOCK_BYTES:
         names.remove("pipelined")
         ruled_out["pipelined"] = (
-            f"the {block} B per-rank block is below {_MIN_BLOCK_BYTES} B, too small to pipeline"
+            f"the {block} B per-rank block is below {tiling.MIN_TRANSFER_BLOCK_BYTES} B, too small "
+            "to pipeline"
         )
     return Candidates(tuple(names), ruled_out, {})
 

@@ -34,13 +34,9 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from tp_kernels import config, deadline
+from tp_kernels import config, deadline, tiling
 from tp_kernels.backends import schedule
 from tp_kernels.backends.base import Backend
-
-# A block smaller than this is dominated by per-message latency on gloo and NCCL alike.
-_MIN_BLOCK_BYTES = 1 << 20
-_MAX_CHUNKS = 4
 
 
 def set_chunks(chunks: int | None) -> None:
@@ -55,14 +51,6 @@ def chunks_setting() -> int | None:
     on before a fused call (a different count on one rank would pair blocks wrongly), so a bad
     value is an error every rank raises together."""
     return config.PIPELINE_CHUNKS.get()
-
-
-def chunks_for(rows: int, row_bytes: int) -> int:
-    """Row blocks per peer transfer of ``rows`` rows of ``row_bytes`` bytes each."""
-    chosen = chunks_setting()
-    if chosen is None:
-        chosen = min(_MAX_CHUNKS, max(1, rows * row_bytes // _MIN_BLOCK_BYTES))
-    return max(1, min(chosen, rows))
 
 
 def _row_blocks(rows: int, chunks: int) -> list[tuple[int, int]]:
@@ -156,7 +144,7 @@ class _GatherBlocks:
     def __init__(self, a_shard: torch.Tensor, a: torch.Tensor, group: dist.ProcessGroup) -> None:
         world, rank = group.size(), group.rank()
         m = a_shard.shape[0]
-        chunks = chunks_for(m, a_shard.shape[1] * a_shard.element_size())
+        chunks = tiling.transfer_blocks(m, a_shard.shape[1] * a_shard.element_size())
         self._a, self._m, self._group = a, m, group
         self._pending: dict[int, list[tuple[int, int, list[dist.Work]]]] = {}
         for step in range(1, world):
@@ -192,7 +180,7 @@ class _ScatterBlocks:
     def __init__(self, m: int, n: int, a: torch.Tensor, group: dist.ProcessGroup) -> None:
         self._group = group
         self._rank, self._world = group.rank(), group.size()
-        self._blocks = _row_blocks(m, chunks_for(m, n * a.element_size()))
+        self._blocks = _row_blocks(m, tiling.transfer_blocks(m, n * a.element_size()))
         self._received = a.new_empty((self._world, m, n))  # [s]: rank s's partial of our rows
         # [k-1]: the block for rank r+k, kept alive until the sends complete.
         self._sent = a.new_empty((self._world - 1, m, n))

@@ -108,7 +108,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from tp_kernels import config, signals, symmetric_memory
+from tp_kernels import config, signals, symmetric_memory, tiling
 from tp_kernels.backends import base, schedule, symm_gather, symm_scatter
 from tp_kernels.backends.base import Backend, CaptureNeed, PendingGather
 
@@ -785,7 +785,7 @@ def _ag_triton(
     _barrier(state, pads, rank, world, _PUBLISHED, clear=False)
     ns = tuple(b.shape[1] for b in bs)
     chunks = symm_gather.chunks_per_shard(m, k, ns, a.dtype, world, a.device)
-    rows = symm_gather.chunk_rows(m, chunks, interpret=kernels.INTERPRET)
+    rows = tiling.chunk_rows(m, chunks, interpret=kernels.INTERPRET)
     sources = [(s, half.view(s, (m, k), a_shard.dtype)) for s in round_.peers()]
     copies = copier.start(sources, a, rows, words)
     try:

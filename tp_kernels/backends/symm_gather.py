@@ -24,9 +24,10 @@ side). Each remote byte is read once, by a copy; the copies of a call run one af
   runs in Triton's interpreter on the calling thread, each word a release store
   (``tp_kernels._C.store_release``); the thread is joined before the call returns.
 
-Chunks per shard (:func:`chunks_per_shard`): a chunk lets the consumer's tiles start on part of
-a shard (the first peer's behind the own shard's tiles, the last peer's before the rest of it
-lands), but each costs the copy engine a per-copy latency and the host a copy and a word, so
+Rows per chunk: :func:`tp_kernels.tiling.chunk_rows` (whole consumer tiles). Chunks per shard
+(:func:`chunks_per_shard`): a chunk lets the consumer's tiles start on part of a shard (the
+first peer's behind the own shard's tiles, the last peer's before the rest of it lands), but
+each costs the copy engine a per-copy latency and the host a copy and a word, so
 the count is the one the cost model predicts fastest for the device and shape
 (:func:`tp_kernels.cost.copy_engine_chunks`, 1 to :data:`MAX_CHUNKS`), or
 ``TP_KERNELS_SYMM_CHUNKS``.
@@ -44,10 +45,6 @@ from tp_kernels import config, cost, signals
 
 # Most chunks per shard (the progress words per shard).
 MAX_CHUNKS = config.SYMM_MAX_CHUNKS
-# Chunk boundaries are multiples of the largest BLOCK_M (256) on a GPU, so that a consumer tile
-# waits for one chunk; the interpreter's tiles are 16 rows.
-_GPU_ROW_ALIGN = 256
-_INTERPRETER_ROW_ALIGN = 16
 
 
 def chunks_per_shard(
@@ -69,14 +66,6 @@ def _modelled_chunks(
         return 1
     problem = cost.Problem(m, k, ns, world_size, cost.DTYPE_NAMES[dtype], spec)
     return cost.copy_engine_chunks(problem, MAX_CHUNKS)
-
-
-def chunk_rows(m: int, chunks: int, *, interpret: bool) -> int:
-    """Rows per chunk of an ``m``-row shard cut into ``chunks``, rounded up to whole consumer
-    tiles (256 rows on a GPU, 16 in the interpreter), so the shard may take fewer chunks."""
-    align = _INTERPRETER_ROW_ALIGN if interpret else _GPU_ROW_ALIGN
-    rows = -(-m // chunks)
-    return max(-(-rows // align) * align, 1)
 
 
 class _StreamWriter:

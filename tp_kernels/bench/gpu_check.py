@@ -36,16 +36,13 @@ What runs (``--device cuda``, the default, on a machine with one GPU):
    row's eager steps. On ``--device cpu`` an eager stand-in takes the graph's place.
 4. The tile-GEMM timing: :func:`tp_kernels.bench.gpu_kernels.main` at M=8192 N=3584 K=8192 bf16,
    in this process once the worlds are gone (``--skip-timing`` leaves it out).
-5. The cost model's calibration (:func:`calibrate_cost_model`; ``--skip-timing`` leaves it out
-   too), timed on the device by events: device-to-device copies of chunk sizes, and at the Llama
-   shapes (:data:`CALIBRATION_GEMMS`) the all-gather's consumer kernel
-   (:func:`tp_kernels.kernels.ag_matmul_consumer`) launched as rank 0 of 8 with every progress
-   word already raised, so that no tile waits, each launch first checked against
-   ``torch.mm``; and ``torch.mm`` (cuBLAS) at the same shapes. :func:`tp_kernels.cost.calibrated`
-   fits ``gemm_efficiency`` and ``tile_overhead_s`` from the consumer's time per wave of its
-   autotuned tiles, and ``copy_latency_s`` from the copies; they are printed beside the assumed
-   figures and cuBLAS's fit (the model gives cuBLAS's tiles the same figures), with the ``bench
-   model`` command that uses them.
+5. The cost model's calibration (:func:`tp_kernels.bench.calibration.run`; ``--skip-timing``
+   leaves it out too), timed on the device by events: device-to-device copies of chunk sizes,
+   and at the Llama shapes the all-gather's consumer kernel launched as rank 0 of 8 with every
+   progress word already raised, so that no tile waits, each launch first checked against
+   ``torch.mm``; and ``torch.mm`` (cuBLAS) at the same shapes. The model's ``gemm_efficiency``,
+   ``tile_overhead_s`` and ``copy_latency_s`` fitted from them are printed beside the assumed
+   figures and cuBLAS's fit, with the ``bench model`` command that uses them.
 
 What is checked, on every rank, for every call: the results and gradients of
 :func:`tp_kernels.testing.fused_cases.run_case` (its docstring has each formula), whose whole
@@ -104,14 +101,14 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from tp_kernels import config, cost, signals
-from tp_kernels.bench import capture_check
+from tp_kernels import config
+from tp_kernels.bench import calibration, capture_check
 from tp_kernels.bench.protocol import DTYPES, render_table
 from tp_kernels.testing import LocalWorld, RankError
 from tp_kernels.testing.fused_cases import AGCase, RSCase, run_case
@@ -119,11 +116,7 @@ from tp_kernels.testing.numerics import FLOOR, floors_for
 
 __all__ = [
     "NO_CUDA_MESSAGE",
-    "CalibrationTimings",
-    "calibrate_cost_model",
-    "calibration_report",
     "main",
-    "measure_calibration",
     "parse_args",
 ]
 
@@ -549,210 +542,6 @@ def time_gemms(quick: bool) -> bool:
     return status == 0
 
 
-# ---------------------------------------------------------------------------------------------
-# The cost model's calibration (issue 20): one GPU's copy and GEMM rates, fitted to the model's
-# figures by tp_kernels.cost and printed beside the assumed ones.
-
-# Device-to-device copies the size of the copy-engine all-gather's chunks (MiB): a Llama shard is
-# 4-32 MiB at 8192 tokens and TP=8 (m=1024 rows of K=2048..16384 bf16), cut into a few chunks.
-CALIBRATION_CHUNK_MIB = (1, 2, 4, 8, 16, 32)
-# The consumer's GEMMs at the Llama-3 shapes, 8192 tokens, TP=8: W*m x K x N_j of 8B's w1,
-# 70B's w1, 70B's w2 and 405B's w1 (four K, so the fit separates the rate from the overhead).
-CALIBRATION_GEMMS = (
-    (8192, 4096, 1792),
-    (8192, 8192, 3584),
-    (8192, 3584, 8192),
-    (8192, 16384, 6656),
-)
-
-
-# The consumer is timed as rank 0 of the Llama shapes' TP=8 world: its gathered A [W*m, K] is 8
-# shards of m rows, each peer tile acquiring its progress word (already raised), as in a call
-# whose copies keep ahead of the tiles.
-CALIBRATION_WORLD = 8
-# No tile of a calibration launch waits: one that passes this deadline means wrong arguments.
-CALIBRATION_WAIT_S = 5.0
-# ``timer(fn, reps)``: the median seconds of ``reps`` runs of ``fn``.
-Timer = Callable[[Callable[[], object], int], float]
-
-
-@dataclass(frozen=True)
-class CalibrationTimings:
-    """What :func:`measure_calibration` timed: ``copies`` as ``(bytes, seconds)``, and per GEMM
-    shape the consumer kernel's launch and ``torch.mm``'s (cuBLAS, its tiles taken as 128x256)."""
-
-    copies: list[tuple[int, float]]
-    consumer: list[cost.GemmTiming]
-    cublas: list[cost.GemmTiming]
-
-
-def _cuda_seconds(fn: Callable[[], object], reps: int) -> float:
-    """Median device seconds of ``fn`` on the current stream over ``reps`` runs after two: events
-    around each run, recorded back to back and synchronized once at the end, so each run's host
-    work (the launcher's checks, the autotuner's lookup) overlaps the previous run on the device
-    wherever the host launches faster than the device runs."""
-    for _ in range(2):
-        fn()
-    events = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        events.append((start, end))
-    torch.cuda.synchronize()
-    times = sorted(start.elapsed_time(end) / 1e3 for start, end in events)
-    return times[len(times) // 2]
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _time_consumer(
-    a: torch.Tensor, b: torch.Tensor, want: torch.Tensor, world_size: int, timer: Timer, reps: int
-) -> cost.GemmTiming:
-    """The consumer's first launch (the one whose peer tiles wait for the copies: ``WAIT``) of
-    ``a`` [W*m, K] @ ``b`` [K, N] as rank 0 of ``world_size``, one chunk per shard, every
-    progress word already raised: each peer tile acquires its word and finds its rows
-    landed, so no tile waits and the time is the tiles'. Run once and checked first (against
-    ``want`` within one rounding to the dtype, and no wait past :data:`CALIBRATION_WAIT_S`), then
-    timed by ``timer(fn, reps)``; its tiles are those the autotuner chose for the shape."""
-    from tp_kernels import kernels
-    from tp_kernels.bench.gpu_kernels import error_ratio
-    from tp_kernels.bench.ops import matmul_tolerance
-    from tp_kernels.kernels._shared import persistent_programs
-    from tp_kernels.kernels.ag_matmul import _ag_matmul_kernel
-
-    rows, k = a.shape
-    n, m = b.shape[1], rows // world_size
-    progress = torch.full((world_size,), signals.RAISED, dtype=torch.int32, device=a.device)
-    status = kernels.new_status(world_size, a.device)
-    out = torch.full_like(want, math.nan)
-
-    def launch() -> None:
-        kernels.ag_matmul_consumer(
-            a, [b], [out], progress=progress, chunk_rows=m, status=status, rank=0,
-            world_size=world_size, timeout_s=CALIBRATION_WAIT_S,
-        )  # fmt: skip
-
-    launch()  # the first launch of a shape also compiles and autotunes
-    _synchronize(a.device)
-    if status.any():
-        raise RuntimeError(
-            f"the consumer at {rows}x{k}x{n}: a tile waited past {CALIBRATION_WAIT_S} s for a "
-            "progress word already raised; its launch arguments are wrong"
-        )
-    tol = matmul_tolerance(a.dtype, k, roundings=1)
-    ratio = error_ratio(out, want, tol)
-    if not ratio <= 1.0:
-        raise RuntimeError(
-            f"the consumer at {rows}x{k}x{n}: its output differs from torch.mm by {ratio:.3g} x "
-            f"the tolerance {tol:.2g}"
-        )
-    seconds = timer(launch, reps)
-    tile = _ag_matmul_kernel.best_config.kwargs  # the config of the launches just run
-    bm, bn = tile["BLOCK_M"], tile["BLOCK_N"]
-    tiles = world_size * math.ceil(m / bm) * math.ceil(n / bn)
-    programs = min(tiles, persistent_programs(a.device))
-    return cost.GemmTiming(rows, k, n, seconds, bm, bn, math.ceil(tiles / programs))
-
-
-def measure_calibration(
-    quick: bool,
-    *,
-    device: torch.device | None = None,
-    timer: Timer | None = None,
-    gemms: Sequence[tuple[int, int, int]] = CALIBRATION_GEMMS,
-    chunk_mib: Sequence[int] = CALIBRATION_CHUNK_MIB,
-    world_size: int = CALIBRATION_WORLD,
-) -> CalibrationTimings:
-    """On ``device`` (default ``cuda:0``), timed by ``timer(fn, reps)`` (default
-    :func:`_cuda_seconds`): a device-to-device ``copy_`` per size of ``chunk_mib`` (MiB), and
-    per ``(rows, k, n)`` of ``gemms`` bf16 ``A [rows, k] @ W^T`` (``W [n, k]``, a Linear's
-    weight, normal / sqrt(k)) by the consumer kernel (:func:`_time_consumer`, as rank 0 of
-    ``world_size``) and by ``torch.mm``, medians of ``reps`` runs (5 with ``quick``, else 20).
-    Raises if the consumer's check fails. A test runs it on the CPU, under Triton's
-    interpreter, with tiny shapes and a host clock."""
-    from tp_kernels.kernels._shared import persistent_programs
-
-    device = torch.device("cuda", 0) if device is None else device
-    timer = _cuda_seconds if timer is None else timer
-    reps = 5 if quick else 20
-    src = torch.empty(max(chunk_mib) << 20, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    copies = [
-        (mib << 20, timer(lambda n=mib << 20: dst[:n].copy_(src[:n]), reps)) for mib in chunk_mib
-    ]
-    consumer, cublas = [], []
-    gen = torch.Generator(device=device).manual_seed(1234)
-    sms = persistent_programs(device)  # one per SM on a GPU
-    for rows, k, n in gemms:
-        a = torch.randn(rows, k, generator=gen, device=device).to(torch.bfloat16)
-        b = (torch.randn(n, k, generator=gen, device=device) / math.sqrt(k)).to(torch.bfloat16).t()
-        want = torch.mm(a, b)
-        consumer.append(_time_consumer(a, b, want, world_size, timer, reps))
-        out = torch.empty_like(want)
-        seconds = timer(lambda a=a, b=b, out=out: torch.mm(a, b, out=out), reps)
-        cublas.append(cost.GemmTiming.in_whole_waves(rows, k, n, seconds, sms))
-    return CalibrationTimings(copies, consumer, cublas)
-
-
-def _gemm_lines(what: str, timings: Sequence[cost.GemmTiming]) -> str:
-    return f"{what}:" + "".join(
-        f"\n  {t.rows}x{t.k}x{t.n} {t.seconds * 1e3:.3f} ms "
-        f"({2 * t.rows * t.k * t.n / t.seconds / 1e12:.0f} TFLOP/s; {t.bm}x{t.bn} tiles, "
-        f"{t.waves} waves, {t.seconds / t.waves * 1e6:.1f} us each)"
-        for t in timings
-    )
-
-
-def calibration_report(device: cost.DeviceSpec, timings: CalibrationTimings) -> str:
-    """The fitted figures beside the assumed ones (:func:`tp_kernels.cost.calibrated`, from the
-    consumer's launches), cuBLAS's fit beside them (the model gives cuBLAS's tiles the same
-    figures), the samples they come from, and the ``bench model`` command that uses them."""
-    fitted, copy_gb_s = cost.calibrated(device, timings.copies, timings.consumer)
-    names = ("gemm_efficiency", "tile_overhead_s", "copy_latency_s")
-    try:  # beside the figures, not one of them: a cuBLAS that fits no line fails nothing
-        cublas = [f"{x:.3g}" for x in cost.fit_tiles(timings.cublas, device)]
-    except ValueError as exc:
-        cublas = [f"no fit: {exc}"] * 2
-    link = device.link_gb_s * device.link_efficiency
-    rows = [
-        (name, f"{getattr(device, name):.3g}", f"{getattr(fitted, name):.3g}", theirs)
-        for name, theirs in zip(names, [*cublas, ""])
-    ]
-    rows.append(("copy rate GB/s", f"{link:.0f} (NVLink)", f"{copy_gb_s:.0f} (within one GPU)", ""))
-    header = ("figure", f"assumed ({device.name})", "fitted here", "cuBLAS (torch.mm)")
-    copies = ", ".join(f"{b >> 20} MiB {t * 1e6:.1f} us" for b, t in timings.copies)
-    lines = [
-        render_table(header, rows, left=1),
-        f"copies: {copies}",
-        _gemm_lines(f"consumer (rank 0 of {CALIBRATION_WORLD}, no wait)", timings.consumer),
-        _gemm_lines("cuBLAS (torch.mm, tiles assumed)", timings.cublas),
-    ]
-    params = " ".join(f"--param {name}={getattr(fitted, name):.3g}" for name in names)
-    lines.append(f"the model with these: python -m tp_kernels.bench model {params}")
-    return "\n".join(lines)
-
-
-def calibrate_cost_model(quick: bool) -> bool:
-    """Measure (:func:`measure_calibration`) and print :func:`calibration_report`; True unless
-    it raised (reported, not a crash)."""
-    print("\n== the cost model's figures, fitted on this GPU (tp_kernels.cost.calibrated)")
-    device = cost.device_spec(torch.device("cuda", 0))
-    if device is None:
-        device = cost.DEVICES["h100"]
-        print(f"{torch.cuda.get_device_name(0)} is not in tp_kernels.cost: beside the H100's")
-    try:
-        print(calibration_report(device, measure_calibration(quick)), flush=True)
-    except Exception as exc:
-        print(f"FAIL: the calibration raised {type(exc).__name__}: {exc}", flush=True)
-        return False
-    return True
-
-
 def _versions(device: str) -> str:
     try:
         triton_version = importlib.metadata.version("triton")
@@ -929,7 +718,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif not time_gemms(args.quick):
         failed.append("tile GEMM timing (gpu_kernels)")
     timing = args.device == "cuda" and not (args.skip_timing or args.capture_only)
-    if timing and not calibrate_cost_model(args.quick):
+    if timing and not calibration.run(args.quick):
         failed.append("cost-model calibration")
     if failed:
         print(f"\nFAIL: {len(failed)} failed or skipped: " + "; ".join(failed))

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tp_kernels import config, signals
+from tp_kernels import config, signals, tiling
 
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET") == "1"
 DEFAULT_TIMEOUT_S: float = config.TIMEOUT_S.default
@@ -96,35 +96,20 @@ def dot_precision(dtype: torch.dtype) -> str | None:
     return "tf32" if not INTERPRET and _fp32_matmul_uses_tf32() else "ieee"
 
 
-# The (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) the autotuned GEMM picks from on a GPU.
-# Per rank at TP=8, Llama-3 8B/70B/405B give N and K of 512 to 16384 (hidden 4096/8192/16384,
-# MLP 1792/3584/6656, q/kv/o of hidden / 8) and M of thousands of tokens: large tiles
-# (128x256 and 256x128 with two warpgroups, 3 stages of 144 KiB in 16 bits) for the wide
-# outputs, 128x128 and 64x256 (4 stages) where N / BLOCK_N leaves too few tiles for 132 SMs, and
-# small tiles for the decode-sized and test shapes. Configs whose stage buffers exceed a GPU's
-# shared memory (fp32 with the large tiles) fail to load there and the autotuner drops them.
-GEMM_SHAPES: tuple[tuple[int, int, int, int, int], ...] = (
-    (128, 256, 64, 8, 3),
-    (256, 128, 64, 8, 3),
-    (128, 128, 64, 8, 3),
-    (128, 128, 64, 4, 4),
-    (64, 256, 64, 4, 4),
-    (128, 64, 64, 4, 4),
-    (64, 128, 64, 4, 4),
-    (64, 64, 32, 4, 4),
-)
-# M tiles per group in the tile order of the GEMMs (see :func:`_tile_coords`); a constexpr, as
+# M tiles per group in the tile order of the GEMMs (see :func:`_tile_coords`), as a constexpr:
 # kernels may read only constexpr globals.
-GROUP_M = tl.constexpr(8)
+GROUP_M = tl.constexpr(tiling.GROUP_M)
 
 
 def gemm_configs(pre_hook=None) -> list[triton.Config]:
-    """Tile shapes the GEMM kernels pick from: one small fixed tile under the interpreter.
+    """Tile shapes the GEMM kernels pick from (:data:`tp_kernels.tiling.GEMM_SHAPES`): one small
+    fixed tile under the interpreter.
 
     ``pre_hook(nargs)`` runs before each launch with a config (it sets the block shapes of tensor
     descriptors, which depend on the config)."""
     if INTERPRET:
-        blocks = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}
+        block = tiling.INTERPRETER_BLOCK
+        blocks = {"BLOCK_M": block, "BLOCK_N": block, "BLOCK_K": block}
         return [triton.Config(blocks, num_warps=1, pre_hook=pre_hook)]
     return [
         triton.Config(
@@ -133,7 +118,7 @@ def gemm_configs(pre_hook=None) -> list[triton.Config]:
             num_stages=st,
             pre_hook=pre_hook,
         )
-        for bm, bn, bk, w, st in GEMM_SHAPES
+        for bm, bn, bk, w, st in tiling.GEMM_SHAPES
     ]
 
 

@@ -64,6 +64,7 @@ from tp_kernels.kernels._shared import (
     tma_operand,
     tma_supported,
 )
+from tp_kernels.tiling import MAX_BS_PER_LAUNCH
 
 
 @triton.jit(do_not_specialize=["rank", "channel", "status_addr", "timeout_ns"])
@@ -91,10 +92,6 @@ def _barrier_kernel(
         word = own_pad + channel * world_size + src
         _wait_signal(word, timeout_ns, status + src, WAIT)
         tl.atomic_xchg(word, 0, sem="relaxed", scope="sys")
-
-
-# Right-hand matrices one launch of the consumer takes at most (QKV: 3; w1/w3: 2).
-MAX_BS_PER_LAUNCH = 3
 
 
 def _set_block_shapes(nargs: dict) -> None:

@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tp_kernels import tiling
 from tp_kernels.kernels._shared import (
     DEFAULT_TIMEOUT_S,
     GROUP_M,
@@ -66,22 +67,19 @@ from tp_kernels.kernels._shared import (
 
 
 def _producer_config(m: int, n: int, dtype: torch.dtype) -> dict:
-    """Tile shape of the producer GEMM, chosen from the shape instead of autotuned.
+    """Tile shape of the producer GEMM, chosen from the shape instead of autotuned
+    (:func:`tp_kernels.tiling.producer_blocks`, which the cost model simulates too).
 
     Autotuning would re-run the kernel per candidate config, and every run stores into the
     peers' slots and raises their signals: a peer could start reducing values from one config
-    while another overwrote them with differently rounded ones, breaking determinism.
-    16-bit operands take 128x256 tiles (two warpgroups, 3 stages: 144 KiB of shared memory,
-    which fits sm_80 too) once N >= 256, as Llama's row-parallel Linears have at TP=8 (N = the
-    hidden size, 4096 to 16384); fp32 keeps BLOCK_K = 32 so that its stages fit.
+    while another overwrote them with differently rounded ones, breaking determinism. Tiles of
+    128x128 and more take two warpgroups and 3 stages (144 KiB of shared memory at 128x256 in
+    16 bits, which fits sm_80 too), smaller ones 4 stages.
     """
     if INTERPRET:
-        return {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 1}
-    bm = 128 if m >= 128 else 64
-    if dtype == torch.float32:
-        bn, bk = (128 if n >= 128 else 64), 32
-    else:
-        bn, bk = (256 if n >= 256 else 128 if n >= 128 else 64), 64
+        block = tiling.INTERPRETER_BLOCK
+        return {"BLOCK_M": block, "BLOCK_N": block, "BLOCK_K": block, "num_warps": 1}
+    bm, bn, bk = tiling.producer_blocks(m, n, fp32=dtype == torch.float32)
     warps = 8 if bm * bn >= 128 * 128 else 4
     stages = 3 if bm * bn >= 128 * 128 else 4
     return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
