@@ -28,15 +28,15 @@ How a GPU is simulated (:class:`_Timeline`, :func:`_gemm`):
 * A pass over memory (a local copy, the reduce-scatter's sum) moves its bytes at ``hbm_gb_s *
   hbm_efficiency``.
 
-Schedules, one function each for the schedules built, its docstring saying what it models:
-``reference`` (:func:`reference_s`), ``torch_symm_mem`` (:func:`torch_symm_mem_s`),
-``pipelined`` (:func:`pipelined_s`), and ``symm``'s all-gather, the copy-engine producer
-(:func:`symm_copy_engine_s`), and matmul-reduce-scatter, the producer whose blocks the copy
+Schedules (one function each, its docstring says what it models): ``reference``
+(:func:`reference_s`), ``torch_symm_mem`` (:func:`torch_symm_mem_s`), ``pipelined``
+(:func:`pipelined_s`), and ``symm``'s: the all-gather's copy-engine producer
+(:func:`symm_copy_engine_s`) and the matmul-reduce-scatter's producer whose blocks the copy
 engine pushes, with its reduction pass (:func:`symm_reduce_scatter_s`). On a CPU (``sms is
 None``) a GEMM is one piece of work at the measured rate and ``symm`` is its torch path
-(:func:`symm_cpu_s`). The schedules the model retired (``symm``'s pulling consumer and its
-reduce-scatter's direct stores) are recorded, with the numbers that retired them, in
-benchmarks/README.md.
+(:func:`symm_cpu_s`). The schedules ``symm`` ran before (its pulling consumer, its
+reduce-scatter's direct stores) left the model after the backend; benchmarks/README.md records
+them and the numbers that retired them.
 
 Every figure of a :class:`DeviceSpec` names its source in ``sources``: a datasheet, or
 "assumed" with the reasoning; :mod:`tp_kernels.bench.calibration` (run by ``gpu_check``) fits
@@ -580,14 +580,13 @@ def _copy_engine_s(p: Problem, chunks: int) -> float:
     The own shard is copied into its symmetric buffer and into its rows of the gathered ``A``
     (two memory passes, each paying ``copy_latency_s``), then a barrier; on a side stream the
     copy engine copies each peer's shard (``r+1, r+2, ...``) into ``A`` in chunks of
-    :func:`tp_kernels.tiling.chunk_rows` rows, each copy paying
-    ``copy_latency_s`` (its launch and the progress word's stream write). The consumer's first
-    launch takes up to :data:`tp_kernels.tiling.MAX_BS_PER_LAUNCH` right-hand matrices (QKV's,
-    w1/w3's: all of them); it is
-    persistent over every SM, its tiles in the kernels' order, each tile of a peer's shard not
-    before the word of the chunk that holds its last row; it reads only local memory (TMA), so
-    no SM moves bytes and none waits for a tile that is not running. Further launches (more
-    matrices) read ``A`` after it: back-to-back waves."""
+    :func:`tp_kernels.tiling.chunk_rows` rows, each copy paying ``copy_latency_s`` (its launch
+    and the progress word's stream write). The consumer's first launch takes up to
+    :data:`tp_kernels.tiling.MAX_BS_PER_LAUNCH` right-hand matrices (QKV's, w1/w3's: all of
+    them); it is persistent over every SM, its tiles in the kernels' order, each tile of a
+    peer's shard not before the word of the chunk that holds its last row; it reads only local
+    memory (TMA), so no SM moves bytes and none waits for a tile that is not running. Further
+    launches (more matrices) read ``A`` after it: back-to-back waves."""
     dev = p.dev
     start = 2 * (dev.copy_latency_s + p.hbm_s(2 * p.m * p.k * p.e))
     per_launch = tiling.MAX_BS_PER_LAUNCH
