@@ -167,6 +167,13 @@ def test_the_reduce_scatter_producer_pushes_each_block_then_reduces():
     assert cost.symm_reduce_scatter_s(p) == pytest.approx(t + push + reduce)
 
 
+def test_the_reduce_scatter_producer_is_simulated_on_the_kernels_tile():
+    """The producer's tile is the kernel's (tiling.producer_blocks): 128x256 in 16 bits once
+    N >= 256, but 128x128 in fp32, whose stages would not fit in shared memory at 128x256."""
+    assert cost._producer_tile(problem(H100, 1024, 3584, [8192]))[:2] == (128, 256)
+    assert cost._producer_tile(problem(H100, 1024, 3584, [8192], dtype="fp32"))[:2] == (128, 128)
+
+
 def test_reference_and_the_decompositions_on_paper():
     dev = tiny(link_gb_s=1.0)
     k, n = 1024, 256

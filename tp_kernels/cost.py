@@ -614,7 +614,7 @@ def _copy_engine_s(p: Problem, chunks: int) -> float:
 def _producer_tile(p: Problem) -> tuple[int, int, float]:
     """``(BM, BN, seconds)`` of the producer's tile (:func:`tp_kernels.tiling.producer_blocks`,
     which the kernel takes)."""
-    bm, bn, _ = tiling.producer_blocks(p.m, p.n, fp32=False)
+    bm, bn, _ = tiling.producer_blocks(p.m, p.n, fp32=p.dtype == "fp32")
     rel = next((r for tm, tn, r in TILES if (tm, tn) == (bm, bn)), TILES[-1][2])
     return bm, bn, _tile_s(p.dev, p.dtype, bm, bn, p.k, rel)
 
