@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import types
 from collections.abc import Iterator
 
 import pytest
@@ -49,8 +50,14 @@ def test_registered_as_a_backend():
 class _FakeGroup:
     group_name = "fake"
 
+    def __init__(self, collectives: str = "nccl") -> None:
+        self.collectives = collectives
+
     def size(self) -> int:
         return 2
+
+    def _get_backend(self, device: torch.device) -> types.SimpleNamespace:
+        return types.SimpleNamespace(name=lambda: self.collectives)
 
 
 def _shape(device: str) -> auto.Shape:
@@ -503,11 +510,12 @@ def test_graph_capture_refused_only_where_the_workspace_would_grow(monkeypatch):
         with pytest.raises(base.CaptureUnreadyError, match=refused):
             torch_symm_mem._check_call(op, group, cuda, grows, f32)
         assert torch_symm_mem._check_call(op, group, torch.device("cpu"), grows, f32) is False
-    # the backward's plain re-gather is a collective of the group: no workspace
-    assert (
-        backend.capture_unready_reason(group, cuda, base.CaptureNeed("all_gather", 10**9, f32))
-        is None
-    )
+    # the backward's plain re-gather is a collective of the group: no workspace, captured where
+    # the group's collectives are NCCL's; gloo's run on the host
+    regather = base.CaptureNeed("all_gather", 10**9, f32)
+    assert backend.capture_unready_reason(group, cuda, regather) is None
+    why = backend.capture_unready_reason(_FakeGroup("gloo"), cuda, regather)
+    assert why is not None and "'gloo'" in why, why
     workspaces.clear()  # no workspace yet: 0 bytes
     why = backend.capture_unready_reason(group, cuda, base.CaptureNeed("all_gather_matmul", 8, f32))
     assert "has 0 bytes" in why, why
