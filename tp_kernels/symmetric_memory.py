@@ -11,11 +11,13 @@ Two implementations sit behind the one interface:
 - CUDA: ``torch.distributed._symmetric_memory`` (``empty`` + ``rendezvous``) with torch's ``CUDA``
   backend, on a group of any backend (gloo or NCCL) whose ranks all run on this host. Signal
   operations are kernels queued on the current stream; a wait past its timeout traps on the device
-  (a CUDA error from torch), it cannot raise :class:`SymmTimeoutError`.
+  (a CUDA error from torch), it cannot raise :class:`~tp_kernels.deadline.PeerTimeoutError`.
 - CPU: the POSIX shared-memory heap of the native extension ``tp_kernels._C``: one segment per rank,
   mapped by every rank of the group, which must all run on this host. Each segment's name is
   unlinked as soon as every rank has mapped it, so a crash leaves nothing in ``/dev/shm``. Waits
-  spin, then yield, then sleep, and raise :class:`SymmTimeoutError` at their deadline.
+  spin, then yield, then sleep, and stop at their deadline with the heap's own error, which
+  :class:`_ShmWorkspace` turns into :class:`~tp_kernels.deadline.PeerTimeoutError` naming the
+  group, this rank, the peer, the channel and the time waited.
 
 Signal convention (the one of CUDA symmetric memory, so the same kernel indexing serves both): the
 signals that ``src`` sends to ``dst`` on channel ``c`` live in word ``c * world_size + src`` of
@@ -44,7 +46,7 @@ import socket
 import sys
 import uuid
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -63,7 +65,6 @@ from tp_kernels.deadline import (
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "SHM_NAME_PREFIX",
-    "SymmTimeoutError",
     "SymmWorkspace",
     "get_timeout",
     "get_workspace",
@@ -77,31 +78,6 @@ SHM_NAME_PREFIX = "tp_kernels_"
 # 4 bytes), so both give the same number of channels for a world size.
 _CPU_SIGNAL_PAD_BYTES = 32 * 72 * 4
 _SIGNAL_WORD_BYTES = 4
-
-
-class SymmTimeoutError(PeerTimeoutError):
-    """A signal or barrier wait passed its deadline.
-
-    The message names the group, this rank, the peer, the channel and how long it waited; the same
-    facts are attributes (``None`` when unknown, e.g. after unpickling).
-    """
-
-    def __init__(
-        self,
-        message: str,
-        peer: int | None = None,
-        channel: int | None = None,
-        timeout_s: float | None = None,
-    ) -> None:
-        super().__init__(
-            message,
-            phase="signal wait",
-            peers=None if peer is None else [peer],
-            waited_s=timeout_s,
-        )
-        self.peer = peer
-        self.channel = channel
-        self.timeout_s = timeout_s
 
 
 def _resolve_timeout(timeout_s: float | None) -> float:
@@ -509,22 +485,33 @@ class _ShmWorkspace(SymmWorkspace):
         pad = (ctypes.c_int32 * words).from_address(self._heap.signal_pad_ptr(rank))
         return torch.frombuffer(pad, dtype=torch.int32)
 
+    @contextlib.contextmanager
+    def _timed(self, timeout_s: float, peer: int | None = None) -> Iterator[None]:
+        """Around a wait of the heap, which gives up at ``timeout_s`` with its own error (its
+        message names this rank, the group, the peer waited for, the wait and its channel):
+        that becomes the :class:`PeerTimeoutError` of every deadline."""
+        try:
+            yield
+        except self._timeout_error as exc:
+            raise PeerTimeoutError(
+                str(exc),
+                phase="signal wait",
+                group=self.group.group_name,
+                peers=None if peer is None else [peer],
+                waited_s=timeout_s,
+            ) from None
+
     def _signal(
         self,
         op: Callable[[int, int, float, str], None],
         peer: int,
         word: int,
-        channel: int,
         timeout_s: float | None,
         what: str,
     ) -> None:
         timeout = _resolve_timeout(timeout_s)
-        try:
+        with self._timed(timeout, peer):
             op(peer, word, timeout, what)
-        except self._timeout_error as exc:
-            raise SymmTimeoutError(
-                str(exc), peer=peer, channel=channel, timeout_s=timeout
-            ) from None
 
     def put_signal(
         self, dst_rank: int, channel: int = 0, *, timeout_s: float | None = None
@@ -533,7 +520,7 @@ class _ShmWorkspace(SymmWorkspace):
         self._check_channel(channel)
         word = channel * self.world_size + self.rank
         what = f"put_signal on channel {channel} (the peer has not consumed the previous signal)"
-        self._signal(self._heap.put_signal, dst_rank, word, channel, timeout_s, what)
+        self._signal(self._heap.put_signal, dst_rank, word, timeout_s, what)
 
     def wait_signal(
         self, src_rank: int, channel: int = 0, *, timeout_s: float | None = None
@@ -542,15 +529,13 @@ class _ShmWorkspace(SymmWorkspace):
         self._check_channel(channel)
         word = channel * self.world_size + src_rank
         what = f"wait_signal on channel {channel} (no signal arrived)"
-        self._signal(self._heap.wait_signal, src_rank, word, channel, timeout_s, what)
+        self._signal(self._heap.wait_signal, src_rank, word, timeout_s, what)
 
     def barrier(self, channel: int = 0, *, timeout_s: float | None = None) -> None:
         self._check_channel(channel)
         timeout = _resolve_timeout(timeout_s)
-        try:
+        with self._timed(timeout):
             self._heap.barrier(channel, timeout, f"barrier on channel {channel}")
-        except self._timeout_error as exc:
-            raise SymmTimeoutError(str(exc), channel=channel, timeout_s=timeout) from None
 
 
 def _check_handle_offset(group: dist.ProcessGroup, handle: Any) -> None:
