@@ -70,6 +70,7 @@ __all__ = [
     "get_workspace",
     "set_timeout",
     "symm_unavailable_reason",
+    "torch_symm_mem_unavailable_reason",
 ]
 
 # Every segment of the CPU heap is named "/" + SHM_NAME_PREFIX + <allocation id> + "_" + <rank>.
@@ -221,7 +222,7 @@ _BACKEND_GAPS = {
     ),
     "NCCL": (
         "its handles give peer addresses only with NCCL's device API (NCCL >= 2.28), signal "
-        "through NCCL's own signals instead of the pad words the kernels use, and have no barrier"
+        "through NCCL's own signals instead of the signal pad's words, and have no barrier"
     ),
 }
 
@@ -240,7 +241,7 @@ def _symm_mem_backend(symm_mem: ModuleType, device: torch.device) -> str | None:
     return _SUPPORTED_BACKEND
 
 
-def _backend_reason(symm_mem: ModuleType, device: torch.device) -> str | None:
+def _backend_reason(symm_mem: ModuleType, device: torch.device, user: str) -> str | None:
     backend = _symm_mem_backend(symm_mem, device)
     if backend == _SUPPORTED_BACKEND:
         return None
@@ -254,26 +255,39 @@ def _backend_reason(symm_mem: ModuleType, device: torch.device) -> str | None:
         how = f"start the process with TORCH_SYMMMEM={_SUPPORTED_BACKEND}"
     if backend is None:
         return (
-            f"torch {torch.__version__} has no symmetric-memory backend for {device}; tp_kernels "
+            f"torch {torch.__version__} has no symmetric-memory backend for {device}; {user} "
             f"needs the {_SUPPORTED_BACKEND!r} backend (if this build has it: {how})"
         )
     gap = _BACKEND_GAPS.get(backend, "tp_kernels' kernels were not written for it")
     return (
-        f"torch's symmetric-memory backend for {device} is {backend!r}, and {gap}; tp_kernels "
+        f"torch's symmetric-memory backend for {device} is {backend!r}, and {gap}; {user} "
         f"needs the {_SUPPORTED_BACKEND!r} backend, whose handles map every peer's buffer and "
         f"signal pad into this process: {how}"
     )
 
 
-def _cuda_unavailable_reason(device: torch.device, group: dist.ProcessGroup | None) -> str | None:
+def torch_symm_mem_unavailable_reason(device: torch.device, *, user: str) -> str | None:
+    """Why torch's CUDA symmetric memory cannot serve ``device`` for ``user`` (who needs it, named
+    in the reason), or ``None`` if it can: CUDA and the device exist, this torch's
+    ``torch.distributed._symmetric_memory`` imports, and its symmetric-memory backend for the
+    device is ``CUDA``, the one whose handles map every peer's buffer and signal pad into this
+    process (tp_kernels' kernels and torch's own fused ops both use them so). Local facts only."""
     if not torch.cuda.is_available():
         return f"torch.cuda.is_available() is False (torch {torch.__version__})"
     if device.index is not None and device.index >= torch.cuda.device_count():
         return f"{device} does not exist: this process sees {torch.cuda.device_count()} GPUs"
     try:
         symm_mem = _symm_mem()
-    except ImportError as exc:
+    except (ImportError, RuntimeError) as exc:
         return f"torch.distributed._symmetric_memory cannot be imported ({exc})"
+    return _backend_reason(symm_mem, device, user)
+
+
+def _cuda_unavailable_reason(device: torch.device, group: dist.ProcessGroup | None) -> str | None:
+    why = torch_symm_mem_unavailable_reason(device, user="tp_kernels' symm backend")
+    if why is not None:
+        return why
+    symm_mem = _symm_mem()
     handle_class = getattr(symm_mem, "_SymmetricMemory", None)
     missing = [name for name in _MODULE_API if not hasattr(symm_mem, name)]
     missing += [f"handle.{name}" for name in _HANDLE_API if not hasattr(handle_class, name)]
@@ -282,9 +296,6 @@ def _cuda_unavailable_reason(device: torch.device, group: dist.ProcessGroup | No
             f"torch {torch.__version__}'s symmetric memory lacks {', '.join(missing)}, which "
             "tp_kernels uses (present from torch 2.7 on)"
         )
-    why = _backend_reason(symm_mem, device)
-    if why is not None:
-        return why
     # No check of the group's backend: the CUDA backend's rendezvous exchanges what it needs
     # through the group's store (any group: gloo or NCCL) and passes CUDA IPC handles (file
     # descriptors) over Unix sockets between the ranks' processes, which is why all of them must
