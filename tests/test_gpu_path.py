@@ -15,7 +15,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from _processes import run_without_interpreter  # noqa: E402
 
-from tp_kernels import config, signals, symmetric_memory  # noqa: E402
+from tp_kernels import PeerTimeoutError, config, signals  # noqa: E402
 from tp_kernels.backends import symm as symm_backend  # noqa: E402
 
 
@@ -126,7 +126,6 @@ def test_capture_is_taken_when_the_state_holds_the_call(monkeypatch):
     state.words = state.copier = state.pusher = object()
     state.staging = torch.empty(1024, dtype=torch.uint8)
     state.status = None
-    state.broken = None
     state.last_stream = "the warmup's stream"
     monkeypatch.setitem(symm_backend._states, group, {str(cuda): state})
     assert symm_backend._usable_state(group, cuda, "a test call", need_half=1024) is state
@@ -154,11 +153,11 @@ def _recorded_timeout_raises_at_next_call() -> dict:
             report["unraised"] = symm_backend.unraised_timeouts()
             try:
                 symm_backend.BACKEND.all_gather_matmul(a, bs, group, return_a=False)
-            except symmetric_memory.SymmTimeoutError as exc:
-                report |= {"error": str(exc), "peer": exc.peer}
+            except PeerTimeoutError as exc:
+                report |= {"error": str(exc), "peers": exc.peers}
             try:
                 symm_backend.BACKEND.all_gather_matmul(a, bs, group, return_a=False)
-            except RuntimeError as exc:
+            except PeerTimeoutError as exc:
                 report["next"] = str(exc)
             report["after_raise"] = symm_backend.unraised_timeouts()
         dist.barrier()
@@ -170,9 +169,9 @@ def _recorded_timeout_raises_at_next_call() -> dict:
 
 def test_recorded_timeout_is_raised_at_the_next_call(worlds):
     report = worlds(2).run(_recorded_timeout_raises_at_next_call)[0]
-    assert report["peer"] == 1, report
+    assert report["peers"] == [1], report
     assert "for rank(s) [1] (rank 1: a chunk of its shard" in report["error"], report["error"]
-    assert "cannot use the symm backend any more" in report["next"], report
+    assert "is broken by an earlier failed wait" in report["next"], report
     # Until raised, the record is what the exit report prints; once raised, it is not repeated.
     assert len(report["unraised"]) == 1 and "rank(s) [1]" in report["unraised"][0], report
     assert report["after_raise"] == [], report

@@ -486,8 +486,8 @@ def test_start_barrier_clears_the_words_before_it_arrives():
 
 def test_unraised_signal_times_out():
     """A word never raised (a peer that did not arrive, a chunk not copied, a slot not pushed)
-    does not satisfy a wait: each records which wait it was, and the host raises from that
-    record alone."""
+    does not satisfy a wait: each records which wait it was, the record the host raises from
+    (tests/test_gpu_path.py: the symm backend's error names each peer's wait)."""
     world_size, m, k, n = 3, 32, 20, 18
     gen = torch.Generator().manual_seed(5)
     shards = [torch.randn(m, k, generator=gen) for _ in range(world_size)]
@@ -530,15 +530,6 @@ def test_unraised_signal_times_out():
     # Rank 2's first tile waits 0.2 s; its later tiles see the record and give up at once.
     assert 0.2 <= time.monotonic() - started < 5.0
     assert status.tolist() == [0, 0, signals.WAIT_CHUNK]
-    message = (
-        r"ag_matmul_consumer on rank 0 of group 'tp': waited 0.2 s for rank\(s\) \[2\] "
-        r"\(rank 2: a chunk of its shard copied into this rank's gathered A \(a progress word\)\)"
-    )
-    with pytest.raises(kernels.PeerWaitTimeout, match=message) as info:
-        kernels.raise_on_timeout(
-            status, what="ag_matmul_consumer", rank=0, timeout_s=0.2, group_name="tp"
-        )
-    assert (info.value.peers, info.value.waits) == ([2], {2: signals.WAIT_CHUNK})
     # The ranks that did signal are computed; only rank 2's rows are undefined.
     for s in (0, 1):
         rows = slice(s * m, (s + 1) * m)

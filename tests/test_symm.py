@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 import tp_kernels
-from tp_kernels import symmetric_memory
+from tp_kernels import PeerTimeoutError, symmetric_memory
 from tp_kernels.testing import free_port
 
 WORLD_SIZES = (2, 3)
@@ -168,9 +168,7 @@ def _ping_pong(tag: str, rounds: int) -> list[int]:
     assert pad[2 * n + prv] == 1 and sum(pad) == 1
     ws.wait_signal(prv, channel=2)
     assert not any(_own_pad(ws))
-    with pytest.raises(
-        symmetric_memory.SymmTimeoutError
-    ):  # consumed: it does not satisfy a second wait
+    with pytest.raises(PeerTimeoutError):  # consumed: it does not satisfy a second wait
         ws.wait_signal(prv, channel=2, timeout_s=0.2)
     ws.barrier(SPARE_CHANNEL)
     return seen
@@ -193,34 +191,31 @@ def _timeouts(tag: str) -> None:
     label = f"group '{group.group_name}'"
     if r == 0:
         start = time.monotonic()
-        with pytest.raises(symmetric_memory.SymmTimeoutError) as info:
+        with pytest.raises(PeerTimeoutError) as info:
             ws.wait_signal(1, channel=3, timeout_s=0.5)
         assert time.monotonic() - start >= 0.5  # it does not give up early
         msg = str(info.value)
         for part in (f"rank 0 of {label}", "peer rank 1", "channel 3", "timeout 0.500 s"):
             assert part in msg, (part, msg)
-        assert (info.value.peer, info.value.channel, info.value.timeout_s) == (1, 3, 0.5)
+        error = info.value
+        assert (error.peers, error.group, error.waited_s) == ([1], group.group_name, 0.5)
 
         # Without timeout_s, the process-wide default applies.
         previous = symmetric_memory.get_timeout()
         symmetric_memory.set_timeout(0.3)
         try:
-            with pytest.raises(symmetric_memory.SymmTimeoutError, match=r"timeout 0\.300 s"):
+            with pytest.raises(PeerTimeoutError, match=r"timeout 0\.300 s"):
                 ws.wait_signal(n - 1, channel=5)
         finally:
             symmetric_memory.set_timeout(previous)
 
         # A barrier that no peer joins: its puts land, its first wait gives up.
-        with pytest.raises(
-            symmetric_memory.SymmTimeoutError, match=r"peer rank 1: barrier on channel 6"
-        ):
+        with pytest.raises(PeerTimeoutError, match=r"peer rank 1: barrier on channel 6"):
             ws.barrier(channel=6, timeout_s=0.3)
     if r == 1:
         # A second put waits for the first to be consumed, which rank 0 does only later.
         ws.put_signal(0, channel=4)
-        with pytest.raises(
-            symmetric_memory.SymmTimeoutError, match=r"peer rank 0: put_signal on channel 4"
-        ):
+        with pytest.raises(PeerTimeoutError, match=r"peer rank 0: put_signal on channel 4"):
             ws.put_signal(0, channel=4, timeout_s=0.3)
     ws.barrier()
     if r == 0:
@@ -292,9 +287,9 @@ def _killed_peer_child(rank: int, port: int, results: mp.Queue) -> None:
         return
     try:
         ws.wait_signal(1, channel=0, timeout_s=2.0)
-        results.put(("returned", None, None, None))
-    except symmetric_memory.SymmTimeoutError as exc:
-        results.put(("timeout", str(exc), exc.peer, exc.channel))
+        results.put(("returned", None, None))
+    except PeerTimeoutError as exc:
+        results.put(("timeout", str(exc), exc.peers))
     results.close()
     results.join_thread()
     os._exit(0)  # gloo's teardown with a dead peer would only add waiting
@@ -320,9 +315,9 @@ def test_killed_peer_times_out_and_leaves_no_segment():
         procs[1].kill()  # rank 0 is waiting on its signal meanwhile
         procs[1].join(timeout=10)
         assert procs[1].exitcode == -signal.SIGKILL
-        kind, msg, peer, channel = queues[0].get(timeout=60)
+        kind, msg, peers = queues[0].get(timeout=60)
         assert kind == "timeout", msg
-        assert (peer, channel) == (1, 0)
+        assert peers == [1]
         assert "peer rank 1" in msg and "channel 0" in msg and "timeout 2.000 s" in msg
         procs[0].join(timeout=30)
         assert procs[0].exitcode == 0

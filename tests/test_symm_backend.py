@@ -13,6 +13,7 @@ import os
 # imported; tests/test_kernels.py sets the same for the whole session.
 os.environ["TRITON_INTERPRET"] = "1"
 
+import ast  # noqa: E402
 import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
@@ -25,7 +26,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from tp_kernels import config, symmetric_memory, tiling  # noqa: E402
+import tp_kernels  # noqa: E402
+from tp_kernels import PeerTimeoutError, config, deadline, signals, symmetric_memory, tiling  # noqa: E402
 from tp_kernels.backends import pipelined  # noqa: E402
 from tp_kernels.backends import symm as symm_backend  # noqa: E402
 from tp_kernels.testing import LocalWorld, RankError  # noqa: E402
@@ -377,7 +379,7 @@ def _run_ahead(lag_rank: int, lag_s: float, timeout_s: float, calls: int) -> dic
                     if problem := _rs_check(where, out, parts, m):
                         report["problems"].append(problem)
                 report["times"].append((start, time.time()))
-    except symmetric_memory.SymmTimeoutError as exc:
+    except PeerTimeoutError as exc:
         report["error"] = str(exc)
     finally:
         symmetric_memory.set_timeout(saved_timeout)
@@ -585,12 +587,12 @@ def _killed_peer(out_dir: str) -> None:
     start = time.monotonic()
     try:
         BACKEND.matmul_reduce_scatter(parts[rank]["a"], parts[rank]["b"], group)
-    except symmetric_memory.SymmTimeoutError as exc:
-        report |= {"error": str(exc), "peer": exc.peer, "channel": exc.channel}
+    except PeerTimeoutError as exc:
+        report |= {"error": str(exc), "peers": exc.peers}
     report["waited"] = time.monotonic() - start
     try:
         BACKEND.matmul_reduce_scatter(parts[rank]["a"], parts[rank]["b"], group)
-    except RuntimeError as exc:
+    except PeerTimeoutError as exc:
         report["next_call"] = str(exc)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
 
@@ -601,11 +603,11 @@ def test_killed_peer_fails_survivors_at_the_deadline(tmp_path):
             world.run(_killed_peer, str(tmp_path))
     for rank in (0, 1):
         report = json.loads(Path(tmp_path, f"rank{rank}.json").read_text())
-        assert report["peer"] == 2 and report["channel"] == symm_backend._READY, report
+        assert report["peers"] == [2], report
         assert "wait_signal on channel 1 ran past its deadline; rank(s) [2]" in report["error"]
         assert "gave up after" in report["error"], report["error"]
         assert 2.0 <= report["waited"] < 30.0, report
-        assert "cannot use the symm backend any more" in report["next_call"], report
+        assert "is broken by an earlier failed wait" in report["next_call"], report
         leftovers = [
             name for name in os.listdir("/dev/shm") if name.startswith(tuple(report["prefixes"]))
         ]
@@ -637,12 +639,12 @@ def _killed_mid_copy(out_dir: str) -> None:
     start = time.monotonic()
     try:
         BACKEND.all_gather_matmul(shards[rank], bs, group, return_a=False)
-    except symmetric_memory.SymmTimeoutError as exc:
-        report |= {"error": str(exc), "peer": exc.peer}
+    except PeerTimeoutError as exc:
+        report |= {"error": str(exc), "peers": exc.peers}
     report["waited"] = time.monotonic() - start
     try:
         BACKEND.all_gather_matmul(shards[rank], bs, group, return_a=False)
-    except RuntimeError as exc:
+    except PeerTimeoutError as exc:
         report["next_call"] = str(exc)
     config.SYMM_TRITON.reset()
     config.SYMM_CHUNKS.reset()
@@ -656,14 +658,92 @@ def test_peer_killed_mid_copy_is_named_at_the_deadline(tmp_path):
     for rank in (0, 1):
         report = json.loads(Path(tmp_path, f"rank{rank}.json").read_text())
         assert report["problems"] == [], report
-        assert report["peer"] == 2, report
+        assert report["peers"] == [2], report
         # The first wait that timed out is named: the next call's start barrier.
         assert (
             "waited 2 s for rank(s) [2] (rank 2: its arrival at the call's start barrier"
             in report["error"]
         ), report["error"]
         assert 2.0 <= report["waited"] < 30.0, report
-        assert "cannot use the symm backend any more" in report["next_call"], report
+        assert "is broken by an earlier failed wait" in report["next_call"], report
+
+
+# ---------------------------------------------------------------- one timeout error
+
+
+def _timeouts_of_the_heap_and_a_kernel() -> list[dict]:
+    """Rank 0 meets a wait of the symmetric heap past its deadline (the torch path, rank 1 does
+    not call) and a wait a kernel recorded (the Triton path), each in a fused call on a group of
+    its own; what each raised, and whether the group is then broken in deadline's record."""
+    rank = dist.get_rank()
+    heap_group, kernel_group = dist.new_group([0, 1]), dist.new_group([0, 1])
+    a, bs = torch.ones(4, 8), [torch.ones(8, 3)]
+    saved_timeout = symmetric_memory.get_timeout()
+    found = []
+    try:
+        BACKEND.all_gather_matmul(a, bs, heap_group, return_a=False)  # sets up
+        config.SYMM_TRITON.set(True)
+        BACKEND.all_gather_matmul(a, bs, kernel_group, return_a=False)  # sets up
+        dist.barrier()
+        if rank == 0:
+            symmetric_memory.set_timeout(0.5)
+            status, _, _ = symm_backend._state(kernel_group, torch.device("cpu")).kernel_state()
+            status[1] = signals.WAIT_CHUNK  # what a wait for rank 1's chunk stores at its deadline
+            for group, triton in ((heap_group, False), (kernel_group, True)):
+                config.SYMM_TRITON.set(triton)
+                try:
+                    with deadline.fused_call(group, "all_gather_matmul", "forward"):
+                        BACKEND.all_gather_matmul(a, bs, group, return_a=False)
+                except Exception as exc:  # the test is which type it is
+                    found.append(
+                        {
+                            "type": type(exc),
+                            "op": getattr(exc, "op", None),
+                            "group": (getattr(exc, "group", None), group.group_name),
+                            "peers": getattr(exc, "peers", None),
+                            "message": str(exc),
+                            "broken": deadline.is_broken(group),
+                        }
+                    )
+        dist.barrier()
+    finally:
+        symmetric_memory.set_timeout(saved_timeout)
+        config.SYMM_TRITON.reset()
+        dist.destroy_process_group(heap_group)
+        dist.destroy_process_group(kernel_group)
+    return found
+
+
+def test_the_heap_and_the_kernels_time_out_with_one_error(worlds):
+    """One failure model: a wait of the symmetric heap and a wait a kernel recorded both raise
+    tp_kernels.PeerTimeoutError itself (no subclass), naming the op, pass, group, peer and wait,
+    and both break the group in deadline's one record."""
+    heap, kernel = worlds(2).run(_timeouts_of_the_heap_and_a_kernel)[0]
+    which_wait = {
+        "heap": "wait_signal on channel 1 ran past its deadline; rank(s) [1]",
+        "kernel": "for rank(s) [1] (rank 1: a chunk of its shard copied",
+    }
+    for name, report in (("heap", heap), ("kernel", kernel)):
+        assert report["type"] is tp_kernels.PeerTimeoutError, (name, report)
+        assert report["op"] == "all_gather_matmul" and report["peers"] == [1], (name, report)
+        assert report["group"][0] == report["group"][1], (name, report)
+        message = report["message"]
+        assert message.startswith("all_gather_matmul (forward signal wait): "), (name, message)
+        assert which_wait[name] in message, (name, message)
+        assert report["broken"], (name, report)
+
+
+def test_only_deadline_defines_a_timeout_error():
+    """No module of tp_kernels but deadline.py defines an exception class of the timeout kind."""
+    root = Path(tp_kernels.__file__).parent
+    defined = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef):
+                bases = [ast.unparse(base) for base in node.bases]
+                if any("Timeout" in base for base in bases):
+                    defined.append((str(path.relative_to(root)), node.name))
+    assert defined == [("deadline.py", "PeerTimeoutError")], defined
 
 
 # ---------------------------------------------------------------- availability

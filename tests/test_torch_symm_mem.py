@@ -481,7 +481,7 @@ def test_unavailable_where_torch_would_fail(worlds):
         assert got["cuda, a GPU per rank"] is None
         assert "backend for cuda:0 is 'NVSHMEM'" in got["nvshmem"]
         assert "set_backend('CUDA')" in got["nvshmem"]
-        assert "backend for cuda:0 is None" in got["no backend"]
+        assert "has no symmetric-memory backend for cuda:0" in got["no backend"]
         assert "2 ranks on this host share 1 GPU(s)" in got["shared gpu"]
         assert "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1" in got["shared gpu"]
         assert got["shared gpu, allowed"] is None

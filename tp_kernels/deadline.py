@@ -14,18 +14,23 @@ bounded by :func:`get_timeout` (``TP_KERNELS_TIMEOUT_S``, :func:`set_timeout`, d
   ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` at its default so a timed-out communicator is aborted).
 * Python objects are exchanged by :func:`gather_objects`: two bounded tensor all-gathers, where
   ``all_gather_object`` would wait for the group's timeout.
-* Symmetric-memory signal waits carry the deadline themselves (:mod:`tp_kernels.symmetric_memory`).
+* Symmetric-memory signal waits carry the deadline themselves (:mod:`tp_kernels.symmetric_memory`
+  on the host; the ``symm`` kernels record a timed-out wait in a status that the ``symm`` backend
+  reads).
 
 A wait that fails (past the deadline, or the transport saw a peer's connection close) raises
-:class:`PeerTimeoutError`, naming the op, the pass and phase, the group, the peers not heard from
-and how long it waited. The peers not heard from are found by a roll call on the group's store:
-every rank that gives up posts when its wait began and ended, under its rank and the call's
-number, and waits a short grace for the others': ranks stuck in the same call find each other and
-name only the absent or late ones, and a rank that arrives late (resumed after a stop) learns which
-peers gave up before it.
-The group is then *broken* in this process: every later fused call on it raises at once (its
-collectives may still be half-matched in the transport, so nothing on it can be trusted); create a
-new group.
+:class:`PeerTimeoutError`, the one timeout error of tp_kernels, naming the op, the pass and phase,
+the group, the peers not heard from and how long it waited. The native heap and the Triton
+kernels, which cannot import this module, report what timed out instead (the heap's own error, the
+kernels' status record), and :mod:`tp_kernels.symmetric_memory` and the ``symm`` backend turn that
+into this error. The peers not heard from are found by a roll call on the group's store: every
+rank that gives up posts when its wait began and ended, under its rank and the call's number, and
+waits a short grace for the others': ranks stuck in the same call find each other and name only
+the absent or late ones, and a rank that arrives late (resumed after a stop) learns which peers
+gave up before it.
+The group is then *broken* in this process (:func:`mark_broken`; this module keeps the only
+record): every later fused call on it raises at once (:func:`raise_if_broken`; its collectives
+may still be half-matched in the transport, so nothing on it can be trusted); create a new group.
 """
 
 from __future__ import annotations
@@ -53,7 +58,10 @@ __all__ = [
     "fused_call",
     "gather_objects",
     "get_timeout",
+    "is_broken",
+    "mark_broken",
     "posting",
+    "raise_if_broken",
     "set_timeout",
     "wait",
 ]
@@ -126,6 +134,35 @@ _calls: weakref.WeakKeyDictionary[dist.ProcessGroup, int] = weakref.WeakKeyDicti
 _NO_MODES = contextlib.nullcontext()
 
 
+def is_broken(group: dist.ProcessGroup) -> bool:
+    """Whether an earlier failed wait broke ``group`` in this process."""
+    return group in _broken
+
+
+def mark_broken(group: dist.ProcessGroup, error: PeerTimeoutError) -> None:
+    """Record that ``error`` broke ``group``: every later call on it is refused (the first
+    error is the one kept and named)."""
+    _broken.setdefault(group, error)
+
+
+def raise_if_broken(group: dist.ProcessGroup, op: str, phase: str | None = None) -> None:
+    """Refuse a call of ``op`` (in ``phase``, when known) on ``group`` at once if an earlier failed
+    wait broke the group, naming that failure."""
+    broken = _broken.get(group)
+    if broken is None:
+        return
+    call = f"{op} ({phase})" if phase else op
+    raise PeerTimeoutError(
+        f"{call}: group {group.group_name!r} is broken by an earlier failed wait, so its peers' "
+        f"state is unknown; create a new group. The failure was: {broken}",
+        op=op,
+        phase=phase,
+        group=group.group_name,
+        peers=broken.peers,
+        waited_s=0.0,
+    )
+
+
 @contextlib.contextmanager
 def fused_call(group: dist.ProcessGroup, op: str, pass_: str) -> Iterator[None]:
     """The extent of one fused call (or one of its parts) on ``group``: refuses at once on a
@@ -133,17 +170,7 @@ def fused_call(group: dist.ProcessGroup, op: str, pass_: str) -> Iterator[None]:
     group broken when one is. Dispatch modes (``CommDebugMode``, a user's) do not see the
     collectives inside: they see the fused custom op as the collective it replaces (see
     ``ops/library.py``), not the agreement or transport under it."""
-    broken = _broken.get(group)
-    if broken is not None:
-        raise PeerTimeoutError(
-            f"{op} ({pass_}): group {group.group_name!r} is broken by an earlier failed wait, "
-            f"so its peers' state is unknown; create a new group. The failure was: {broken}",
-            op=op,
-            phase=pass_,
-            group=group.group_name,
-            peers=broken.peers,
-            waited_s=0.0,
-        )
+    raise_if_broken(group, op, pass_)
     _calls[group] = _calls.get(group, 0) + 1
     token = _call.set((op, pass_))
     # Entering _disable_current_modes costs microseconds even with no mode to disable.
@@ -152,7 +179,7 @@ def fused_call(group: dist.ProcessGroup, op: str, pass_: str) -> Iterator[None]:
         with modes:
             yield
     except PeerTimeoutError as exc:
-        _broken.setdefault(group, exc)
+        mark_broken(group, exc)
         raise
     finally:
         _call.reset(token)

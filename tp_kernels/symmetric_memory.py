@@ -11,11 +11,13 @@ Two implementations sit behind the one interface:
 - CUDA: ``torch.distributed._symmetric_memory`` (``empty`` + ``rendezvous``) with torch's ``CUDA``
   backend, on a group of any backend (gloo or NCCL) whose ranks all run on this host. Signal
   operations are kernels queued on the current stream; a wait past its timeout traps on the device
-  (a CUDA error from torch), it cannot raise :class:`SymmTimeoutError`.
+  (a CUDA error from torch), it cannot raise :class:`~tp_kernels.deadline.PeerTimeoutError`.
 - CPU: the POSIX shared-memory heap of the native extension ``tp_kernels._C``: one segment per rank,
   mapped by every rank of the group, which must all run on this host. Each segment's name is
   unlinked as soon as every rank has mapped it, so a crash leaves nothing in ``/dev/shm``. Waits
-  spin, then yield, then sleep, and raise :class:`SymmTimeoutError` at their deadline.
+  spin, then yield, then sleep, and stop at their deadline with the heap's own error, which
+  :class:`_ShmWorkspace` turns into :class:`~tp_kernels.deadline.PeerTimeoutError` naming the
+  group, this rank, the peer, the channel and the time waited.
 
 Signal convention (the one of CUDA symmetric memory, so the same kernel indexing serves both): the
 signals that ``src`` sends to ``dst`` on channel ``c`` live in word ``c * world_size + src`` of
@@ -44,7 +46,7 @@ import socket
 import sys
 import uuid
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -63,12 +65,12 @@ from tp_kernels.deadline import (
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "SHM_NAME_PREFIX",
-    "SymmTimeoutError",
     "SymmWorkspace",
     "get_timeout",
     "get_workspace",
     "set_timeout",
     "symm_unavailable_reason",
+    "torch_symm_mem_unavailable_reason",
 ]
 
 # Every segment of the CPU heap is named "/" + SHM_NAME_PREFIX + <allocation id> + "_" + <rank>.
@@ -77,31 +79,6 @@ SHM_NAME_PREFIX = "tp_kernels_"
 # 4 bytes), so both give the same number of channels for a world size.
 _CPU_SIGNAL_PAD_BYTES = 32 * 72 * 4
 _SIGNAL_WORD_BYTES = 4
-
-
-class SymmTimeoutError(PeerTimeoutError):
-    """A signal or barrier wait passed its deadline.
-
-    The message names the group, this rank, the peer, the channel and how long it waited; the same
-    facts are attributes (``None`` when unknown, e.g. after unpickling).
-    """
-
-    def __init__(
-        self,
-        message: str,
-        peer: int | None = None,
-        channel: int | None = None,
-        timeout_s: float | None = None,
-    ) -> None:
-        super().__init__(
-            message,
-            phase="signal wait",
-            peers=None if peer is None else [peer],
-            waited_s=timeout_s,
-        )
-        self.peer = peer
-        self.channel = channel
-        self.timeout_s = timeout_s
 
 
 def _resolve_timeout(timeout_s: float | None) -> float:
@@ -245,7 +222,7 @@ _BACKEND_GAPS = {
     ),
     "NCCL": (
         "its handles give peer addresses only with NCCL's device API (NCCL >= 2.28), signal "
-        "through NCCL's own signals instead of the pad words the kernels use, and have no barrier"
+        "through NCCL's own signals instead of the signal pad's words, and have no barrier"
     ),
 }
 
@@ -264,7 +241,7 @@ def _symm_mem_backend(symm_mem: ModuleType, device: torch.device) -> str | None:
     return _SUPPORTED_BACKEND
 
 
-def _backend_reason(symm_mem: ModuleType, device: torch.device) -> str | None:
+def _backend_reason(symm_mem: ModuleType, device: torch.device, user: str) -> str | None:
     backend = _symm_mem_backend(symm_mem, device)
     if backend == _SUPPORTED_BACKEND:
         return None
@@ -278,26 +255,39 @@ def _backend_reason(symm_mem: ModuleType, device: torch.device) -> str | None:
         how = f"start the process with TORCH_SYMMMEM={_SUPPORTED_BACKEND}"
     if backend is None:
         return (
-            f"torch {torch.__version__} has no symmetric-memory backend for {device}; tp_kernels "
+            f"torch {torch.__version__} has no symmetric-memory backend for {device}; {user} "
             f"needs the {_SUPPORTED_BACKEND!r} backend (if this build has it: {how})"
         )
     gap = _BACKEND_GAPS.get(backend, "tp_kernels' kernels were not written for it")
     return (
-        f"torch's symmetric-memory backend for {device} is {backend!r}, and {gap}; tp_kernels "
+        f"torch's symmetric-memory backend for {device} is {backend!r}, and {gap}; {user} "
         f"needs the {_SUPPORTED_BACKEND!r} backend, whose handles map every peer's buffer and "
         f"signal pad into this process: {how}"
     )
 
 
-def _cuda_unavailable_reason(device: torch.device, group: dist.ProcessGroup | None) -> str | None:
+def torch_symm_mem_unavailable_reason(device: torch.device, *, user: str) -> str | None:
+    """Why torch's CUDA symmetric memory cannot serve ``device`` for ``user`` (who needs it, named
+    in the reason), or ``None`` if it can: CUDA and the device exist, this torch's
+    ``torch.distributed._symmetric_memory`` imports, and its symmetric-memory backend for the
+    device is ``CUDA``, the one whose handles map every peer's buffer and signal pad into this
+    process (tp_kernels' kernels and torch's own fused ops both use them so). Local facts only."""
     if not torch.cuda.is_available():
         return f"torch.cuda.is_available() is False (torch {torch.__version__})"
     if device.index is not None and device.index >= torch.cuda.device_count():
         return f"{device} does not exist: this process sees {torch.cuda.device_count()} GPUs"
     try:
         symm_mem = _symm_mem()
-    except ImportError as exc:
+    except (ImportError, RuntimeError) as exc:
         return f"torch.distributed._symmetric_memory cannot be imported ({exc})"
+    return _backend_reason(symm_mem, device, user)
+
+
+def _cuda_unavailable_reason(device: torch.device, group: dist.ProcessGroup | None) -> str | None:
+    why = torch_symm_mem_unavailable_reason(device, user="tp_kernels' symm backend")
+    if why is not None:
+        return why
+    symm_mem = _symm_mem()
     handle_class = getattr(symm_mem, "_SymmetricMemory", None)
     missing = [name for name in _MODULE_API if not hasattr(symm_mem, name)]
     missing += [f"handle.{name}" for name in _HANDLE_API if not hasattr(handle_class, name)]
@@ -306,9 +296,6 @@ def _cuda_unavailable_reason(device: torch.device, group: dist.ProcessGroup | No
             f"torch {torch.__version__}'s symmetric memory lacks {', '.join(missing)}, which "
             "tp_kernels uses (present from torch 2.7 on)"
         )
-    why = _backend_reason(symm_mem, device)
-    if why is not None:
-        return why
     # No check of the group's backend: the CUDA backend's rendezvous exchanges what it needs
     # through the group's store (any group: gloo or NCCL) and passes CUDA IPC handles (file
     # descriptors) over Unix sockets between the ranks' processes, which is why all of them must
@@ -509,22 +496,33 @@ class _ShmWorkspace(SymmWorkspace):
         pad = (ctypes.c_int32 * words).from_address(self._heap.signal_pad_ptr(rank))
         return torch.frombuffer(pad, dtype=torch.int32)
 
+    @contextlib.contextmanager
+    def _timed(self, timeout_s: float, peer: int | None = None) -> Iterator[None]:
+        """Around a wait of the heap, which gives up at ``timeout_s`` with its own error (its
+        message names this rank, the group, the peer waited for, the wait and its channel):
+        that becomes the :class:`PeerTimeoutError` of every deadline."""
+        try:
+            yield
+        except self._timeout_error as exc:
+            raise PeerTimeoutError(
+                str(exc),
+                phase="signal wait",
+                group=self.group.group_name,
+                peers=None if peer is None else [peer],
+                waited_s=timeout_s,
+            ) from None
+
     def _signal(
         self,
         op: Callable[[int, int, float, str], None],
         peer: int,
         word: int,
-        channel: int,
         timeout_s: float | None,
         what: str,
     ) -> None:
         timeout = _resolve_timeout(timeout_s)
-        try:
+        with self._timed(timeout, peer):
             op(peer, word, timeout, what)
-        except self._timeout_error as exc:
-            raise SymmTimeoutError(
-                str(exc), peer=peer, channel=channel, timeout_s=timeout
-            ) from None
 
     def put_signal(
         self, dst_rank: int, channel: int = 0, *, timeout_s: float | None = None
@@ -533,7 +531,7 @@ class _ShmWorkspace(SymmWorkspace):
         self._check_channel(channel)
         word = channel * self.world_size + self.rank
         what = f"put_signal on channel {channel} (the peer has not consumed the previous signal)"
-        self._signal(self._heap.put_signal, dst_rank, word, channel, timeout_s, what)
+        self._signal(self._heap.put_signal, dst_rank, word, timeout_s, what)
 
     def wait_signal(
         self, src_rank: int, channel: int = 0, *, timeout_s: float | None = None
@@ -542,15 +540,13 @@ class _ShmWorkspace(SymmWorkspace):
         self._check_channel(channel)
         word = channel * self.world_size + src_rank
         what = f"wait_signal on channel {channel} (no signal arrived)"
-        self._signal(self._heap.wait_signal, src_rank, word, channel, timeout_s, what)
+        self._signal(self._heap.wait_signal, src_rank, word, timeout_s, what)
 
     def barrier(self, channel: int = 0, *, timeout_s: float | None = None) -> None:
         self._check_channel(channel)
         timeout = _resolve_timeout(timeout_s)
-        try:
+        with self._timed(timeout):
             self._heap.barrier(channel, timeout, f"barrier on channel {channel}")
-        except self._timeout_error as exc:
-            raise SymmTimeoutError(str(exc), channel=channel, timeout_s=timeout) from None
 
 
 def _check_handle_offset(group: dist.ProcessGroup, handle: Any) -> None:

@@ -27,7 +27,7 @@ Two paths run this protocol:
   ``put_signal``/``wait_signal`` of :class:`~tp_kernels.symmetric_memory.SymmWorkspace` on channel
   :data:`_READY`; on CPU a wait runs on the host with the deadline of
   :func:`tp_kernels.symmetric_memory.get_timeout` and raises
-  :class:`~tp_kernels.symmetric_memory.SymmTimeoutError`.
+  :class:`~tp_kernels.deadline.PeerTimeoutError`.
 * the Triton path (default on CUDA; on CPU only with ``TP_KERNELS_SYMM_TRITON=1`` and
   ``TRITON_INTERPRET=1``, since the interpreter is slow and serves to test the kernels'
   signalling across processes): the launchers of :mod:`tp_kernels.kernels`, whose words go
@@ -53,7 +53,8 @@ small). The torch path's order
 of work is :mod:`tp_kernels.backends.schedule`'s, with ``_Arrivals`` and ``_Slots`` as transport.
 
 Timeouts of the Triton path are recorded by the kernels in a per-group status in host memory
-(pinned on CUDA) and raised at the start of the next call on the group, without waiting for the
+(pinned on CUDA), which this module turns into :class:`~tp_kernels.deadline.PeerTimeoutError`
+(naming each peer's wait) at the start of the next call on the group, without waiting for the
 device (on CPU the kernels have finished when the launcher returns, so also right after them).
 
 CUDA graph capture: a captured call must not allocate, grow a workspace (a collective) or make
@@ -87,7 +88,8 @@ paths interleave on one group (on CPU a dtype the kernels lack takes the torch p
 correctness does not rest on it: a captured call keeps the half of its capture.
 
 After a deadline error the group's state is unknown (a peer may be dead or a signal outstanding),
-so every later call on that group raises at once.
+so the group is marked broken (:func:`tp_kernels.deadline.mark_broken`, the one record of broken
+groups) and every later call on it raises at once.
 
 ``all_gather_async`` (the backward's re-gather of a saved shard, overlapped with the input
 grad's reduce-scatter) runs the all-gather's protocol too: barrier, then the copier pulls each
@@ -108,7 +110,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from tp_kernels import config, signals, symmetric_memory, tiling
+from tp_kernels import config, deadline, signals, symmetric_memory, tiling
 from tp_kernels.backends import base, schedule, symm_gather, symm_scatter
 from tp_kernels.backends.base import Backend, CaptureNeed, PendingGather
 
@@ -198,7 +200,6 @@ class _GroupState:
         self.regather_copies: symm_gather.Copies | None = None
         # CUDA: the stream of the last call (see _follow_last_stream).
         self.last_stream: torch.cuda.Stream | None = None
-        self.broken: str | None = None
 
     def grow(self, group: dist.ProcessGroup, nbytes: int) -> None:
         """Replace the data workspace by one of ``nbytes`` (collective) and its half tables."""
@@ -297,21 +298,20 @@ def unraised_timeouts() -> list[str]:
     timed out): each group's status, read after its device has finished."""
     found = []
     for group, per_device in list(_states.items()):
+        if deadline.is_broken(group):
+            continue  # its error was raised (a recorded one breaks the group when raised)
         for device, state in per_device.items():
-            if state.status is None or state.broken is not None:
+            if state.status is None:
                 continue
             if device.startswith("cuda"):
                 # Every wait ends at its deadline, so this cannot hang; at interpreter exit CUDA
                 # may already be shut down, and then the record is read as it stands.
                 with contextlib.suppress(RuntimeError):
                     torch.cuda.synchronize(device)
-            if state.status.any():
-                peers = [s for s, code in enumerate(state.status.tolist()) if code]
-                found.append(
-                    f"tp_kernels symm: on group {group.group_name!r} ({device}) a kernel waited "
-                    f"past its deadline for rank(s) {peers} (status {state.status.tolist()}); "
-                    "that call's results are undefined"
-                )
+            note = "no later call on the group raised it, so that call's results are undefined"
+            error = _recorded_timeout(state, group, note)
+            if error is not None:
+                found.append(f"tp_kernels symm ({device}): {error}")
     return found
 
 
@@ -360,14 +360,8 @@ def _usable_state(
                 "on every rank before the capture"
             )
     state = _state(group, device)
-    if state.broken is None:
-        _raise_recorded_timeout(state, group, what)
-    if state.broken is not None:
-        raise RuntimeError(
-            f"symm {what} on group {group.group_name!r}: an earlier call on this "
-            f"group failed at its deadline ({state.broken}); the peers' state is unknown, "
-            "so this group cannot use the symm backend any more"
-        )
+    deadline.raise_if_broken(group, f"symm {what}")
+    _raise_recorded_timeout(state, group, what)
     if device.type == "cuda":
         _follow_last_stream(state, device)
     return state
@@ -489,7 +483,7 @@ class _Round:
         )
 
     def _timed(self, wait: Callable[[int, int], None], peer: int, what: str) -> None:
-        _timed_signal(self.state, wait, peer, f"{self.where}, call {self.seq}", what)
+        _timed_signal(self.group, wait, peer, f"{self.where}, call {self.seq}", what)
 
 
 class _Half:
@@ -521,29 +515,38 @@ class _Half:
         return self.state.half_ptrs[self.round.parity]
 
 
-def _raise_recorded_timeout(state: _GroupState, group: dist.ProcessGroup, op: str) -> None:
-    """Raise the deadline error a kernel of this group recorded (in host memory: no wait for the
-    device), and mark the group broken."""
+def _recorded_timeout(
+    state: _GroupState, group: dist.ProcessGroup, note: str
+) -> deadline.PeerTimeoutError | None:
+    """The deadline error of the waits that a kernel of this group recorded in its status (host
+    memory: no wait for the device), each peer's wait named by its ``signals.WAIT_*`` code, with
+    ``note`` (who raises it) at the end; None when none is recorded."""
     status = state.status
     if status is None or not status.any():
-        return
-    from tp_kernels import kernels
+        return None
+    waits = {s: code for s, code in enumerate(status.tolist()) if code}
+    peers = sorted(waits)
+    waited = "; ".join(
+        f"rank {s}: {signals.WAIT_NAMES.get(code, f'wait {code}')}" for s, code in waits.items()
+    )
+    timeout = symmetric_memory.get_timeout()
+    return deadline.PeerTimeoutError(
+        f"a symm kernel on rank {group.rank()} of group {group.group_name!r}: waited "
+        f"{timeout:g} s for rank(s) {peers} ({waited}) and the signal never came; the peer did "
+        f"not reach this call, or failed in it (recorded by a kernel; {note})",
+        phase="signal wait",
+        group=group.group_name,
+        peers=peers,
+        waited_s=timeout,
+    )
 
-    try:
-        kernels.raise_on_timeout(
-            status,
-            what="a symm kernel",
-            rank=group.rank(),
-            timeout_s=symmetric_memory.get_timeout(),
-            group_name=group.group_name,
-        )
-    except kernels.PeerWaitTimeout as exc:
-        state.broken = str(exc)
-        raise symmetric_memory.SymmTimeoutError(
-            f"{exc} (recorded by a kernel; raised by the next symm call on the group, {op})",
-            peer=exc.peers[0],
-            timeout_s=exc.timeout_s,
-        ) from None
+
+def _raise_recorded_timeout(state: _GroupState, group: dist.ProcessGroup, op: str) -> None:
+    """Raise the deadline error a kernel of this group recorded, and mark the group broken."""
+    error = _recorded_timeout(state, group, f"raised by the next symm call on the group, {op}")
+    if error is not None:
+        deadline.mark_broken(group, error)
+        raise error
 
 
 def _kernels_unavailable_reason(device: torch.device) -> str | None:
@@ -656,7 +659,7 @@ class SymmBackend(Backend):
             # A matmul raised after this rank signalled: take the peers' signals of this round
             # too, so that the next call starts clean (as it does after a mismatch). The
             # protocol's own errors (a mismatch, a deadline) have settled the round already.
-            if not isinstance(exc, (ValueError, symmetric_memory.SymmTimeoutError)):
+            if not isinstance(exc, (ValueError, deadline.PeerTimeoutError)):
                 round_.receive_all()
             raise
         return (a if return_a else None), outs
@@ -849,8 +852,8 @@ def _rs_triton(
     finally:
         try:
             copies.join()
-        except symmetric_memory.SymmTimeoutError as exc:
-            state.broken = str(exc)
+        except deadline.PeerTimeoutError as exc:
+            deadline.mark_broken(round_.group, exc)
             raise
     if a.device.type == "cpu":  # the kernels have finished: no reason to wait for later
         _raise_recorded_timeout(state, round_.group, _OP_NAMES[_RS])
@@ -915,29 +918,35 @@ def _regather(group: dist.ProcessGroup, a_shard: torch.Tensor) -> PendingGather:
     else:
         mine.copy_(a_shard)
         for peer in peers:
-            _timed_signal(state, ws.put_signal, peer, where, "put_signal")
+            _timed_signal(group, ws.put_signal, peer, where, "put_signal")
         for peer in peers:
-            _timed_signal(state, ws.wait_signal, peer, where, "wait_signal")
+            _timed_signal(group, ws.wait_signal, peer, where, "wait_signal")
     sources = [(s, ws.buffer(s, shape, dtype, offset=offset)) for s in peers]
     state.regather_copies = state.copier_state().start(sources, out, m, None)
     return _CopiesInFlight(out, state.regather_copies)
 
 
 def _timed_signal(
-    state: _GroupState, wait: Callable[[int, int], None], peer: int, where: str, what: str
+    group: dist.ProcessGroup,
+    wait: Callable[[int, int], None],
+    peer: int,
+    where: str,
+    what: str,
 ) -> None:
     """``wait(peer, _READY)``; past the deadline the group is broken and the error names it."""
     try:
         wait(peer, _READY)
-    except symmetric_memory.SymmTimeoutError as exc:
-        state.broken = str(exc)
-        raise symmetric_memory.SymmTimeoutError(
+    except deadline.PeerTimeoutError as exc:
+        error = deadline.PeerTimeoutError(
             f"{where}: {what} on channel {_READY} ran past its deadline; rank(s) [{peer}] were "
             f"not heard from: {exc.detail}",
-            peer=peer,
-            channel=_READY,
-            timeout_s=exc.timeout_s,
-        ) from None
+            phase="signal wait",
+            group=group.group_name,
+            peers=[peer],
+            waited_s=exc.waited_s,
+        )
+        deadline.mark_broken(group, error)
+        raise error from None
 
 
 BACKEND = SymmBackend()

@@ -29,7 +29,7 @@ Each partial crosses the link once, by a copy, while the GEMM computes the next 
   the signals are pinned-memory copies as in the all-gather.
 * CPU: a host thread does the same while the producer runs in Triton's interpreter on the
   calling thread: it polls each word until the deadline (:func:`tp_kernels.symmetric_memory.
-  get_timeout`; past it, a :class:`~tp_kernels.symmetric_memory.SymmTimeoutError` naming the
+  get_timeout`; past it, a :class:`~tp_kernels.deadline.PeerTimeoutError` naming the
   group and the peer), copies from staging into the peer's mapping, and signals with a release
   store (``tp_kernels._C.store_release``). It is joined before the call returns, and an error it
   raised is raised there. The interpreter's stores and the thread's loads are ordered by the
@@ -48,7 +48,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from tp_kernels import signals, symmetric_memory
+from tp_kernels import deadline, signals, symmetric_memory
 from tp_kernels.backends import symm_gather
 
 # cuStreamWaitValue32's flag for "wait until *addr == value".
@@ -202,13 +202,14 @@ class Pusher:
                 return False
             waited = time.monotonic() - start
             if waited > timeout_s:
-                raise symmetric_memory.SymmTimeoutError(
+                raise deadline.PeerTimeoutError(
                     f"{self._where}: the pusher gave up after {waited:.3g} s (timeout "
                     f"{timeout_s:g} s) waiting for this rank's producer to finish the block owed "
                     f"to peer rank {d} (progress word {d} holds {int(progress[d])}, needed "
                     f"{signals.RAISED}); rank {d} did not get it",
-                    peer=d,
-                    timeout_s=timeout_s,
+                    phase="signal wait",
+                    peers=[d],
+                    waited_s=waited,
                 )
             time.sleep(_POLL_S)
         return True

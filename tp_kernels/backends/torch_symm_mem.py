@@ -25,7 +25,9 @@ symmetric-memory barriers only on the peers' fused ops.
 Requirements (checked by :meth:`TorchSymmMemBackend.unavailable_reason` without communication):
 CUDA tensors; a torch build whose ``torch.distributed._symmetric_memory`` imports and defines both
 ops; torch's ``CUDA`` symmetric-memory backend (the ops barrier on the handle's signal pads and copy
-from peers' buffers, which the NVSHMEM and NCCL backends do not provide that way); every rank of
+from peers' buffers, which the NVSHMEM and NCCL backends do not provide that way; what torch's
+symmetric memory offers on the device is asked as the ``symm`` backend asks it,
+:func:`tp_kernels.symmetric_memory.torch_symm_mem_unavailable_reason`); every rank of
 the group on this host (an NVLink domain; from ``LOCAL_WORLD_SIZE``), and, when this process sees
 fewer GPUs than the group has ranks, ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1`` (torch's
 rendezvous refuses two ranks with the same device index on one host without it). Any group with a
@@ -115,22 +117,6 @@ def _missing_ops_reason() -> str | None:
         names = ", ".join(f"torch.ops.symm_mem.{name}" for name in missing)
         return f"torch {torch.__version__} has no {names}"
     return None
-
-
-def _cuda_backend_reason(device: torch.device) -> str | None:
-    """Why torch's symmetric-memory backend for ``device`` is not the ``CUDA`` one that its fused
-    ops are written for (their workspace comes from whichever backend is selected)."""
-    symm_mem, _ = _symm_mem_module()
-    backend = symmetric_memory._symm_mem_backend(symm_mem, device)
-    if backend == "CUDA":
-        return None
-    return (
-        f"torch's symmetric-memory backend for {device} is {backend!r}, but its fused ops "
-        "barrier on the workspace handle's signal pads and copy from the peers' buffers "
-        "(get_buffer), which only the 'CUDA' backend provides; select it with "
-        "torch.distributed._symmetric_memory.set_backend('CUDA') before the first symmetric "
-        "allocation, or TORCH_SYMMMEM=CUDA"
-    )
 
 
 def _hosts_reason(group: dist.ProcessGroup) -> str | None:
@@ -305,11 +291,12 @@ class TorchSymmMemBackend(Backend):
     ) -> str | None:
         if device.type != "cuda":
             return f"torch's fused symmetric-memory ops run on CUDA tensors, not {device.type}"
-        if not torch.cuda.is_available():
-            return f"torch.cuda.is_available() is False (torch {torch.__version__})"
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            return f"{device} does not exist: this process sees {torch.cuda.device_count()} GPUs"
-        why = _missing_ops_reason() or _cuda_backend_reason(device)
+        why = (
+            symmetric_memory.torch_symm_mem_unavailable_reason(
+                device, user="torch's fused symmetric-memory ops"
+            )
+            or _missing_ops_reason()
+        )
         if why is not None or group is None:
             return why
         # Any group with a store: torch's rendezvous exchanges handles through it (NCCL for real

@@ -39,8 +39,9 @@ in the interpreter):
   ``WAIT_*`` code) into ``status[s]`` (int32 [W], zero until then, never reset) and the kernel
   finishes with rank ``s``'s part undefined; a later wait for ``s`` that would have to spin gives
   up at once. The launchers never read ``status``: on a GPU it lives in pinned host memory (see
-  :func:`new_status`), so the host reads it without synchronizing, at the caller's next call;
-  :func:`raise_on_timeout` turns it into :class:`PeerWaitTimeout`.
+  :func:`new_status`), so the host reads it without synchronizing, at the caller's next call.
+  Kernels raise nothing: the ``symm`` backend turns a recorded wait into
+  :class:`tp_kernels.PeerTimeoutError`, naming each peer's wait by its code.
 * Launches go to the operands' device (not the current one), and on its current stream.
 * The launchers trust their operands (A, B, the outputs, the gathered A, the slots): shapes,
   dtypes and devices as each docstring states. The ops layer has checked the user's tensors
@@ -55,11 +56,9 @@ from tp_kernels.kernels._shared import (
     INTERPRET,
     MIN_TRITON,
     VARYING_ARGS,
-    PeerWaitTimeout,
     dot_precision,
     new_status,
     on_device,
-    raise_on_timeout,
     tma_layout,
     triton_unsupported_reason,
 )
@@ -78,7 +77,6 @@ __all__ = [
     "INTERPRET",
     "MIN_TRITON",
     "VARYING_ARGS",
-    "PeerWaitTimeout",
     "ag_matmul_consumer",
     "barrier",
     "dot_precision",
@@ -86,7 +84,6 @@ __all__ = [
     "new_counters",
     "new_status",
     "on_device",
-    "raise_on_timeout",
     "reduce_slots",
     "tma_layout",
     "triton_unsupported_reason",

@@ -49,22 +49,6 @@ def triton_unsupported_reason(version: str = triton.__version__) -> str | None:
     return None
 
 
-class PeerWaitTimeout(TimeoutError):
-    """A kernel waited for a peer's signal past its deadline.
-
-    Attributes: ``peers`` (the ranks that never signalled), ``waits`` (what was waited for from
-    each, a ``WAIT_*`` code), ``timeout_s``.
-    """
-
-    def __init__(
-        self, message: str, *, peers: list[int], waits: dict[int, int], timeout_s: float
-    ) -> None:
-        super().__init__(message)
-        self.peers = peers
-        self.waits = waits
-        self.timeout_s = timeout_s
-
-
 def tl_dtype(dtype: torch.dtype, *, argument: str) -> tl.dtype:
     """The Triton element type of a supported torch floating dtype (fp32, fp16, bf16)."""
     if dtype not in _TL_DTYPES:
@@ -295,35 +279,6 @@ def check_status(status: torch.Tensor, world_size: int) -> None:
             f"status: got a tensor on {status.device}, expected contiguous host memory "
             "(pinned for CUDA kernels; see new_status)"
         )
-
-
-def raise_on_timeout(
-    status: torch.Tensor,
-    *,
-    what: str,
-    rank: int,
-    timeout_s: float,
-    group_name: str | None,
-) -> None:
-    """Raise :class:`PeerWaitTimeout` if ``status`` records a wait that ran past its deadline.
-
-    Reads host memory only: it never synchronizes with a device (a kernel still running may
-    record a timeout after this returns; the next check sees it)."""
-    waits = {s: code for s, code in enumerate(status.tolist()) if code}
-    if not waits:
-        return
-    peers = sorted(waits)
-    group = f" of group {group_name!r}" if group_name else ""
-    waited = "; ".join(
-        f"rank {s}: {signals.WAIT_NAMES.get(code, f'wait {code}')}" for s, code in waits.items()
-    )
-    raise PeerWaitTimeout(
-        f"{what} on rank {rank}{group}: waited {timeout_s:g} s for rank(s) {peers} ({waited}) "
-        "and the signal never came; the peer did not reach this call, or failed in it",
-        peers=peers,
-        waits=waits,
-        timeout_s=timeout_s,
-    )
 
 
 @contextlib.contextmanager

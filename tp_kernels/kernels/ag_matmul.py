@@ -373,8 +373,8 @@ def ag_matmul_consumer(
             words on the device, zero before the call (the start barrier clears them).
         chunk_rows: rows per chunk of a shard (>= 1).
         status: the timeout record (:func:`tp_kernels.kernels.new_status`): a wait for rank s
-            that passes ``timeout_s`` stores ``WAIT_CHUNK`` into ``status[s]``; read it with
-            :func:`tp_kernels.kernels.raise_on_timeout`.
+            that passes ``timeout_s`` stores ``WAIT_CHUNK`` into ``status[s]`` (the ``symm``
+            backend reads it and raises).
         timeout_s: deadline of each wait.
         order_out: optional int [W]; receives the source ranks in the order the kernel first
             touched them (a trace for tests and debugging; adds one atomic per tile).
