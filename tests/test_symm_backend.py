@@ -915,6 +915,13 @@ def test_cuda_copier_enqueues_chunks_then_words_after_the_barrier(monkeypatch):
     assert copies._event == "event" and copies._thread is None
 
 
+class _NamedGroup:
+    """Stands for a process group where only its name and identity are read (the broken-group
+    record is keyed by the group)."""
+
+    group_name = "tp"
+
+
 def test_a_call_on_another_stream_waits_for_the_previous_calls_stream(monkeypatch):
     """Every reuse rule rests on the current stream having joined the last call's side streams;
     a call on another CUDA stream first waits for the stream the group's last call ran on
@@ -935,7 +942,7 @@ def test_a_call_on_another_stream_waits_for_the_previous_calls_stream(monkeypatc
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
     monkeypatch.setattr(symm_backend, "_state", lambda group, device: state)
-    group, cuda = dist.group.WORLD, torch.device("cuda", 0)
+    group, cuda = _NamedGroup(), torch.device("cuda", 0)
     for name in ("s1", "s1", "s2", "s2", "s1"):
         current[0] = current[0] if current[0].name == name else Stream(name)
         assert symm_backend._usable_state(group, cuda, "a test call", need_half=64) is state
