@@ -148,7 +148,7 @@ def _operand_type(layout: str, elem: str, block_r: int, block_c: int) -> str:
 def variants(arch: int) -> list[Variant]:
     """The variants of every kernel the launchers can run on ``arch`` (80, 90 or 100).
 
-    Not the full cross product, which would take too long to compile three times in CI: every
+    Not the full cross product, too long to compile for every Triton and arch in CI: every
     GEMM config is compiled for every dtype (and fp32 precision) in the common layout, B=nk (the
     first launch of the all-gather GEMM, which waits on the progress words, and a later one);
     the other layouts of B are compiled with one config per dtype, as
