@@ -1,6 +1,6 @@
-"""``python -m tp_kernels.kernels.compile_check``: the offline sm_90 compile of the kernels and the
-PTX checks. The whole variant set runs in ``.ci/run`` (minutes); here, the checker itself and a
-few variants, in fresh interpreters without TRITON_INTERPRET."""
+"""``python -m tp_kernels.kernels.compile_check``: the offline sm_90 and sm_100 compiles of the
+kernels and the PTX checks. The whole variant set runs in ``.ci/run`` (minutes); here, the checker
+itself and a few variants, in fresh interpreters without TRITON_INTERPRET."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import os
 # compile_check imports tp_kernels.kernels); the compilations below run in fresh interpreters.
 os.environ["TRITON_INTERPRET"] = "1"
 
+import json  # noqa: E402
 import re  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -27,6 +28,50 @@ def test_check_ptx_names_what_is_missing():
     assert missing == [what for _, what in compile_check.WAIT_PATTERNS]
     relaxed = "atom.global.gpu.relaxed.exch.b32 %r5, [ %rd5 + 0 ], %r3;"
     assert compile_check.check_ptx(relaxed, compile_check.SIGNAL_PATTERNS) != []
+
+
+def test_sm_100_gemm_facts_are_tcgen05_with_tensor_memory():
+    """On sm_100 a 16-bit GEMM must hold Blackwell's MMA, its accumulator's tensor memory
+    allocation and the load back from it; sm_90's wgmma does not pass."""
+    facts = compile_check.GEMM16_PATTERNS[100]
+    blackwell = (
+        "@%p8 tcgen05.alloc.cta_group::1.sync.aligned.shared::cta.b32 [%r29], 64;\n"
+        "@%p51 tcgen05.mma.cta_group::1.kind::f16 [ %r314 + 0 ], %rd74, %rd75, %r139, %p50;\n"
+        "tcgen05.ld.sync.aligned.16x32bx2.x32.b32 {%r195, %r196}, [%r227 + 0], 32;"
+    )
+    assert compile_check.check_ptx(blackwell, facts) == []
+    hopper = "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%f1}, %rd1, %rd2, p, 1, 1;"
+    assert compile_check.check_ptx(hopper, facts) == [what for _, what in facts]
+    # An MMA of another kind (tf32), or one whose accumulator never leaves tensor memory, fails.
+    tf32_only = blackwell.replace("kind::f16", "kind::tf32")
+    assert compile_check.check_ptx(tf32_only, facts) == [facts[0][1]]
+    no_load = blackwell.replace("tcgen05.ld.", "tcgen05.st.")
+    assert compile_check.check_ptx(no_load, facts) == [facts[2][1]]
+
+
+def test_sm_100_variants_require_tcgen05_and_tma_not_wgmma():
+    """Every 16-bit GEMM variant for sm_100 requires the tcgen05 facts, and TMA where an operand
+    is a descriptor (sm_100 has TMA as sm_90 does); none requires wgmma. The variants are those of
+    a GPU launch, so they are listed in a fresh interpreter without TRITON_INTERPRET."""
+    done = run_without_interpreter(
+        """
+        import json
+        from tp_kernels.kernels import compile_check
+        print(json.dumps({v.name: v.required for v in compile_check.variants(100)}))
+        """
+    )
+    assert done.returncode == 0, done.stderr
+    required = {
+        name: {tuple(p) for p in patterns} for name, patterns in json.loads(done.stdout).items()
+    }
+    gemms = {name: patterns for name, patterns in required.items() if "matmul" in name}
+    sixteen_bit = [patterns for name, patterns in gemms.items() if "fp32" not in name]
+    tcgen05 = set(compile_check.GEMM16_PATTERNS[100])
+    assert sixteen_bit and all(tcgen05 <= patterns for patterns in sixteen_bit)
+    assert not any("wgmma" in pattern for patterns in gemms.values() for pattern, _ in patterns)
+    with_tma = [patterns for name, patterns in gemms.items() if "A=tma" in name]
+    tma = set(compile_check.TMA_PATTERNS)
+    assert with_tma and all(tma <= patterns for patterns in with_tma)
 
 
 def test_waiting_and_signalling_kernels_compile_for_sm_90(tmp_path):
@@ -60,6 +105,24 @@ def test_waiting_and_signalling_kernels_compile_for_sm_90(tmp_path):
     assert "cp.async.bulk.tensor" in waiting and "cp.async.bulk.tensor" in reading
     assert "ld.acquire.sys" in waiting and "fence.proxy.async.global" in waiting
     assert "ld.acquire.sys" not in reading and "fence.proxy.async.global" not in reading
+
+
+def test_a_16_bit_gemm_compiles_for_sm_100_with_tcgen05(tmp_path):
+    """A 16-bit reduce-scatter producer compiled for sm_100 (B200) with Triton's own Blackwell
+    ptxas: its PTX targets sm_100a and holds tcgen05.mma, tensor memory and TMA, and no wgmma."""
+    only = "matmul_rs_producer[bf16,B=ptr"
+    args = ["--arch", "sm_100", "--out", str(tmp_path), "--jobs", "1", "--only", only]
+    done = run_without_interpreter(
+        f"""
+        from tp_kernels.kernels import compile_check
+        raise SystemExit(compile_check.main({args!r}))
+        """
+    )
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    assert "all 1 variants ok for sm_100" in done.stdout, done.stdout
+    (ptx,) = [p.read_text() for p in Path(tmp_path, "sm_100").iterdir()]
+    assert re.search(r"^\.target sm_100a", ptx, re.MULTILINE), ptx[:500]
+    assert "tcgen05.mma" in ptx and "cp.async.bulk.tensor" in ptx and "wgmma" not in ptx
 
 
 def test_a_variant_that_lacks_a_pattern_fails_by_name(tmp_path):

@@ -259,6 +259,24 @@ def test_model_plan_for_llama3_70b(capsys):
     assert len(rows) == 10 and all(r.sol_s <= r.fused_s for r in rows)
 
 
+def test_b200_is_the_hgx_datasheet_dense_per_direction_and_plans_with_bench_model(capsys):
+    """B200 (sm_100): the HGX B200 datasheet's per-GPU figures, the tensor-core rates dense (half
+    its sparse 4.5 and 2.2 PFLOPS) and NVLink 5 per direction (half its 1.8 TB/s); the SM count
+    is marked assumed (not on the datasheet). ``bench model --gpu b200`` prints its plan, which
+    is faster than H100's wherever the GEMMs bound it."""
+    b200 = cost.DEVICES["b200"]
+    assert b200.peak_tflops == {"bf16": 4500 / 2, "fp16": 4500 / 2, "fp32": 2200 / 2}
+    assert (b200.hbm_gb_s, b200.link_gb_s) == (8000.0, 1800 / 2)
+    assert b200.sources["peak_tflops"].startswith("https://www.nvidia.com/")
+    assert b200.sms == 148 and b200.sources["sms"].startswith("assumed: ")
+    assert bench_main(["model", "--gpu", "b200", "--tp", "8", "--model", "llama3-70b"]) == 0
+    out = capsys.readouterr().out
+    assert "llama3-70b TP=8 on B200 (HGX, 1000 W)" in out and "hgx/ (HGX B200" in out
+    on_b200, on_h100 = (model.plan_rows("llama3-70b", dev, 8, 8192) for dev in (b200, H100))
+    compute_bound = [(b, h) for b, h in zip(on_b200, on_h100) if h.compute_s > h.comm_s]
+    assert compute_bound and all(b.fused_s < h.fused_s for b, h in compute_bound)
+
+
 def test_model_plan_refuses_a_tp_that_does_not_divide(capsys):
     with pytest.raises(SystemExit) as info:
         model.main(["--tp", "3", "--model", "llama3-8b"])
@@ -271,11 +289,12 @@ def test_the_local_cpu_is_measured_once_and_gpus_found_by_name(monkeypatch):
     assert spec is cost.measure_cpu()  # measured once per process
     assert all(rate > 0 for rate in spec.peak_tflops.values()) and spec.link_gb_s > 0
     assert set(spec.peak_tflops) == set(cost.DTYPE_NAMES.values())
-    names = iter(["NVIDIA H100 80GB HBM3", "NVIDIA H200", "Tesla V100-SXM2-16GB"])
+    names = iter(["NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA B200", "Tesla V100-SXM2-16GB"])
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: next(names))
     cuda = torch.device("cuda", 0)
     assert cost.device_spec(cuda) is cost.DEVICES["h100"]
     assert cost.device_spec(cuda) is cost.DEVICES["h200"]
+    assert cost.device_spec(cuda) is cost.DEVICES["b200"]
     assert cost.device_spec(cuda) is None  # not described: auto then times without ruling out
 
 

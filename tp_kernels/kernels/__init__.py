@@ -8,7 +8,7 @@ exact in fp32, so the result equals a bf16 MMA with an fp32 accumulator up to su
 
 Supported Triton: :data:`MIN_TRITON` and newer (the versions torch's CUDA wheels pin from torch
 2.10 on: 3.6.0, 3.7.x, and the newest release). ``python -m tp_kernels.kernels.compile_check``
-compiles every variant for sm_90 / sm_80 without a GPU and checks the PTX.
+compiles every variant for sm_90 / sm_100 / sm_80 without a GPU and checks the PTX.
 
 Layout and signal protocol, shared by every kernel (W ranks, this rank ``r``), the same on a GPU
 and in the interpreter (only :func:`_poll_acquire` has two bodies: PTX on a GPU, the host clock

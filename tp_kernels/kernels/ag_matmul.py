@@ -16,9 +16,9 @@ in order, one after another.
 (in ``A`` before the launch: stream order), then ``r+1``'s, ... . A tile of rank ``s``'s rows
 first waits (acquire, deadline) for the progress word of the chunk holding its last row (the
 copies run in order, so every earlier chunk is in place too), then reads ``A`` from local memory
-only, with TMA on sm_90. No SM moves bytes between GPUs and no tile waits for another tile: a
-tile waits only for the copy engine, which progresses whatever the SMs do, so the launch may be
-persistent (at most one program per SM, tiles strided over the programs) without a ticket.
+only, with TMA on sm_90 and newer. No SM moves bytes between GPUs and no tile waits for another
+tile: a tile waits only for the copy engine, which progresses whatever the SMs do, so the launch
+may be persistent (at most one program per SM, tiles strided over the programs) without a ticket.
 One launch takes up to three right-hand matrices (QKV's, w1/w3's), each shard's tiles of every
 one of them before the next shard's, so all their math overlaps the copies; a call with more runs
 further launches after the first on the same stream, which read the complete ``A`` without

@@ -13,10 +13,12 @@ configs. Each PTX file is written to ``--out`` and checked:
 * a kernel that signals stores its word with a system-scope release atomic; the reduce-scatter
   producer, whose stores are local, counts each tile at GPU scope (no system-scope fence per
   tile: only a block's last tile releases its word at system scope);
-* every GEMM with 16-bit operands uses ``wgmma`` on sm_90 (warpgroup MMA), ``mma.sync`` below;
+* every GEMM with 16-bit operands uses ``wgmma`` on sm_90 (warpgroup MMA), ``mma.sync`` below,
+  and on sm_100 (B200) ``tcgen05.mma``, whose accumulator lives in tensor memory: allocated with
+  ``tcgen05.alloc`` and read back with ``tcgen05.ld``;
 * every GEMM feeds its main loop with asynchronous copies (``cp.async`` or TMA's
   ``cp.async.bulk.tensor``): without them its loads are not pipelined behind the math;
-* a GEMM that takes an operand as a tensor descriptor (sm_90) copies it with TMA
+* a GEMM that takes an operand as a tensor descriptor (sm_90 and sm_100) copies it with TMA
   (``cp.async.bulk.tensor``): the all-gather consumer takes its (local) A so in every variant
   whose A rows are 16-byte multiples, and the ``B=ptr`` variants, whose B goes through pointers,
   show that those TMA copies are A's; no variant needs more shared memory than the architecture
@@ -46,7 +48,7 @@ from pathlib import Path
 
 __all__ = ["Variant", "check_ptx", "compile_variant", "main", "variants"]
 
-_ARCHS = {"sm_80": 80, "sm_90": 90}
+_ARCHS = {"sm_80": 80, "sm_90": 90, "sm_100": 100}
 # Sizes the runtime specializes as multiples of 16 (and pointers as 16-byte aligned).
 _ALIGNED = {"tt.divisibility": 16}
 
@@ -74,6 +76,13 @@ PROXY_FENCE_PATTERNS = (
 GEMM16_PATTERNS = {
     90: ((r"wgmma\.mma_async", "wgmma (sm_90 warpgroup MMA) in the 16-bit GEMM"),),
     80: ((r"mma\.sync\.aligned", "mma.sync (tensor cores) in the 16-bit GEMM"),),
+    # Blackwell's MMA reads its operands from shared memory and accumulates in tensor memory,
+    # which the kernel allocates and reads the result back from.
+    100: (
+        (r"tcgen05\.mma\.\S*kind::f16", "tcgen05.mma (sm_100 MMA, 16-bit inputs) in the GEMM"),
+        (r"tcgen05\.alloc\.", "a tensor memory allocation (tcgen05.alloc) for the accumulator"),
+        (r"tcgen05\.ld\.", "the accumulator's load from tensor memory (tcgen05.ld)"),
+    ),
 }
 
 
@@ -101,18 +110,20 @@ def _variant(name, kernel, types, constexprs, aligned, required, **options) -> V
 
 
 # How a GEMM operand [R, C] reaches the kernel (see tp_kernels.kernels.tma_layout): "rc" and "cr"
-# are tensor descriptors over the operand or its transpose (sm_90: TMA), "pointer" its pointer.
-# B [K, N] comes row-major ("B=kn") or as the transpose of a row-major [N, K] (a Linear's weight,
-# ``w.t()``: "B=nk"). The stride that is 1 is specialized to the constant 1 by the runtime, as
-# here; the other is a multiple of 16 in every shape that matters, except in "B=ptr": a row
-# stride that is no multiple of 16 bytes, which TMA cannot take, so the pointer path reads it.
+# are tensor descriptors over the operand or its transpose (sm_90 and newer: TMA), "pointer"
+# its pointer. B [K, N] comes row-major ("B=kn") or as the transpose of a row-major [N, K] (a
+# Linear's weight, ``w.t()``: "B=nk"). The stride that is 1 is specialized to the constant 1 by
+# the runtime, as here; the other is a multiple of 16 in every shape that matters, except in
+# "B=ptr": a row stride that is no multiple of 16 bytes, which TMA cannot take, so the pointer
+# path reads it.
 _B_LAYOUTS = {
     "B=nk": ("cr", "stride_bk", "stride_bn", True),
     "B=kn": ("rc", "stride_bn", "stride_bk", True),
     "B=ptr": ("pointer", "stride_bn", "stride_bk", False),
 }
-# Shared memory per block (bytes) that each architecture grants: sm_80 163 KiB, sm_90 227 KiB.
-SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
+# Shared memory per block (bytes) that each architecture grants: sm_80 163 KiB, sm_90 and sm_100
+# 227 KiB (the CUDA C++ Programming Guide's table of compute capabilities).
+SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024, 100: 227 * 1024}
 
 
 def _blocks(config: dict) -> str:
@@ -135,24 +146,24 @@ def _operand_type(layout: str, elem: str, block_r: int, block_c: int) -> str:
 
 
 def variants(arch: int) -> list[Variant]:
-    """The variants of every kernel the launchers can run on ``arch`` (80 or 90).
+    """The variants of every kernel the launchers can run on ``arch`` (80, 90 or 100).
 
-    Not the full cross product, which would take too long to compile three times in CI: every
+    Not the full cross product, too long to compile for every Triton and arch in CI: every
     GEMM config is compiled for every dtype (and fp32 precision) in the common layout, B=nk (the
     first launch of the all-gather GEMM, which waits on the progress words, and a later one);
     the other layouts of B are compiled with one config per dtype, as
     the layout changes only the loads and not the tile loop. All-gather configs whose stage
     buffers exceed the architecture's shared memory (fp32 with the large tiles) are left out: the
-    autotuner drops them there (they fail to load). On sm_90 the operands, all local, are tensor
-    descriptors (TMA) where their layout allows (not for fp32 without TF32); below sm_90 the
-    launchers always read through pointers.
+    autotuner drops them there (they fail to load). On sm_90 and newer the operands, all local,
+    are tensor descriptors (TMA) where their layout allows (not for fp32 without TF32); below
+    sm_90 the launchers always read through pointers.
     """
     import torch
     import triton.language as tl
 
     from tp_kernels.kernels import ag_matmul, matmul_rs
 
-    gemm16 = GEMM16_PATTERNS[90 if arch >= 90 else 80]
+    gemm16 = GEMM16_PATTERNS[arch]
     tma = arch >= 90
     dtypes = {
         "fp32": (tl.float32, torch.float32, ("tf32", "ieee")),
@@ -358,8 +369,9 @@ class Outcome:
 
 def ptxas_usage(ptx_path: Path, arch: int) -> tuple[int, int]:
     """``(registers per thread, spill stores + loads in bytes)`` of the PTX at ``ptx_path``, as
-    Triton's own ``ptxas -v`` reports them for ``sm_<arch>`` (``sm_90a`` for Hopper's wgmma): the
-    binary Triton itself assembles that architecture with (versions differ in which it bundles)."""
+    Triton's own ``ptxas -v`` reports them for ``sm_<arch>`` (``sm_90a`` for Hopper's wgmma,
+    ``sm_100a`` for Blackwell's tcgen05): the binary Triton itself assembles that architecture with
+    (versions differ in which they bundle; sm_100 has its own, ``ptxas-blackwell``)."""
     from triton.backends.nvidia.compiler import get_ptxas
 
     gpu = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
