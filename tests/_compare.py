@@ -8,15 +8,15 @@ multi-rank test can collect every mismatch of every case and report them togethe
 Values are compared in one of two ways. Without a ``truth``: elementwise within a :class:`Tol`
 (``EXACT`` by default). With a ``truth`` (the reference computation rerun in float64 on the same
 dtype-rounded weights and inputs, the same structure as ``want``), by the project's rule of
-tests/_numerics.py: per tensor, ``max|got - truth| <= 2 * max|want - truth| + FLOOR[dtype] *
-max|truth|``. ``got`` may round differently from ``want`` (a fused op sums in another order) but
-may not be more than twice as far from the exact result. The floors are _numerics' and hold for
-the same reason: a fused boundary rounds each of the W <= 4 partial sums of a reduce-scatter to the
-dtype before adding them (fp32 2e-6 ~ 16 ulps: those W half-ulp roundings plus accumulation-order
-noise; bf16 2e-2 ~ W * 0.5 * 2^-7), which the reference's own error need not show, for instance
-where PyTorch's result happens to be exact. They are scaled by the largest truth value of the
-tensor, not by the magnitude of the summed terms: a whole model has no cheap ``|x| @ |y|``.
-Kinds, placements, shapes and strides are always compared ``got`` against ``want`` exactly.
+tp_kernels/testing/numerics.py: per tensor, ``max|got - truth| <= 2 * max|want - truth| +
+FLOOR[dtype] * max|truth|``. ``got`` may round differently from ``want`` (a fused op sums in another
+order) but may not be more than twice as far from the exact result. The floors are that module's and
+hold for the same reason: a fused boundary rounds each of the W <= 4 partial sums of a
+reduce-scatter to the dtype before adding them (fp32 2e-6 ~ 16 ulps: those W half-ulp roundings plus
+accumulation-order noise; bf16 2e-2 ~ W * 0.5 * 2^-7), which the reference's own error need not
+show, for instance where PyTorch's result happens to be exact. They are scaled by the largest truth
+value of the tensor, not by the magnitude of the summed terms: a whole model has no cheap ``|x| @
+|y|``. Kinds, placements, shapes and strides are always compared ``got`` against ``want`` exactly.
 
 Collectives: with ``full=True`` a DTensor pair is also compared through ``full_tensor()``, a
 collective. It is only called when both sides (and the truth, if given) are DTensors with equal

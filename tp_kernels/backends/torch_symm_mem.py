@@ -59,13 +59,13 @@ What each call guards against, from torch's ``_symmetric_memory/__init__.py`` (2
   reduce-scatter is a collective of the group: NCCL's capture, gloo's (ranks sharing a GPU) do
   not, so there a captured call with an addend is refused too.
 
-Numerics (what the tolerances of tests/_numerics.py and gpu_check allow for): torch rounds each
-rank's partial product to the input dtype before reducing (2.13: ``torch.sum`` over the partials,
-which on CUDA accumulates fp16/bf16 in fp32 and rounds once; 2.15: a Triton kernel that does the
-same), as ``symm`` does; but the addend is reduce-scattered by the group's collective in the dtype
-(``W - 1`` running sums rounded) and added with one more rounding, where ``symm`` folds it into its
-partials: hence the wider floors of ``TORCH_SYMM_MEM_FLOOR`` (tests/_numerics.py, gpu_check) for
-this backend.
+Numerics (what the rule of tp_kernels/testing/numerics.py allows for): torch rounds each rank's
+partial product to the input dtype before reducing (2.13: ``torch.sum`` over the partials, which on
+CUDA accumulates fp16/bf16 in fp32 and rounds once; 2.15: a Triton kernel that does the same), as
+``symm`` does; but the addend is reduce-scattered by the group's collective in the dtype (``W - 1``
+running sums rounded) and added with one more rounding, where ``symm`` folds it into its partials:
+hence the wider floors of ``TORCH_SYMM_MEM_FLOOR`` (tp_kernels/testing/numerics.py) for this
+backend.
 
 What was not run where this was written (a CPU machine, no GPU): torch's CUDA kernels behind the
 two ops, the overlap of the addend's reduce-scatter with them, and the availability checks on a
