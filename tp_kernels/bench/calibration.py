@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from tp_kernels import cost, signals
-from tp_kernels.bench.protocol import render_table
+from tp_kernels.bench.protocol import cuda_seconds_back_to_back, render_table
 
 __all__ = [
     "CHUNK_MIB",
@@ -186,21 +186,12 @@ class Timings:
 
 
 def _cuda_seconds(fn: Callable[[], object], reps: int) -> float:
-    """Median device seconds of ``fn`` on the current stream over ``reps`` runs after two: events
-    around each run, recorded back to back and synchronized once at the end, so each run's host
-    work (the launcher's checks, the autotuner's lookup) overlaps the previous run on the device
-    wherever the host launches faster than the device runs."""
+    """Median device seconds of ``fn`` on the current stream over ``reps`` runs after two, timed
+    back to back (:func:`~tp_kernels.bench.protocol.cuda_seconds_back_to_back`), so each run's host
+    work (the launcher's checks, the autotuner's lookup) overlaps the previous run on the device."""
     for _ in range(2):
         fn()
-    events = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        events.append((start, end))
-    torch.cuda.synchronize()
-    times = sorted(start.elapsed_time(end) / 1e3 for start, end in events)
+    times = sorted(cuda_seconds_back_to_back(fn, reps))
     return times[len(times) // 2]
 
 

@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tp_kernels.bench.protocol import DTYPES, render_table
+from tp_kernels.bench.protocol import DTYPES, cuda_seconds_back_to_back, render_table
 from tp_kernels.testing import LocalWorld, RankError
 
 __all__ = ["CaptureRow", "CaptureTask", "capture_rank", "check_capture", "render"]
@@ -202,16 +202,7 @@ def _time(fn: Callable[[], object], n: int, device: torch.device) -> tuple[float
         return _median_us(host), _median_us(host)
     torch.cuda.synchronize()
     dist.barrier()
-    events = []
-    for _ in range(n):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        events.append((start, end))
-    torch.cuda.synchronize()
-    device_s = [start.elapsed_time(end) / 1e3 for start, end in events]
-    return _median_us(host), _median_us(device_s)
+    return _median_us(host), _median_us(cuda_seconds_back_to_back(fn, n))
 
 
 def _unavailable_reason(backend: str, device: torch.device) -> str | None:

@@ -215,6 +215,22 @@ def summarize(times_ms: Sequence[float]) -> dict[str, float]:
     }
 
 
+def cuda_seconds_back_to_back(fn: Callable[[], object], runs: int) -> list[float]:
+    """The device seconds of each of ``runs`` calls of ``fn`` on the current stream: CUDA events
+    around each call, recorded back to back and synchronized once at the end, so each call's host
+    work overlaps the previous call on the device wherever the host launches faster than the
+    device runs (as a training loop does)."""
+    events = []
+    for _ in range(runs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) / 1e3 for start, end in events]
+
+
 def _device_sync(device: torch.device) -> Callable[[], None]:
     if device.type == "cuda":
         return lambda: torch.cuda.synchronize(device)
