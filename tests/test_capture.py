@@ -26,7 +26,7 @@ from test_torch_symm_mem import _fake_torch_ops
 import tp_kernels as tpk
 from tp_kernels import deadline
 from tp_kernels.backends import auto, base, get_backend
-from tp_kernels.ops import _checks, functional
+from tp_kernels.ops import _checks, planning
 
 BACKENDS = ["reference", "pipelined", "torch_symm_mem"]
 # What a backend needs to run on gloo CPU ranks: torch's ops and workspace, faked.
@@ -77,9 +77,9 @@ def _forbidding() -> Iterator[list[str]]:
         (deadline, "gather_objects"),
         (deadline, "_roll_call"),
         (_checks, "all_gather_single"),  # the agreement's exchange
-        (functional, "agree_across_ranks"),
-        (functional, "_new_plan"),  # checks, choice and agreement of a new plan
-        (functional, "time_and_choose"),
+        (planning, "agree_across_ranks"),
+        (planning, "_new_plan"),  # checks, choice and agreement of a new plan
+        (planning, "time_and_choose"),
         (auto, "_time_and_choose"),
         (auto, "_agreed_max"),
     ]
@@ -125,7 +125,7 @@ def _step(backend: str | None, rows: int = 4) -> list[torch.Tensor]:
 
 def _hygiene(backend: str, custom_ops: bool = False) -> dict:
     """With ``custom_ops``, under a dispatch mode (CommDebugMode), which sends the calls through
-    the custom ops of ``ops/library.py`` (torch.compile's and torchtitan 0.3's backward's way)."""
+    the custom ops of ``ops/ag_matmul.py`` and ``ops/matmul_rs.py`` (torch.compile's and torchtitan 0.3's backward's way)."""
     from torch.distributed.tensor.debug import CommDebugMode
 
     mode = CommDebugMode if custom_ops else contextlib.nullcontext
@@ -207,7 +207,7 @@ def _auto_falls_back(all_unready: bool) -> dict:
             (auto, "_timed", {}),  # shape classes timed by earlier tests
             (auto, "_ranked", {}),
             (auto, "_logged", set()),
-            (functional, "_plans", weakref.WeakKeyDictionary()),
+            (planning, "_plans", weakref.WeakKeyDictionary()),
         ]
         with _patched(fresh):
             _step("auto")
@@ -331,7 +331,7 @@ def _styles_hygiene(backend: str) -> dict:
 
 @pytest.mark.parametrize("backend", ["reference", "torch_symm_mem"])
 def test_styles_captured_step_does_nothing_forbidden(worlds, backend):
-    """The styles' fused Linears (``ops/linear.py``) plan as the ops do: a captured step after an
+    """The styles' fused Linears (``colwise_linears``, ``rowwise_linear``) plan as the ops do: a captured step after an
     eager one reuses every plan, and the backward's needs come from the DTensor parameters."""
     for got in worlds(2).run(_styles_hygiene, backend):
         assert got["forbidden"] == [], got
@@ -357,7 +357,7 @@ def _backward_by_name() -> dict:
         (auto, "_timed", {}),
         (auto, "_ranked", {}),
         (auto, "_logged", set()),
-        (functional, "_plans", weakref.WeakKeyDictionary()),
+        (planning, "_plans", weakref.WeakKeyDictionary()),
     ]
     group = dist.group.WORLD
 

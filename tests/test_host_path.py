@@ -142,4 +142,4 @@ def _style_nodes() -> list[str]:
 
 def test_a_fused_linear_is_one_autograd_node(worlds):
     for nodes in worlds(2).run(_style_nodes):
-        assert nodes == ["Tensor", "_ColwiseBackward", "Tensor", "_RowwiseBackward"]
+        assert nodes == ["Tensor", "AllGatherMatmulBackward", "Tensor", "MatmulReduceScatterBackward"]

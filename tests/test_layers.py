@@ -134,7 +134,7 @@ def test_imports_are_read_in_every_form(tmp_path, monkeypatch):
         "from . import base\n"
         "from .. import cost as c\n"
         "def f():\n"
-        "    import tp_kernels.ops.functional\n"
+        "    import tp_kernels.ops.planning\n"
         "    from tp_kernels.backends.base import Backend\n"
     )
     monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
@@ -142,6 +142,6 @@ def test_imports_are_read_in_every_form(tmp_path, monkeypatch):
         (1, "tp_kernels.cost"),
         (2, "tp_kernels.backends.base"),
         (3, "tp_kernels.cost"),
-        (5, "tp_kernels.ops.functional"),
+        (5, "tp_kernels.ops.planning"),
         (6, "tp_kernels.backends.base"),
     ]

@@ -25,7 +25,7 @@ from _replay import Recorder  # noqa: E402
 
 from tp_kernels import config  # noqa: E402
 from tp_kernels.backends import symm as symm_backend  # noqa: E402
-from tp_kernels.ops import _compute  # noqa: E402
+from tp_kernels.ops import ag_matmul, matmul_rs  # noqa: E402
 from tp_kernels.testing.numerics import check_close  # noqa: E402
 
 # Tokens per rank, model width, hidden width per rank: tiny and uneven.
@@ -60,19 +60,19 @@ def _shards(full: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]
 
 def _step(group: dist.ProcessGroup, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The TP MLP ``y = rs(relu(ag(x) @ w1^T) @ w2^T)`` and its backward from ``dy``, through the
-    fused ops' math (:mod:`tp_kernels.ops._compute`) on the symm backend."""
+    fused ops' math (each op module's ``_forward``/``_backward``) on the symm backend."""
     impl = symm_backend.BACKEND
-    _, (h,) = _compute.all_gather_matmul(impl, t["x"], [t["w1"].t()], group, keep_a=False)
+    _, (h,) = ag_matmul._forward(impl, group, t["x"], [t["w1"].t()], keep_a=False)
     act = torch.relu(h)
-    y = _compute.matmul_reduce_scatter(impl, act, t["w2"].t(), None, group, avg=False)
-    dact, dw2, _ = _compute.matmul_reduce_scatter_backward(
+    y = matmul_rs._forward(impl, group, act, t["w2"].t(), None, avg=False)
+    dact, dw2, _ = matmul_rs._backward(
         impl, group, act, t["w2"].t(), t["dy"], avg=False, need_a=True, need_b=True,
-        need_bias=False, as_weight=True,
+        need_bias=False, linear_weight=True,
     )  # fmt: skip
     dh = dact * (h > 0)
-    dx, (dw1,) = _compute.all_gather_matmul_backward(
+    dx, (dw1,) = ag_matmul._backward(
         impl, group, t["x"], False, [t["w1"].t()], [dh], None, need_a=True, need_b=[True],
-        as_weights=True,
+        linear_weights=True,
     )  # fmt: skip
     return {"y": y, "dx": dx, "dw1": dw1, "dw2": dw2}
 

@@ -18,7 +18,7 @@ from tp_kernels.backends.base import CaptureUnreadyError  # noqa: E402
 from tp_kernels.deadline import PeerTimeoutError, get_timeout, set_timeout  # noqa: E402
 from tp_kernels.ops import all_gather_matmul, matmul_reduce_scatter  # noqa: E402
 from tp_kernels.ops.capture import reserve  # noqa: E402
-from tp_kernels.ops.stats import comm_stats, reset_comm_stats  # noqa: E402
+from tp_kernels.ops.planning import comm_stats, reset_comm_stats  # noqa: E402
 from tp_kernels.styles import (  # noqa: E402
     ColwiseParallel,
     ParallelStyle,

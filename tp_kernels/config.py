@@ -28,6 +28,7 @@ together. ``Setting.reset()`` forgets the override and the value read (for tests
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -36,6 +37,7 @@ from typing import Generic, TypeVar
 __all__ = [
     "AUTO_TIMING",
     "BACKEND",
+    "BACKEND_IN_CONTEXT",
     "CHECK_CONSISTENCY",
     "PIPELINE_CHUNKS",
     "SHARED_DEVICE_RANKS",
@@ -57,6 +59,19 @@ _generation = 0
 def generation() -> int:
     """A number that changes whenever any setting is set or reset."""
     return _generation
+
+
+# The innermost ``tp_kernels.use_backend`` block's backend (None outside every one): BACKEND's
+# override for one context (a thread, a task), set only by ``use_backend``.
+BACKEND_IN_CONTEXT: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "tp_kernels_backend", default=None
+)
+
+
+def settings_key() -> tuple[int, str | None]:
+    """What a decision cached from the settings depends on (the ops layer's call plans): the
+    :func:`generation` and the ``use_backend`` block in force."""
+    return _generation, BACKEND_IN_CONTEXT.get()
 
 
 class Setting(Generic[T]):

@@ -169,7 +169,7 @@ def fused_call(group: dist.ProcessGroup, op: str, pass_: str) -> Iterator[None]:
     broken group, names ``op`` and ``pass_`` in the deadline errors raised inside, and marks the
     group broken when one is. Dispatch modes (``CommDebugMode``, a user's) do not see the
     collectives inside: they see the fused custom op as the collective it replaces (see
-    ``ops/library.py``), not the agreement or transport under it."""
+    ``ops/ag_matmul.py``), not the agreement or transport under it."""
     raise_if_broken(group, op, pass_)
     _calls[group] = _calls.get(group, 0) + 1
     token = _call.set((op, pass_))

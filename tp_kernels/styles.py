@@ -48,11 +48,13 @@ declared, a Linear subclass with its own forward) runs PyTorch's path, counts a 
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
@@ -61,10 +63,10 @@ from torch.distributed.tensor.parallel import style as _torch_style
 from torch.distributed.tensor.placement_types import Placement
 
 from tp_kernels.backends import check_backend_name
-from tp_kernels.ops import all_gather_matmul, matmul_reduce_scatter
-from tp_kernels.ops.functional import eager_path
-from tp_kernels.ops.linear import colwise_linears, local_tensor, rowwise_linear
-from tp_kernels.ops.stats import record
+from tp_kernels.ops._checks import resolve_group
+from tp_kernels.ops.ag_matmul import all_gather_matmul, colwise_linears
+from tp_kernels.ops.matmul_rs import matmul_reduce_scatter, rowwise_linear
+from tp_kernels.ops.planning import eager_path, local_tensor, record
 
 # These styles have nothing to fuse: they are PyTorch's classes, re-exported.
 ParallelStyle = _torch_style.ParallelStyle
@@ -143,10 +145,15 @@ class _FusedLinear:
     output_layouts: tuple[Placement, ...]
     # The output hook would only take the local tensor of the fused op's result (the style's
     # use_local_output, with output_layouts the placement the fused op produces): the fused
-    # Linear then returns that local tensor itself (see ops/linear.py).
+    # Linear then returns that local tensor itself (see ops/ag_matmul.py).
     local_output: bool
     # The grouping PrepareModuleInput of the parent module, once it has found this child.
     group: _GatherGroup | None = None
+
+    @functools.cached_property
+    def process_group(self) -> dist.ProcessGroup:
+        """The mesh's group, resolved on the first call (not on every one)."""
+        return resolve_group(self.mesh, op=f"{self.style}-parallel Linear")
 
     def holds(self, module: nn.Module, x: Any) -> bool:
         """Whether the group left an output for ``module`` computed from exactly this input."""
@@ -232,8 +239,8 @@ class _FusableStyle:
 
 
 def _eager(x: Any, weights: list[Any], biases: list[Any]) -> bool:
-    """Whether a fused call on these (DTensor or local) arguments may take ``ops/linear.py``'s
-    single autograd node: not compiling, no dispatch mode, plain local tensors."""
+    """Whether a fused call on these (DTensor or local) arguments may take its op's single
+    autograd node: not compiling, no dispatch mode, plain local tensors."""
     if torch.compiler.is_compiling():
         return False
     return eager_path((local_tensor(x), *map(local_tensor, weights), *map(local_tensor, biases)))
@@ -255,7 +262,9 @@ def _colwise_forward(self: nn.Linear, x: Any) -> Any:
     layout = x.placements[0] if isinstance(x, DTensor) else fused.input_layouts[0]
     dim = _sharded_dim(layout, x.ndim)
     if dim is not None and _eager_linear(self, x):
-        _, (y,) = colwise_linears(x, [self.weight], [self.bias], dim, fused.mesh, fused.backend)
+        _, (y,) = colwise_linears(
+            x, [self.weight], [self.bias], dim, fused.process_group, fused.backend
+        )
         return y
     if not isinstance(x, DTensor):
         x = DTensor.from_local(x, fused.mesh, fused.input_layouts, run_check=False)
@@ -284,7 +293,7 @@ def _rowwise_forward(self: nn.Linear, x: Any) -> Any:
     if why is None and x.shape[dim] % world:
         why = f"output dim {dim} of size {x.shape[dim]} is uneven over {world} ranks"
     if why is None and _eager_linear(self, x):
-        return rowwise_linear(x, self.weight, self.bias, dim, fused.mesh, fused.backend)
+        return rowwise_linear(x, self.weight, self.bias, dim, fused.process_group, fused.backend)
     if local:
         x = DTensor.from_local(x, fused.mesh, fused.input_layouts, run_check=False)
     if why is not None:
@@ -484,6 +493,11 @@ class _GatherGroup:
         self._children: list[nn.Module] | None = None
         self._outputs: dict[int, tuple[Any, DTensor]] = {}  # id(child) -> (its input, output)
 
+    @functools.cached_property
+    def process_group(self) -> dist.ProcessGroup:
+        """The mesh's group, resolved on the first call (not on every one)."""
+        return resolve_group(self.mesh, op="PrepareModuleInput")
+
     def children(self, mod: nn.Module) -> list[nn.Module]:
         """The direct children that are tp_kernels colwise Linears taking a replicated input on
         this mesh; each learns its group."""
@@ -562,7 +576,9 @@ class _GatherGroup:
         weights, biases = [c.weight for c in children], [c.bias for c in children]
         eager = _eager(x, weights, biases)
         if eager:
-            gathered, ys = colwise_linears(x, weights, biases, dim, self.mesh, backend, True)
+            gathered, ys = colwise_linears(
+                x, weights, biases, dim, self.process_group, backend, return_a=True
+            )
         else:
             gathered, outs = all_gather_matmul(
                 x.to_local() if isinstance(x, DTensor) else x,

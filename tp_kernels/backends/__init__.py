@@ -10,7 +10,6 @@ times the rest on the first call of a shape class and keeps the fastest (see
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import importlib
 from collections.abc import Iterator
 
@@ -27,7 +26,6 @@ __all__ = [
     "capture_order",
     "check_backend_name",
     "choose",
-    "context_backend",
     "current_backend",
     "get_backend",
     "resolve",
@@ -43,10 +41,6 @@ _MODULES = {
 }
 BACKEND_NAMES = ("auto", *_MODULES)
 _loaded: dict[str, Backend] = {}
-
-_context: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "tp_kernels_backend", default=None
-)
 
 
 def check_backend_name(name: object, *, argument: str = "backend") -> str:
@@ -64,21 +58,18 @@ def set_backend(name: str) -> None:
 @contextlib.contextmanager
 def use_backend(name: str) -> Iterator[None]:
     """Within the ``with`` block, ops and styles without an explicit backend use ``name``."""
-    token = _context.set(check_backend_name(name, argument="use_backend(name)"))
+    token = config.BACKEND_IN_CONTEXT.set(check_backend_name(name, argument="use_backend(name)"))
     try:
         yield
     finally:
-        _context.reset(token)
-
-
-def context_backend() -> str | None:
-    """The innermost :func:`use_backend` context's backend, or None outside every one."""
-    return _context.get()
+        config.BACKEND_IN_CONTEXT.reset(token)
 
 
 def current_backend() -> str:
     """The backend name in force for a call that does not name one (may be ``"auto"``)."""
-    return _context.get() or check_backend_name(config.BACKEND.get(), argument="TP_KERNELS_BACKEND")
+    return config.BACKEND_IN_CONTEXT.get() or check_backend_name(
+        config.BACKEND.get(), argument="TP_KERNELS_BACKEND"
+    )
 
 
 def get_backend(name: str) -> Backend:

@@ -26,7 +26,7 @@ Two paths run this protocol:
 * the torch path (default on CPU): torch matmuls on views of the shared buffers, with the 0/1
   ``put_signal``/``wait_signal`` of :class:`~tp_kernels.symmetric_memory.SymmWorkspace` on channel
   :data:`_READY`; on CPU a wait runs on the host with the deadline of
-  :func:`tp_kernels.symmetric_memory.get_timeout` and raises
+  :func:`tp_kernels.deadline.get_timeout` and raises
   :class:`~tp_kernels.deadline.PeerTimeoutError`.
 * the Triton path (default on CUDA; on CPU only with ``TP_KERNELS_SYMM_TRITON=1`` and
   ``TRITON_INTERPRET=1``, since the interpreter is slow and serves to test the kernels'
@@ -110,7 +110,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from tp_kernels import config, deadline, signals, symmetric_memory, tiling
+from tp_kernels import config, deadline, signals, symmetric_memory
 from tp_kernels.backends import base, schedule, symm_gather, symm_scatter
 from tp_kernels.backends.base import Backend, CaptureNeed, PendingGather
 
@@ -133,6 +133,7 @@ _ALIGN = 256
 
 _AG, _RS = 1, 2
 _OP_NAMES = {_AG: "all_gather_matmul", _RS: "matmul_reduce_scatter"}
+_MAX_VIEWS = 256  # per group state; a model whose shapes never repeat would grow it without end
 _DTYPES = (
     torch.float64,
     torch.float32,
@@ -183,8 +184,12 @@ class _GroupState:
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
         self.ctl = symmetric_memory.get_workspace(group, _CTL_BYTES, device, tag=_CTL_TAG)
+        self.pad_ptrs = self.ctl.signal_pad_ptrs()  # every rank's signal pad, for the kernels
         self.data: symmetric_memory.SymmWorkspace | None = None
         self.half_ptrs: tuple[torch.Tensor, torch.Tensor] | None = None
+        # (rank, shape, dtype, parity) -> that rank's half viewed so: a shape class's calls
+        # repeat their views, which are made once (the host's cost per call on a GPU).
+        self.views: dict[tuple, torch.Tensor] = {}
         self.status: torch.Tensor | None = None
         self.counters: torch.Tensor | None = None
         self.words: torch.Tensor | None = None
@@ -208,6 +213,7 @@ class _GroupState:
         )
         ptrs = data.buffer_ptrs()
         self.half_ptrs = (ptrs.clone(), ptrs + data.nbytes // 2)
+        self.views = {}
 
     def kernel_state(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(status, counters, words)`` of the kernels, made on first use."""
@@ -507,8 +513,16 @@ class _Half:
 
     def view(self, rank: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """This call's half of ``rank``'s data buffer, viewed as ``shape`` of ``dtype``."""
-        ws = self.state.data
-        return ws.buffer(rank, shape, dtype, offset=self.round.parity * (ws.nbytes // 2))
+        views, key = self.state.views, (rank, shape, dtype, self.round.parity)
+        view = views.get(key)
+        if view is None:
+            if len(views) >= _MAX_VIEWS:
+                views.clear()
+            ws = self.state.data
+            offset = self.round.parity * (ws.nbytes // 2)
+            with torch.inference_mode(False):  # later calls write it in place
+                view = views[key] = ws.buffer(rank, shape, dtype, offset=offset)
+        return view
 
     def addresses(self) -> torch.Tensor:
         """int64 [W]: the address of this call's half of every rank's data buffer."""
@@ -529,7 +543,7 @@ def _recorded_timeout(
     waited = "; ".join(
         f"rank {s}: {signals.WAIT_NAMES.get(code, f'wait {code}')}" for s, code in waits.items()
     )
-    timeout = symmetric_memory.get_timeout()
+    timeout = deadline.get_timeout()
     return deadline.PeerTimeoutError(
         f"a symm kernel on rank {group.rank()} of group {group.group_name!r}: waited "
         f"{timeout:g} s for rank(s) {peers} ({waited}) and the signal never came; the peer did "
@@ -755,7 +769,7 @@ def _barrier(
         rank=rank,
         world_size=world,
         channel=channel,
-        timeout_s=symmetric_memory.get_timeout(),
+        timeout_s=deadline.get_timeout(),
         clear=(words, _SLOTS) if clear else None,
         wait=signals.WAIT_START if channel == _START else signals.WAIT_PUBLISHED,
     )
@@ -778,7 +792,7 @@ def _ag_triton(
 
     state, rank, world = round_.state, round_.rank, round_.world
     m, k = a_shard.shape
-    pads = state.ctl.signal_pad_ptrs()
+    pads = state.pad_ptrs
     status, _, _ = state.kernel_state()
     words, _ = state.progress_words()
     copier = state.copier_state()
@@ -787,8 +801,7 @@ def _ag_triton(
     a[rank * m : (rank + 1) * m].copy_(a_shard)
     _barrier(state, pads, rank, world, _PUBLISHED, clear=False)
     ns = tuple(b.shape[1] for b in bs)
-    chunks = symm_gather.chunks_per_shard(m, k, ns, a.dtype, world, a.device)
-    rows = tiling.chunk_rows(m, chunks, interpret=kernels.INTERPRET)
+    rows = symm_gather.chunk_rows(m, k, ns, a.dtype, world, a.device, interpret=kernels.INTERPRET)
     sources = [(s, half.view(s, (m, k), a_shard.dtype)) for s in round_.peers()]
     copies = copier.start(sources, a, rows, words)
     try:
@@ -801,7 +814,7 @@ def _ag_triton(
             status=status,
             rank=rank,
             world_size=world,
-            timeout_s=symmetric_memory.get_timeout(),
+            timeout_s=deadline.get_timeout(),
         )
     finally:
         copies.join()
@@ -820,7 +833,7 @@ def _rs_triton(
     from tp_kernels import kernels
 
     state, rank, world = round_.state, round_.rank, round_.world
-    pads = state.ctl.signal_pad_ptrs()
+    pads = state.pad_ptrs
     status, counters, _ = state.kernel_state()
     _, words = state.progress_words()
     pusher, staging_bytes = state.scatter_state()
@@ -847,7 +860,7 @@ def _rs_triton(
             rank=rank,
             world_size=world,
             channel=_SLOTS,
-            timeout_s=symmetric_memory.get_timeout(),
+            timeout_s=deadline.get_timeout(),
         )
     finally:
         try:

@@ -24,7 +24,7 @@ side). Each remote byte is read once, by a copy; the copies of a call run one af
   runs in Triton's interpreter on the calling thread, each word a release store
   (``tp_kernels._C.store_release``); the thread is joined before the call returns.
 
-Rows per chunk: :func:`tp_kernels.tiling.chunk_rows` (whole consumer tiles). Chunks per shard
+Rows per chunk: :func:`chunk_rows` (whole consumer tiles). Chunks per shard
 (:func:`chunks_per_shard`): a chunk lets the consumer's tiles start on part of a shard (the
 first peer's behind the own shard's tiles, the last peer's before the rest of it lands), but
 each costs the copy engine a per-copy latency and the host a copy and a word, so
@@ -41,7 +41,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tp_kernels import config, cost, signals
+from tp_kernels import config, cost, signals, tiling
 
 # Most chunks per shard (the progress words per shard).
 MAX_CHUNKS = config.SYMM_MAX_CHUNKS
@@ -55,6 +55,39 @@ def chunks_per_shard(
     fastest (:func:`tp_kernels.cost.copy_engine_chunks`) on a GPU it knows, else 1."""
     chunks = config.SYMM_CHUNKS.get()
     return _modelled_chunks(m, k, ns, dtype, world_size, device) if chunks is None else chunks
+
+
+def chunk_rows(
+    m: int,
+    k: int,
+    ns: tuple[int, ...],
+    dtype: torch.dtype,
+    world_size: int,
+    device: torch.device,
+    *,
+    interpret: bool,
+) -> int:
+    """Rows per copy of a shard: :func:`chunks_per_shard`'s count, in whole consumer tiles
+    (:func:`tp_kernels.tiling.chunk_rows`; ``interpret``: the kernels run in Triton's
+    interpreter). Cached per shape class: the host's cost per call on a GPU."""
+    chunks = config.SYMM_CHUNKS.get()
+    return _chunk_rows(m, k, ns, dtype, world_size, device, chunks, interpret)
+
+
+@functools.lru_cache(maxsize=1024)
+def _chunk_rows(
+    m: int,
+    k: int,
+    ns: tuple[int, ...],
+    dtype: torch.dtype,
+    world_size: int,
+    device: torch.device,
+    chunks: int | None,
+    interpret: bool,
+) -> int:
+    if chunks is None:
+        chunks = _modelled_chunks(m, k, ns, dtype, world_size, device)
+    return tiling.chunk_rows(m, chunks, interpret=interpret)
 
 
 @functools.lru_cache(maxsize=1024)

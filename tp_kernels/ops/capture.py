@@ -5,7 +5,7 @@ may launch only stream-ordered work: no host synchronization, no allocation outs
 order, no exchange on the host (agreement, object exchange, ``auto``'s timing). Whether a call is
 captured is asked once per call and only for CUDA tensors
 (:func:`tp_kernels.backends.base.capturing`, looked up on its module at each call: tests
-replace it to capture CPU tensors). Under capture ``ops/functional.py`` reuses the plan
+replace it to capture CPU tensors). Under capture ``ops/planning.py`` reuses the plan
 an eager call of the shape class made (a call with none is refused by :func:`refuse_new_plan`),
 skips the agreement, and takes the backend :func:`capture_backend` says can capture the call and
 the backward parts autograd will run for it. :func:`reserve` makes, outside capture, what a
