@@ -26,7 +26,7 @@ from test_torch_symm_mem import _fake_torch_ops
 import tp_kernels as tpk
 from tp_kernels import deadline
 from tp_kernels.backends import auto, base, get_backend
-from tp_kernels.ops import _checks, planning
+from tp_kernels.ops import planning
 
 BACKENDS = ["reference", "pipelined", "torch_symm_mem"]
 # What a backend needs to run on gloo CPU ranks: torch's ops and workspace, faked.
@@ -76,7 +76,7 @@ def _forbidding() -> Iterator[list[str]]:
         (dist, "barrier"),
         (deadline, "gather_objects"),
         (deadline, "_roll_call"),
-        (_checks, "all_gather_single"),  # the agreement's exchange
+        (planning, "all_gather_single"),  # the agreement's exchange
         (planning, "agree_across_ranks"),
         (planning, "_new_plan"),  # checks, choice and agreement of a new plan
         (planning, "time_and_choose"),
@@ -125,7 +125,8 @@ def _step(backend: str | None, rows: int = 4) -> list[torch.Tensor]:
 
 def _hygiene(backend: str, custom_ops: bool = False) -> dict:
     """With ``custom_ops``, under a dispatch mode (CommDebugMode), which sends the calls through
-    the custom ops of ``ops/ag_matmul.py`` and ``ops/matmul_rs.py`` (torch.compile's and torchtitan 0.3's backward's way)."""
+    the custom ops of ``ops/ag_matmul.py`` and ``ops/matmul_rs.py`` (torch.compile's and
+    torchtitan 0.3's backward's way)."""
     from torch.distributed.tensor.debug import CommDebugMode
 
     mode = CommDebugMode if custom_ops else contextlib.nullcontext
@@ -331,8 +332,9 @@ def _styles_hygiene(backend: str) -> dict:
 
 @pytest.mark.parametrize("backend", ["reference", "torch_symm_mem"])
 def test_styles_captured_step_does_nothing_forbidden(worlds, backend):
-    """The styles' fused Linears (``colwise_linears``, ``rowwise_linear``) plan as the ops do: a captured step after an
-    eager one reuses every plan, and the backward's needs come from the DTensor parameters."""
+    """The styles' fused Linears (``colwise_linears``, ``rowwise_linear``) plan as the ops do: a
+    captured step after an eager one reuses every plan, and the backward's needs come from the
+    DTensor parameters."""
     for got in worlds(2).run(_styles_hygiene, backend):
         assert got["forbidden"] == [], got
         assert got["probes"] >= 2 and got["same"], got

@@ -26,9 +26,9 @@ B, S, H = 2, 8, 12  # batch > 1; the sequence (dim 1) is what the ranks shard
 class Attention(nn.Module):
     """``wo(wq(x) * wk(x))``; ``x`` by keyword, as Hugging Face calls ``self_attn``."""
 
-    def __init__(self) -> None:
+    def __init__(self, linear: type[nn.Linear] = nn.Linear) -> None:
         super().__init__()
-        self.wq, self.wk, self.wo = nn.Linear(H, H), nn.Linear(H, H), nn.Linear(H, H)
+        self.wq, self.wk, self.wo = linear(H, H), linear(H, H), nn.Linear(H, H)
 
     def forward(self, hidden_states: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
         return self.wo(self.wq(hidden_states) * self.wk(hidden_states) * scale)
@@ -124,6 +124,14 @@ FORMS = {
         # full-length (every rank passes the whole sequence), nothing is gathered.
         lambda x, mesh, s: ((s,), {}),
         {"rs": 1},
+    ),
+    # torchao's Float8Linear is such a subclass: the gather then takes PyTorch's path, which
+    # used to go uncounted.
+    "block, children it does not recognise": (
+        lambda: Attention(linear=OwnForward),
+        lambda st: _block_plan(st, _gather()),
+        lambda x, mesh, s: ((x,), {}),
+        {"fallback": 1, "rs": 1},
     ),
     "block, two gathered inputs": (
         TwoInputs,

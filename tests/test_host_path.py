@@ -11,6 +11,7 @@ and grads. Host time itself is measured by ``python -m tp_kernels.bench overhead
 from __future__ import annotations
 
 import contextlib
+import os
 
 import pytest
 import torch
@@ -22,6 +23,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import tp_kernels as tpk
 from tp_kernels import config
+from tp_kernels.bench import overhead
+
+# The hot-path trace runs symm's Triton kernels in the interpreter (set before Triton's import).
+os.environ["TRITON_INTERPRET"] = "1"
 
 
 def _backends_used() -> list[str]:
@@ -142,4 +147,31 @@ def _style_nodes() -> list[str]:
 
 def test_a_fused_linear_is_one_autograd_node(worlds):
     for nodes in worlds(2).run(_style_nodes):
-        assert nodes == ["Tensor", "AllGatherMatmulBackward", "Tensor", "MatmulReduceScatterBackward"]
+        assert nodes == [
+            "Tensor",
+            "AllGatherMatmulBackward",
+            "Tensor",
+            "MatmulReduceScatterBackward",
+        ]
+
+
+def test_an_eager_colwise_call_runs_ten_modules(worlds):
+    """One eager colwise Linear forward on symm's Triton path (the GPU's protocol) runs the code
+    of these ten modules of tp_kernels and no others (17 before the ops were one module each):
+    the path a newcomer reads. The kernel's and the copier's modules must be among them, so a
+    run that silently took the torch path fails."""
+    pytest.importorskip("triton")
+    for modules, _ in worlds(2).run(overhead.hot_path):
+        assert "kernels/ag_matmul.py" in modules and "backends/symm_gather.py" in modules
+        assert modules == [
+            "styles.py",
+            "ops/planning.py",
+            "ops/ag_matmul.py",
+            "config.py",
+            "backends/base.py",
+            "deadline.py",
+            "backends/symm.py",
+            "kernels/ag_matmul.py",
+            "kernels/_shared.py",
+            "backends/symm_gather.py",
+        ]

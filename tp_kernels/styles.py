@@ -537,10 +537,9 @@ class _GatherGroup:
             return self._torch_path(args, kwargs)  # passed positionally: PyTorch converts nothing
         children = self.children(mod)
         x = kwargs.get(gathered.key) if gathered.index is None else args[gathered.index]
-        reason = gathered.problem or _why_not_grouped(children, x, gathered.layout, mesh)
+        reason = gathered.problem or _why_not_grouped(mod, children, x, gathered.layout, mesh)
         if reason is not None:
-            if children:
-                _fall_back(f"PrepareModuleInput on {type(mod).__qualname__}", reason)
+            _fall_back(f"PrepareModuleInput on {type(mod).__qualname__}", reason)
             return self._torch_path(args, kwargs)
         passed = self._gather(x, children)
         unset = (None,) * len(args)
@@ -601,10 +600,16 @@ class _GatherGroup:
         return passed
 
 
-def _why_not_grouped(children, x, layout, device_mesh) -> str | None:
-    """Why a call of a grouping PrepareModuleInput cannot fuse its gather (None: it can)."""
+def _why_not_grouped(module, children, x, layout, device_mesh) -> str | None:
+    """Why a call of a grouping PrepareModuleInput on ``module`` cannot fuse its gather (None: it
+    can). A gather whose children it does not recognise (a Linear subclass with its own forward,
+    such as torchao's Float8Linear, or no Linear at all) is a boundary that does not fuse."""
     if not children:
-        return "no tp_kernels ColwiseParallel Linear children"
+        found = ", ".join(f"{n} ({type(c).__name__})" for n, c in module.named_children())
+        return (
+            "none of its children is a tp_kernels ColwiseParallel nn.Linear on its mesh taking "
+            f"the gathered input (children: {found or 'none'})"
+        )
     why = _simulated_ranks()
     if why is not None:
         return why

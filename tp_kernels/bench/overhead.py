@@ -11,6 +11,10 @@ on CUDA; ``--consistency`` turns them on), per world size of ``--world-sizes``:
   Colwise(Shard(0)) -> Rowwise(output_layouts=Shard(0)) MLP step, forward + backward, with
   PyTorch's styles and with tp_kernels' (per backend), and the ratio to PyTorch's.
 
+``--hot-path`` instead lists what one eager ``ColwiseParallel(input_layouts=Shard(0))`` Linear
+forward runs of tp_kernels (its modules, then its functions, in first-call order) on ``symm``'s
+Triton path (the GPU's protocol, in Triton's interpreter), at W=2: what a newcomer reads.
+
 Each sample is ``--calls`` calls in a loop divided by ``--calls``; samples interleave the
 providers, rotated round by round (:func:`tp_kernels.bench.protocol.time_providers`), and the
 table gives the median over ``--rounds`` rounds of the slowest rank, with p20 and p80.
@@ -21,6 +25,8 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
+import threading
 from collections.abc import Callable, Sequence
 
 import torch
@@ -124,6 +130,44 @@ def measure(rows: int, dim: int, calls: int, rounds: int, consistency: bool) -> 
     return {name: [t * 1e3 / calls for t in samples] for name, samples in times_ms.items()}
 
 
+def hot_path() -> tuple[list[str], list[str]]:
+    """On every rank: the modules (paths under ``tp_kernels/``) and the functions (``module:
+    name``) of tp_kernels whose Python code one eager colwise Linear forward runs on ``symm``'s
+    Triton path, each in first-call order, after two warmup calls. Needs ``TRITON_INTERPRET=1``
+    on a CPU, set before Triton's first import."""
+    root = os.path.dirname(tpk.__file__)
+    modules: list[str] = []
+    functions: list[str] = []
+
+    def profile(frame, event, arg) -> None:
+        path = frame.f_code.co_filename
+        if event != "call" or not path.startswith(root):
+            return
+        module = os.path.relpath(path, root)
+        if module not in modules:
+            modules.append(module)
+        function = f"{module}:{frame.f_code.co_name}"
+        if function not in functions:
+            functions.append(function)
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    with config.SYMM_TRITON.overriding(True), config.CHECK_CONSISTENCY.overriding(False):
+        with tpk.use_backend("symm"):
+            linear = _linear(tpk, mesh, 64)
+            x = torch.randn(32, 64)
+            for _ in range(2):
+                linear(x)
+            # The copier's host thread runs tp_kernels code too.
+            threading.setprofile(profile)
+            sys.setprofile(profile)
+            try:
+                linear(x)
+            finally:
+                sys.setprofile(None)
+                threading.setprofile(None)
+    return modules, functions
+
+
 def _baseline(name: str) -> str | None:
     """The row a row is compared with: an op with torch.mm, a tp_kernels style with PyTorch's."""
     if name.startswith(("all_gather_matmul", "matmul_reduce_scatter")):
@@ -167,12 +211,23 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--calls", type=positive_int, default=50, help="calls per sample (50)")
     p.add_argument("--rounds", type=positive_int, default=15, help="samples (default 15)")
     p.add_argument("--consistency", action="store_true", help="agree on every call (CPU default)")
+    p.add_argument(
+        "--hot-path",
+        action="store_true",
+        help="list the modules and functions one eager colwise Linear runs (symm, W=2), no timing",
+    )
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if args.hot_path:
+        with LocalWorld(2, env={"TRITON_INTERPRET": "1"}, timeout_s=600) as world:
+            modules, functions = world.run(hot_path)[0]
+        print(f"{len(modules)} modules: " + " -> ".join(modules))
+        print(f"{len(functions)} functions:\n  " + "\n  ".join(functions))
+        return 0
     for world_size in args.world_sizes:
         world = LocalWorld(world_size)
         try:

@@ -1,35 +1,15 @@
-"""Argument checks of the fused ops, all done before any rank communicates.
-
-Local checks (types, ranks, dims, dtypes, devices, group membership) run on every call. What ranks
-could disagree on (shapes, dtypes, options, the backend they resolved, a local check that failed on
-one rank only) is compared across the group by :func:`agree_across_ranks` (one tiny all-gather of a
-digest) when consistency checks are on: by default for CPU tensors, not for CUDA tensors where the
-extra latency per op matters; ``TP_KERNELS_CHECK_CONSISTENCY=1``/``0`` forces either. The first call
-on a group always agrees, and on the mode too, so ranks whose modes differ fail together there
-instead of one waiting in an agreement the other skips. With the check off, ranks that call with
-different shapes are a user error that the collective itself may or may not detect (NCCL then hangs
-until its watchdog timeout). Every exchange here is bounded by :mod:`tp_kernels.deadline`.
-
-A rank whose call fails before it knows its group (a ``group`` argument naming none it belongs to)
-cannot take part in the agreement: its peers end at the deadline. So that its *next* call does not
-pair with the call its peers are still waiting in, it carries a note of the failed call into its
-next agreement within the deadline, where the peers see it as a mismatch.
-"""
+"""Argument checks of the fused ops and the group they run on, all done before any rank
+communicates: types, ranks, dims, dtypes, devices, group membership. What ranks could disagree on
+(shapes, dtypes, options, the backend they resolved, a local check that failed on one rank only)
+is compared across the group by the agreement of ``ops/planning.py``."""
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import time
-import weakref
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-
-from tp_kernels import config, deadline
-from tp_kernels._compat import all_gather_single
 
 GroupLike = dist.ProcessGroup | DeviceMesh | str | None
 
@@ -194,73 +174,3 @@ def check_matmul_reduce_scatter(
                 f"got shape {tuple(bias.shape)} of {bias.dtype} on {bias.device}"
             )
     return a, b, dim
-
-
-# (op, when) of a call that failed before it could reach its peers; taken by the next agreement
-# within the deadline (later, the peers that waited for it have given up).
-_unmatched_call: tuple[str, float] | None = None
-# The groups whose first call has agreed (see the module docstring).
-_agreed: weakref.WeakSet[dist.ProcessGroup] = weakref.WeakSet()
-
-
-def resolve_group_or_note(group: object, *, op: str) -> dist.ProcessGroup:
-    """:func:`resolve_group`, noting a failure for the next agreement (see the module
-    docstring)."""
-    global _unmatched_call
-    try:
-        return resolve_group(group, op=op)
-    except NotAMemberError:
-        raise
-    except (TypeError, ValueError):
-        _unmatched_call = (op, time.monotonic())
-        raise
-
-
-def consistency_checks_on(device: torch.device) -> bool:
-    """:data:`tp_kernels.config.CHECK_CONSISTENCY`, by default on for CPU tensors only."""
-    forced = config.CHECK_CONSISTENCY.get()
-    return device.type != "cuda" if forced is None else forced
-
-
-@functools.lru_cache(maxsize=1024)
-def _digest(signature: str) -> int:
-    """7 bytes of a hash of ``signature``; cached, as a shape class's calls repeat one text."""
-    return int.from_bytes(hashlib.blake2b(signature.encode(), digest_size=7).digest(), "little")
-
-
-def agree_across_ranks(
-    group: dist.ProcessGroup, op: str, signature: str, device: torch.device
-) -> None:
-    """Raise the same ValueError on every rank unless all ranks pass the same ``signature``.
-
-    Ranks exchange a 7-byte digest of ``signature`` (one tiny all-gather); only when they differ
-    are the texts gathered, so the error can say which rank called with what.
-    """
-    global _unmatched_call
-    checks = consistency_checks_on(device)
-    if group.size() == 1 or (not checks and group in _agreed):
-        return
-    signature += f" consistency_checks={checks}"
-    if _unmatched_call is not None:
-        failed_op, when = _unmatched_call
-        _unmatched_call = None
-        if time.monotonic() - when < deadline.get_timeout():
-            signature += (
-                f" (after a {failed_op} call on this rank that failed before it knew its group)"
-            )
-    mine = torch.tensor(
-        [_digest(signature)], dtype=torch.int64, device=device if device.type == "cuda" else "cpu"
-    )
-    everyone = mine.new_empty(group.size())
-    deadline.complete(
-        lambda: all_gather_single(everyone, mine, group, async_op=True), group, "agreement"
-    )
-    if bool((everyone != mine).any()):
-        texts = deadline.gather_objects(group, signature, "agreement")
-        lines = "\n".join(f"  rank {r}: {t}" for r, t in enumerate(texts))
-        raise ValueError(
-            f"{op}: the ranks of group {group.group_name!r} called with different "
-            f"arguments; every rank must pass the same shapes, dtypes and options:\n"
-            f"{lines}"
-        )
-    _agreed.add(group)

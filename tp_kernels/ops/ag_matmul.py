@@ -43,7 +43,7 @@ from tp_kernels.backends import get_backend
 from tp_kernels.backends.auto import Shape
 from tp_kernels.backends.base import Backend
 from tp_kernels.ops import capture, planning
-from tp_kernels.ops._checks import GroupLike, check_all_gather_matmul, resolve_group_or_note
+from tp_kernels.ops._checks import GroupLike, check_all_gather_matmul
 from tp_kernels.ops.planning import (
     agree,
     as_grad,
@@ -52,6 +52,7 @@ from tp_kernels.ops.planning import (
     flatten_rows,
     local_tensor,
     record,
+    resolve_group_or_note,
     unflatten_rows,
 )
 
@@ -396,7 +397,7 @@ def all_gather_matmul_2d(
 
 @all_gather_matmul_2d.register_fake
 def _(a_shard, bs, group_name, backend, return_a, save_a):
-    rows = _group_size(group_name) * a_shard.shape[0]
+    rows = planning.group_size(group_name) * a_shard.shape[0]
     outs = [a_shard.new_empty((rows, b.shape[1])) for b in bs]
     return [a_shard.new_empty((rows, a_shard.shape[1])), *outs] if return_a or save_a else outs
 
@@ -451,7 +452,7 @@ def _backward_op(
 def _(saved, bs, grad_outs, grad_a, saved_is_gathered, group_name, backend, need_b):
     first = grad_outs[0] if grad_outs else grad_a
     k = bs[0].shape[0] if bs else grad_a.shape[1]
-    grad_shard = first.new_empty((first.shape[0] // _group_size(group_name), k))
+    grad_shard = first.new_empty((first.shape[0] // planning.group_size(group_name), k))
     return [grad_shard, *_fake_weight_grads(saved, grad_outs, need_b)]
 
 
@@ -478,10 +479,6 @@ def _(saved, grad_outs, saved_is_gathered, group_name, backend):
 
 def _fake_weight_grads(saved, grad_outs, need_b) -> list[torch.Tensor]:
     return [g.new_empty((saved.shape[1], g.shape[1])) for g, n in zip(grad_outs, need_b) if n]
-
-
-def _group_size(group_name: str) -> int:
-    return _resolve_process_group(group_name).size()
 
 
 def _setup_context(ctx, inputs, output):

@@ -34,7 +34,7 @@ from tp_kernels.backends import get_backend
 from tp_kernels.backends.auto import Shape
 from tp_kernels.backends.base import Backend
 from tp_kernels.ops import capture, planning
-from tp_kernels.ops._checks import GroupLike, check_matmul_reduce_scatter, resolve_group_or_note
+from tp_kernels.ops._checks import GroupLike, check_matmul_reduce_scatter
 from tp_kernels.ops.planning import (
     agree,
     as_grad,
@@ -43,6 +43,7 @@ from tp_kernels.ops.planning import (
     flatten_rows,
     local_tensor,
     record,
+    resolve_group_or_note,
     unflatten_rows,
 )
 
@@ -290,7 +291,7 @@ def matmul_reduce_scatter_2d(
 
 @matmul_reduce_scatter_2d.register_fake
 def _(a, b, bias, group_name, backend, avg):
-    return a.new_empty((a.shape[0] // _group_size(group_name), b.shape[1]))
+    return a.new_empty((a.shape[0] // planning.group_size(group_name), b.shape[1]))
 
 
 @torch.library.custom_op("tp_kernels::matmul_reduce_scatter_backward", mutates_args=())
@@ -323,14 +324,10 @@ def _backward_op(
 
 @_backward_op.register_fake
 def _(a, b, grad, group_name, backend, avg, need_a, need_b, need_bias):
-    rows = grad.shape[0] * _group_size(group_name)
+    rows = grad.shape[0] * planning.group_size(group_name)
     grads = [grad.new_empty((rows, b.shape[0]))] if need_a else []
     grads += [grad.new_empty((a.shape[1], grad.shape[1]))] if need_b else []
     return grads + ([grad.new_empty(grad.shape[1])] if need_bias else [])
-
-
-def _group_size(group_name: str) -> int:
-    return _resolve_process_group(group_name).size()
 
 
 def _setup_context(ctx, inputs, output):

@@ -1,5 +1,7 @@
 """What every fused call does around its run: its plan (checks, backend, agreement), its count.
 
+Planning and agreement live here, once for both ops.
+
 A call of a shape class already seen (same argument types, shapes, dtypes, devices, dims,
 options, backend asked for, settings and ``use_backend`` context, on the same group) reuses its
 :class:`Plan`: the checks it passed, the backend chosen and the signature agreed are what they
@@ -20,18 +22,23 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import functools
+import hashlib
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from tp_kernels import config, deadline
+from tp_kernels._compat import all_gather_single
 from tp_kernels.backends import (
     BACKEND_NAMES,
     base,
@@ -45,9 +52,18 @@ from tp_kernels.backends import (
 from tp_kernels.backends.auto import Candidates, Shape, time_and_choose
 from tp_kernels.backends.base import Backend, CaptureNeed
 from tp_kernels.ops import capture
-from tp_kernels.ops._checks import agree_across_ranks, consistency_checks_on
+from tp_kernels.ops._checks import NotAMemberError, resolve_group
 
-__all__ = ["CommStats", "Plan", "comm_stats", "plan", "record", "reset_comm_stats"]
+__all__ = [
+    "CommStats",
+    "Plan",
+    "agree_across_ranks",
+    "comm_stats",
+    "plan",
+    "record",
+    "reset_comm_stats",
+    "resolve_group_or_note",
+]
 
 
 @dataclass(frozen=True)
@@ -232,6 +248,92 @@ def _device_of(t: object) -> torch.device:
     return t.device if isinstance(t, torch.Tensor) else torch.device("cpu")
 
 
+# --- the agreement -----------------------------------------------------------------------------
+#
+# What ranks could disagree on (shapes, dtypes, options, the backend they resolved, a local check
+# that failed on one rank only) is compared across the group by agree_across_ranks (one tiny
+# all-gather of a digest) when consistency checks are on: by default for CPU tensors, not for
+# CUDA tensors where the extra latency per op matters; TP_KERNELS_CHECK_CONSISTENCY=1/0 forces
+# either. The first call on a group always agrees, and on the mode too, so ranks whose modes
+# differ fail together there instead of one waiting in an agreement the other skips. With the
+# check off, ranks that call with different shapes are a user error that the collective itself
+# may or may not detect (NCCL then hangs until its watchdog timeout). Every exchange here is
+# bounded by tp_kernels.deadline.
+#
+# A rank whose call fails before it knows its group (a group argument naming none it belongs to)
+# cannot take part in the agreement: its peers end at the deadline. So that its next call does
+# not pair with the call its peers are still waiting in, it carries a note of the failed call
+# into its next agreement within the deadline, where the peers see it as a mismatch.
+
+# (op, when) of a call that failed before it could reach its peers; taken by the next agreement
+# within the deadline (later, the peers that waited for it have given up).
+_unmatched_call: tuple[str, float] | None = None
+# The groups whose first call has agreed.
+_agreed: weakref.WeakSet[dist.ProcessGroup] = weakref.WeakSet()
+
+
+def resolve_group_or_note(group: object, *, op: str) -> dist.ProcessGroup:
+    """:func:`~tp_kernels.ops._checks.resolve_group`, noting a failure for the next agreement."""
+    global _unmatched_call
+    try:
+        return resolve_group(group, op=op)
+    except NotAMemberError:
+        raise
+    except (TypeError, ValueError):
+        _unmatched_call = (op, time.monotonic())
+        raise
+
+
+def consistency_checks_on(device: torch.device) -> bool:
+    """:data:`tp_kernels.config.CHECK_CONSISTENCY`, by default on for CPU tensors only."""
+    forced = config.CHECK_CONSISTENCY.get()
+    return device.type != "cuda" if forced is None else forced
+
+
+@functools.lru_cache(maxsize=1024)
+def _digest(signature: str) -> int:
+    """7 bytes of a hash of ``signature``; cached, as a shape class's calls repeat one text."""
+    return int.from_bytes(hashlib.blake2b(signature.encode(), digest_size=7).digest(), "little")
+
+
+def agree_across_ranks(
+    group: dist.ProcessGroup, op: str, signature: str, device: torch.device
+) -> None:
+    """Raise the same ValueError on every rank unless all ranks pass the same ``signature``.
+
+    Ranks exchange a 7-byte digest of ``signature`` (one tiny all-gather); only when they differ
+    are the texts gathered, so the error can say which rank called with what.
+    """
+    global _unmatched_call
+    checks = consistency_checks_on(device)
+    if group.size() == 1 or (not checks and group in _agreed):
+        return
+    signature += f" consistency_checks={checks}"
+    if _unmatched_call is not None:
+        failed_op, when = _unmatched_call
+        _unmatched_call = None
+        if time.monotonic() - when < deadline.get_timeout():
+            signature += (
+                f" (after a {failed_op} call on this rank that failed before it knew its group)"
+            )
+    mine = torch.tensor(
+        [_digest(signature)], dtype=torch.int64, device=device if device.type == "cuda" else "cpu"
+    )
+    everyone = mine.new_empty(group.size())
+    deadline.complete(
+        lambda: all_gather_single(everyone, mine, group, async_op=True), group, "agreement"
+    )
+    if bool((everyone != mine).any()):
+        texts = deadline.gather_objects(group, signature, "agreement")
+        lines = "\n".join(f"  rank {r}: {t}" for r, t in enumerate(texts))
+        raise ValueError(
+            f"{op}: the ranks of group {group.group_name!r} called with different "
+            f"arguments; every rank must pass the same shapes, dtypes and options:\n"
+            f"{lines}"
+        )
+    _agreed.add(group)
+
+
 # --- the eager path and the layout of a call's tensors -------------------------------------------
 
 
@@ -285,7 +387,12 @@ def unflatten_rows(t: torch.Tensor, lead: Sequence[int], dim: int) -> torch.Tens
     return restore_dim(t.view(*lead, t.shape[-1]), dim)
 
 
-# --- the custom ops' backend, resolved when they run ---------------------------------------------
+# --- the custom ops' group and backend, resolved when they run ----------------------------------
+
+
+def group_size(group_name: str) -> int:
+    """The size of the group registered as ``group_name`` (the custom ops' fake kernels)."""
+    return _resolve_process_group(group_name).size()
 
 
 def runtime_backend(
