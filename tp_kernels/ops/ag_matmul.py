@@ -316,7 +316,15 @@ def all_gather_matmul(
         a_shard, bs, gather_dim, pg, backend, return_a, save_gathered_a, (a_shard, bs)
     )
     if plan.impl is not None and eager_path((a_shard, *bs)):
-        call = _Call(plan.impl, pg, plan.dim, len(bs), return_a, save_gathered_a, False)
+        call = _Call(
+            impl=plan.impl,
+            group=pg,
+            dim=plan.dim,
+            num_rhs=len(bs),
+            return_a=return_a,
+            save_gathered_a=save_gathered_a,
+            linear_weights=False,
+        )
         with deadline.fused_call(pg, _OP, "forward"):
             if owed:
                 agree(pg, _OP, plan, a_shard.device)
@@ -352,7 +360,15 @@ def colwise_linears(
     bs = [local_tensor(w).t() for w in weights]
     plan, owed = _plan(x_local, bs, gather_dim, group, backend, return_a, False, (x, weights))
     n = len(weights)
-    call = _Call(plan.impl, group, plan.dim, n, return_a, False, True)
+    call = _Call(
+        impl=plan.impl,
+        group=group,
+        dim=plan.dim,
+        num_rhs=n,
+        return_a=return_a,
+        save_gathered_a=False,  # as the fused op's default: the shard is gathered again
+        linear_weights=True,
+    )
     with deadline.fused_call(group, _OP, "forward"):
         if owed:
             agree(group, _OP, plan, x_local.device)
@@ -403,7 +419,7 @@ def _(a_shard, bs, group_name, backend, return_a, save_a):
 
 
 def _backward_2d(
-    saved, bs, grad_outs, grad_a, saved_is_gathered, group_name, backend, need_a, need_b
+    saved, bs, grad_outs, grad_a, saved_is_gathered, group_name, backend, *, need_a, need_b
 ) -> list[torch.Tensor]:
     group = _resolve_process_group(group_name)
     with deadline.fused_call(group, _OP, "backward"):
@@ -444,7 +460,15 @@ def _backward_op(
     need_b: list[bool],
 ) -> list[torch.Tensor]:
     return _backward_2d(
-        saved, bs, grad_outs, grad_a, saved_is_gathered, group_name, backend, True, need_b
+        saved,
+        bs,
+        grad_outs,
+        grad_a,
+        saved_is_gathered,
+        group_name,
+        backend,
+        need_a=True,
+        need_b=need_b,
     )
 
 
@@ -468,7 +492,15 @@ def _weight_grads_op(
     nothing, as DTensor's path issues no collective for weight grads)."""
     need_b = [True] * len(grad_outs)
     return _backward_2d(
-        saved, [], grad_outs, None, saved_is_gathered, group_name, backend, False, need_b
+        saved,
+        [],
+        grad_outs,
+        None,
+        saved_is_gathered,
+        group_name,
+        backend,
+        need_a=False,
+        need_b=need_b,
     )
 
 

@@ -230,7 +230,7 @@ def matmul_reduce_scatter(
     pg = resolve_group_or_note(group, op=_OP)
     plan, owed = _plan(a, b, scatter_dim, pg, reduce_op, backend, bias, (a, (b, bias)))
     if plan.impl is not None and eager_path((a, b, bias)):
-        call = _Call(plan.impl, pg, plan.dim, avg, False)
+        call = _Call(impl=plan.impl, group=pg, dim=plan.dim, avg=avg, linear_weight=False)
         with deadline.fused_call(pg, _OP, "forward"):
             if owed:
                 agree(pg, _OP, plan, a.device)
@@ -258,7 +258,7 @@ def rowwise_linear(
     b = local_tensor(weight).t()
     grads = (x, (weight, bias))
     plan, owed = _plan(x_local, b, scatter_dim, group, "sum", backend, bias_local, grads)
-    call = _Call(plan.impl, group, plan.dim, False, True)
+    call = _Call(impl=plan.impl, group=group, dim=plan.dim, avg=False, linear_weight=True)
     with deadline.fused_call(group, _OP, "forward"):
         if owed:
             agree(group, _OP, plan, x_local.device)
