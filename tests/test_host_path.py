@@ -175,3 +175,28 @@ def test_an_eager_colwise_call_runs_ten_modules(worlds):
             "kernels/_shared.py",
             "backends/symm_gather.py",
         ]
+
+
+def _copied_after_a_call() -> list[str]:
+    import copy
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 16))
+    plan = {
+        "0": tpk.ColwiseParallel(input_layouts=Shard(0)),
+        "1": tpk.RowwiseParallel(output_layouts=Shard(0)),
+    }
+    tpk.parallelize_module(model, mesh, plan)
+    x = torch.randn(4, 16)
+    want = model(x)
+    copied = copy.deepcopy(model)  # after a call: the styles hold their resolved group
+    got = copied(x)
+    return [] if torch.equal(got, want) else [f"the copy differs by {(got - want).abs().max()}"]
+
+
+def test_a_parallelized_model_copies_after_a_call(worlds):
+    """The styles keep their mesh's group once resolved; a ProcessGroup cannot be copied, so a
+    ``copy.deepcopy`` of a model that has run (an EMA copy, a checkpoint) must leave it out."""
+    for failures in worlds(2).run(_copied_after_a_call):
+        assert failures == []

@@ -155,6 +155,9 @@ class _FusedLinear:
         """The mesh's group, resolved on the first call (not on every one)."""
         return resolve_group(self.mesh, op=f"{self.style}-parallel Linear")
 
+    def __getstate__(self) -> dict:
+        return _without_process_group(self.__dict__)
+
     def holds(self, module: nn.Module, x: Any) -> bool:
         """Whether the group left an output for ``module`` computed from exactly this input."""
         return self.group is not None and self.group.holds(module, x)
@@ -162,6 +165,13 @@ class _FusedLinear:
     def claim(self, module: nn.Module, x: Any) -> DTensor | None:
         """The output the group left for ``module`` from exactly this input (then forgotten)."""
         return None if self.group is None else self.group.claim(module, x)
+
+
+def _without_process_group(state: dict) -> dict:
+    """``state`` without the cached ``process_group``: a ProcessGroup cannot be copied or
+    pickled (a parallelized model is, by ``copy.deepcopy`` and checkpointing); the copy resolves
+    its mesh's group again on its first call."""
+    return {k: v for k, v in state.items() if k != "process_group"}
 
 
 def _plain_linear(module: nn.Module) -> bool:
@@ -497,6 +507,9 @@ class _GatherGroup:
     def process_group(self) -> dist.ProcessGroup:
         """The mesh's group, resolved on the first call (not on every one)."""
         return resolve_group(self.mesh, op="PrepareModuleInput")
+
+    def __getstate__(self) -> dict:
+        return _without_process_group(self.__dict__)
 
     def children(self, mod: nn.Module) -> list[nn.Module]:
         """The direct children that are tp_kernels colwise Linears taking a replicated input on
