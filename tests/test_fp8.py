@@ -1,5 +1,5 @@
 """torchao's Float8Linear under tp_kernels' styles: PyTorch's results bit for bit, every unfused
-boundary counted.
+boundary counted; and the fact the fused fp8 all-gather will rest on.
 
 tp_kernels does not fuse fp8 Linears yet (issue 27): a Float8Linear is a Linear subclass with its
 own forward, so its colwise and rowwise boundaries take PyTorch's DTensor path, where torchao's
@@ -93,3 +93,51 @@ def test_float8_block_is_pytorch_s_bit_for_bit_and_counted(worlds, world_size, r
     for dtype in ("bfloat16", "float32"):
         for failures in worlds(world_size).run(_compare, recipe, dtype):
             assert failures == [], (recipe, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_rowwise_cast_of_each_sequence_shard_is_the_cast_of_the_gathered_input(dtype):
+    """The fused fp8 all-gather-matmul (issue 27, docs/DESIGN.md "FP8 Linears") will quantize
+    each rank's sequence shard with torchao's own cast and gather fp8 bytes and per-row scales:
+    that is exact only because a row's scale never spans ranks. Here, on one process and three
+    shards: the concatenated casts equal the cast of the whole input (data and scales), and
+    ``torch._scaled_mm`` on them (torchao's inverse scales, a bf16 result) gives Float8Linear's
+    output bit for bit, for bf16 and fp32 master weights."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8.config import ScalingGranularity
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import GemmInputRole, LinearMMConfig
+
+    config = Float8LinearConfig.from_recipe_name("rowwise")
+
+    def cast(t: torch.Tensor, role: GemmInputRole, axiswise_dim: int):
+        return hp_tensor_to_float8_dynamic(
+            t,
+            torch.float8_e4m3fn,
+            LinearMMConfig(),
+            gemm_input_role=role,
+            scaling_granularity=ScalingGranularity.AXISWISE,
+            axiswise_dim=axiswise_dim,
+            round_scales_to_power_of_2=config.round_scales_to_power_of_2,
+        )
+
+    torch.manual_seed(0)
+    world, m = 3, 16
+    x = torch.randn(world * m, H, dtype=dtype)
+    linear = convert_to_float8_training(nn.Sequential(nn.Linear(H, 48, bias=False)), config=config)
+    linear = linear.to(dtype)[0]
+    whole = cast(x, GemmInputRole.INPUT, -1)
+    shards = [cast(s, GemmInputRole.INPUT, -1) for s in x.chunk(world)]
+    data = torch.cat([s._data for s in shards])
+    scales = torch.cat([s._scale for s in shards])
+    assert torch.equal(data.view(torch.uint8), whole._data.view(torch.uint8))
+    assert torch.equal(scales, whole._scale) and scales.shape == (world * m, 1)
+    weight = cast(linear.weight.t(), GemmInputRole.WEIGHT, 0)
+    out = torch._scaled_mm(
+        data,
+        weight._data,
+        scale_a=scales.reciprocal(),
+        scale_b=weight._scale.reciprocal(),
+        out_dtype=torch.bfloat16,
+    )
+    assert torch.equal(out.to(dtype), linear(x))
