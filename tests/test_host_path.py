@@ -130,7 +130,8 @@ def test_eager_and_custom_op_paths_agree(worlds, backend):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-def _style_nodes() -> list[str]:
+def _sequence_parallel_mlp() -> nn.Module:
+    """Colwise(Shard(0)) -> Rowwise(output Shard(0)), 16 -> 32 -> 16, on the world's ranks."""
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 16))
@@ -139,6 +140,11 @@ def _style_nodes() -> list[str]:
         "1": tpk.RowwiseParallel(output_layouts=Shard(0)),
     }
     tpk.parallelize_module(model, mesh, plan)
+    return model
+
+
+def _style_nodes() -> list[str]:
+    model = _sequence_parallel_mlp()
     x = torch.randn(4, 16, requires_grad=True)
     h = model[0](x)
     y = model[1](h)
@@ -180,14 +186,7 @@ def test_an_eager_colwise_call_runs_ten_modules(worlds):
 def _copied_after_a_call() -> list[str]:
     import copy
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 16))
-    plan = {
-        "0": tpk.ColwiseParallel(input_layouts=Shard(0)),
-        "1": tpk.RowwiseParallel(output_layouts=Shard(0)),
-    }
-    tpk.parallelize_module(model, mesh, plan)
+    model = _sequence_parallel_mlp()
     x = torch.randn(4, 16)
     want = model(x)
     copied = copy.deepcopy(model)  # after a call: the styles hold their resolved group

@@ -70,23 +70,11 @@ def chunk_rows(
     """Rows per copy of a shard: :func:`chunks_per_shard`'s count, in whole consumer tiles
     (:func:`tp_kernels.tiling.chunk_rows`; ``interpret``: the kernels run in Triton's
     interpreter). Cached per shape class: the host's cost per call on a GPU."""
-    chunks = config.SYMM_CHUNKS.get()
-    return _chunk_rows(m, k, ns, dtype, world_size, device, chunks, interpret)
+    return _whole_tiles(m, chunks_per_shard(m, k, ns, dtype, world_size, device), interpret)
 
 
 @functools.lru_cache(maxsize=1024)
-def _chunk_rows(
-    m: int,
-    k: int,
-    ns: tuple[int, ...],
-    dtype: torch.dtype,
-    world_size: int,
-    device: torch.device,
-    chunks: int | None,
-    interpret: bool,
-) -> int:
-    if chunks is None:
-        chunks = _modelled_chunks(m, k, ns, dtype, world_size, device)
+def _whole_tiles(m: int, chunks: int, interpret: bool) -> int:
     return tiling.chunk_rows(m, chunks, interpret=interpret)
 
 
