@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import os
 
-import pytest
+# Every kernel in this CPU suite runs in Triton's interpreter, and Triton fixes that when it is
+# first imported (its own @jit helpers, tl.cdiv among them, are made then): torchao imports it, so
+# a module that imports torchao (test_fp8) collected before a kernel test module would otherwise
+# leave those helpers compiled-only. Set before any test module is collected.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
 
 from tp_kernels.testing import LocalWorld
 

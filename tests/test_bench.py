@@ -209,6 +209,24 @@ def test_cli_rejects_bad_arguments(worlds, capsys):
         main(["--world-size", "3"], world=worlds(2))
 
 
+def test_cli_model_fp8_prints_the_modeled_tables_without_ranks(capsys):
+    """``bench model --fp8`` runs no rank: the cost model's fp8 comparison, labelled modeled,
+    a row per forward fused op and a per-layer total per model and token count."""
+    assert main(["model", "--fp8", "--tokens", "2048"]) == 0
+    out = capsys.readouterr().out
+    assert "(MODELED, nothing measured)" in out and "on H100 SXM5" in out
+    header = next(line for line in out.splitlines() if line.startswith("model        tokens  lin"))
+    for column in ("bf16 fused", "fp8 torchao", "fp8 fused", "fp8 SoL", "vs torchao", "vs bf16"):
+        assert column in header
+    ops = [line for line in out.splitlines() if "  AG+mm  " in line or "  mm+RS  " in line]
+    assert len(ops) == 12  # 3 models x 4 forward fused ops at one token count
+    layers = [line.split() for line in out.splitlines() if line.startswith("llama3-")]
+    totals = [cells for cells in layers if len(cells) == 7]
+    assert [cells[:2] for cells in totals] == [
+        ["llama3-8b", "2048"], ["llama3-70b", "2048"], ["llama3-405b", "2048"]
+    ]  # fmt: skip
+
+
 def test_cli_end_to_end(worlds, tmp_path, capsys):
     path = tmp_path / "bench.json"
     argv = ["ag_matmul", "matmul_rs", "--M", "16", "--K", "8", "--N", "4", "--rounds", "3",

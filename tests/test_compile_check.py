@@ -49,6 +49,29 @@ def test_sm_100_gemm_facts_are_tcgen05_with_tensor_memory():
     assert compile_check.check_ptx(no_load, facts) == [facts[2][1]]
 
 
+def test_fp8_gemm_facts_name_the_operand_types():
+    """sm_90's fp8 GEMM must run wgmma on e4m3 operands (a 16-bit wgmma does not pass), and the
+    e5m2 x e4m3 one on those; sm_100's, tcgen05.mma of the f8f6f4 kind with tensor memory (the
+    lines are Triton's PTX of those variants)."""
+    hopper = "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3 {%r1}, %rd1, %rd2, 1, 1;"
+    assert compile_check.check_ptx(hopper, compile_check.GEMM8_PATTERNS[90]) == []
+    bf16 = hopper.replace("k32.f32.e4m3.e4m3", "k16.f32.bf16.bf16")
+    assert compile_check.check_ptx(bf16, compile_check.GEMM8_PATTERNS[90]) != []
+    mixed = hopper.replace("e4m3.e4m3", "e5m2.e4m3")
+    assert compile_check.check_ptx(mixed, compile_check.GEMM8_MIXED_PATTERNS[90]) == []
+    assert compile_check.check_ptx(mixed, compile_check.GEMM8_PATTERNS[90]) != []
+    blackwell = (
+        "@%p8 tcgen05.alloc.cta_group::1.sync.aligned.shared::cta.b32 [%r29], 256;\n"
+        "@%p42 tcgen05.mma.cta_group::1.kind::f8f6f4 [ %r605 + 0 ], %rd39, %rd40, %r159, %p41;\n"
+        "tcgen05.ld.sync.aligned.32x32b.x128.b32 {%r1}, [%r2];"
+    )
+    assert compile_check.check_ptx(blackwell, compile_check.GEMM8_PATTERNS[100]) == []
+    f16 = blackwell.replace("kind::f8f6f4", "kind::f16")
+    assert compile_check.check_ptx(f16, compile_check.GEMM8_PATTERNS[100]) != []
+    # fp8 tl.dot needs sm_89: sm_80 has no fp8 variants.
+    assert 80 not in compile_check.GEMM8_PATTERNS
+
+
 def test_sm_100_variants_require_tcgen05_and_tma_not_wgmma():
     """Every 16-bit GEMM variant for sm_100 requires the tcgen05 facts, and TMA where an operand
     is a descriptor (sm_100 has TMA as sm_90 does); none requires wgmma. The variants are those of
@@ -65,9 +88,13 @@ def test_sm_100_variants_require_tcgen05_and_tma_not_wgmma():
         name: {tuple(p) for p in patterns} for name, patterns in json.loads(done.stdout).items()
     }
     gemms = {name: patterns for name, patterns in required.items() if "matmul" in name}
-    sixteen_bit = [patterns for name, patterns in gemms.items() if "fp32" not in name]
+    sixteen_bit = [p for name, p in gemms.items() if "fp32" not in name and "fp8" not in name]
     tcgen05 = set(compile_check.GEMM16_PATTERNS[100])
     assert sixteen_bit and all(tcgen05 <= patterns for patterns in sixteen_bit)
+    # The fp8 GEMMs (both, row-wise and tensor-wise scales): tcgen05 of the fp8 kind instead.
+    fp8 = [patterns for name, patterns in gemms.items() if "fp8" in name]
+    tcgen05_fp8 = set(compile_check.GEMM8_PATTERNS[100])
+    assert len(fp8) == 4 and all(tcgen05_fp8 <= patterns for patterns in fp8)
     assert not any("wgmma" in pattern for patterns in gemms.values() for pattern, _ in patterns)
     with_tma = [patterns for name, patterns in gemms.items() if "A=tma" in name]
     tma = set(compile_check.TMA_PATTERNS)

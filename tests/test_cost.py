@@ -189,11 +189,79 @@ def test_reference_and_the_decompositions_on_paper():
     assert cost.torch_symm_mem_s(p, AG) == pytest.approx(max(local + wave, pulled) + wave)
 
 
+def test_fp8_peaks_are_the_datasheets_dense_twice_bf16():
+    for name in ("h100", "h200", "b200"):
+        peak = cost.DEVICES[name].peak_tflops
+        assert peak["fp8"] == pytest.approx(2 * peak["bf16"], rel=1e-4)
+    assert H100.peak_tflops["fp8"] == cost.DEVICES["h200"].peak_tflops["fp8"] == 1978.9
+    assert "fp8" not in cost.DEVICES["a100"].peak_tflops  # no fp8 tensor cores
+    assert H100.sources["fp8"].startswith("assumed")
+
+
+def test_fp8_gathers_packed_rows_and_reduce_scatters_bf16_partials():
+    """The fp8 all-gather moves K + 16 bytes a row (the packed row of backends.scaled) against
+    bf16's 2 K; torchao's unfused path gathers bf16; the reduce-scatter moves bf16 partials in
+    both; the fp8 GEMM takes half bf16's time at the same efficiency."""
+    m, k, n = 1024, 8192, 1280
+    bf16 = cost.op_cost(AG, m, k, n, 8, "bf16", H100)
+    fp8 = cost.op_cost(AG, m, k, n, 8, "fp8", H100)
+    assert fp8.comm_s == pytest.approx(bf16.comm_s * (k + 16) / (2 * k))
+    flops = 2 * 8 * m * k * n
+    assert fp8.compute_s == pytest.approx(flops / (1978.9e12 * H100.gemm_efficiency))
+    assert fp8.compute_s == pytest.approx(bf16.compute_s / 2, rel=1e-4)  # 1978.9 vs 2 x 989.4
+    torchao = cost.op_cost(AG, m, k, n, 8, "fp8", H100, wire="bf16")
+    assert torchao.comm_s == pytest.approx(bf16.comm_s)
+    assert torchao.compute_s == pytest.approx(fp8.compute_s)
+    assert cost.op_cost(AG, m, k, n, 8, "fp8", H100, wire="fp8") == fp8  # the default wire
+    rs16 = cost.op_cost(RS, m, n, k, 8, "bf16", H100)
+    rs8 = cost.op_cost(RS, m, n, k, 8, "fp8", H100)
+    assert rs8.comm_s == pytest.approx(rs16.comm_s)
+    assert rs8.compute_s == pytest.approx(fp8.compute_s)
+    # NCCL's collective in reference moves the same bytes as the comm above.
+    gemm = cost.gemm_s(8 * m, k, n, "fp8", H100, cublas=True)
+    nccl = H100.nccl_latency_s + 7 * m * (k + 16) / (450e9 * H100.nccl_efficiency)
+    assert fp8.schedules_s["reference"] == pytest.approx(nccl + gemm)
+    nccl16 = H100.nccl_latency_s + 7 * m * 2 * k / (450e9 * H100.nccl_efficiency)
+    assert torchao.schedules_s["reference"] == pytest.approx(nccl16 + gemm)
+
+
+def test_fp8_schedules_copy_the_packed_rows():
+    """symm's copy-engine all-gather by hand (the case above's), in fp8: the own shard's two
+    copies and the peer's shard are K + 16 bytes a row, the tile at the fp8 rate."""
+    k = 1024
+    slow = tiny(link_gb_s=0.5, peak_tflops={"bf16": 2.0, "fp16": 2.0, "fp32": 1.0, "fp8": 4.0})
+    p = problem(slow, 128, k, [256], dtype="fp8")
+    assert (p.row_bytes, p.out_e) == (k + 16, 2)
+    own_copies = 2 * (2 * 128 * (k + 16) / (slow.hbm_gb_s * 1e9))
+    shard = 128 * (k + 16) / 0.5e9
+    t = tile_s(slow, 128, 256, k) / 2
+    assert cost.symm_copy_engine_s(p) == pytest.approx(own_copies + shard + t)
+    # The reduce-scatter pushes bf16 partials: with the link the bottleneck, as bf16's pushes.
+    rs8, rs16 = (problem(slow, 128, k, [256], dtype=d) for d in ("fp8", "bf16"))
+    push = 128 * 256 * 2 / 0.5e9
+    reduce = 3 * 128 * 256 * 2 / (slow.hbm_gb_s * 1e9)  # the two slots read, the sum written
+    assert cost.symm_reduce_scatter_s(rs8) == pytest.approx(t + push + reduce)
+    assert cost.symm_reduce_scatter_s(rs16) - cost.symm_reduce_scatter_s(rs8) == pytest.approx(t)
+
+
+def test_quantize_is_one_memory_pass():
+    rows, k = 2048, 4096
+    assert cost.quantize_s(rows, k, H100) == pytest.approx(
+        rows * (3 * k + 4) / (3350e9 * H100.hbm_efficiency)
+    )
+
+
 def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="op: got 'gemm'"):
         cost.op_cost("gemm", 1, 1, 1, 2, "bf16", H100)
-    with pytest.raises(ValueError, match="dtype: got 'fp8'"):
-        cost.op_cost(AG, 1, 1, 1, 2, "fp8", H100)
+    with pytest.raises(ValueError, match="dtype: got 'fp4'"):
+        cost.op_cost(AG, 1, 1, 1, 2, "fp4", H100)
+    with pytest.raises(ValueError, match="A100 SXM4 has no fp8 rate"):
+        cost.op_cost(AG, 1, 16, 1, 2, "fp8", cost.DEVICES["a100"])
+    with pytest.raises(ValueError, match="wire: got 'fp8' for a bf16 all_gather_matmul"):
+        cost.op_cost(AG, 1, 16, 1, 2, "bf16", H100, wire="fp8")
+    with pytest.raises(ValueError, match="wire: got 'bf16' for a fp8 matmul_reduce_scatter"):
+        cost.op_cost(RS, 1, 16, 1, 2, "fp8", H100, wire="bf16")
     with pytest.raises(ValueError, match=r"got \(0, 1, 1, 2\)"):
         cost.op_cost(AG, 0, 1, 1, 2, "bf16", H100)
     with pytest.raises(ValueError, match=r"ns: got \(1, 2\)"):
@@ -238,6 +306,56 @@ def test_schedule_table_covers_the_llama_shapes_and_marks_where_fusion_loses(cap
             assert loses or times[verdict] == fused_best
 
 
+def test_fp8_table_compares_fused_fp8_with_torchaos_unfused_path_and_fused_bf16(capsys):
+    assert bench_main(["model", "--fp8", "--gpu", "h200"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("cost model (MODELED, nothing measured): fp8 against bf16")
+    assert "Llama-3 TP=8 on H200 SXM" in out and "dense fp8 1978.9 and bf16 989.4" in out
+    assert "llama3-70b   8192    attention.wq/wk/wv  AG+mm  1024x8192x1280" in out
+    assert "llama3-405b  2048    feed_forward.w2     mm+RS  256x6656x16384" in out
+    assert "per layer (forward: wq/wk/wv, wo, w1/w3, w2), ms:" in out
+    assert "fp8: assumed until measured" in out
+    h200 = cost.DEVICES["h200"]
+    rows = model.fp8_rows(h200, 8)
+    assert len(rows) == 24  # 3 models x 2 token counts x 4 forward fused ops
+    assert {(r.model, r.tokens) for r in rows} == {
+        (name, t) for name in model.MODELS for t in model.TOKENS
+    }
+    for r in rows:
+        ns = None
+        if r.op == AG:
+            ns = next(w for name, _, w, _ in model._linears(model.MODELS[r.model], 8)
+                      if name == r.linear)  # fmt: skip
+        bf16 = cost.op_cost(r.op, r.m, r.k, r.n, 8, "bf16", h200, ns=ns).backends_s
+        fp8 = cost.op_cost(r.op, r.m, r.k, r.n, 8, "fp8", h200, ns=ns).backends_s
+        wire = "bf16" if r.op == AG else None
+        unfused = cost.op_cost(r.op, r.m, r.k, r.n, 8, "fp8", h200, ns=ns, wire=wire)
+        # torchao casts every gathered row (W*m) after a bf16 gather; the fused gather casts the
+        # rank's m rows before they travel; a reduce-scatter's W*m local rows are cast in both.
+        own = r.m if r.op == AG else 8 * r.m
+        assert r.torchao_s == pytest.approx(
+            unfused.schedules_s["reference"] + cost.quantize_s(8 * r.m, r.k, h200)
+        )
+        assert r.fp8_fused_s == pytest.approx(
+            min(fp8[b] for b in model.FUSED) + cost.quantize_s(own, r.k, h200)
+        )
+        assert r.bf16_fused_s == min(bf16[b] for b in model.FUSED)
+        assert r.fp8_sol_s <= r.fp8_fused_s
+    # Where the GEMMs bound the call (70B's w1/w3 at 8192 tokens), fp8 nearly halves bf16.
+    w13 = next(r for r in rows if (r.model, r.tokens, r.linear) ==
+               ("llama3-70b", 8192, "feed_forward.w1/w3"))  # fmt: skip
+    assert 1.8 < w13.bf16_fused_s / w13.fp8_fused_s < 2.0
+
+
+def test_fp8_table_refuses_a_gpu_without_fp8_and_a_model_plan(capsys):
+    for argv in (["--fp8", "--gpu", "a100"], ["--fp8", "--model", "llama3-8b"]):
+        with pytest.raises(SystemExit) as info:
+            model.main(argv)
+        assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "A100 SXM4 has no fp8 tensor cores" in err and "leave out --model" in err
+
+
 def test_param_replaces_a_figure_and_bad_ones_are_refused(capsys):
     assert bench_main(["model", "--tokens", "8192", "--param", "nccl_sms=16"]) == 0
     out = capsys.readouterr().out
@@ -265,7 +383,9 @@ def test_b200_is_the_hgx_datasheet_dense_per_direction_and_plans_with_bench_mode
     is marked assumed (not on the datasheet). ``bench model --gpu b200`` prints its plan, which
     is faster than H100's wherever the GEMMs bound it."""
     b200 = cost.DEVICES["b200"]
-    assert b200.peak_tflops == {"bf16": 4500 / 2, "fp16": 4500 / 2, "fp32": 2200 / 2}
+    assert b200.peak_tflops == {
+        "bf16": 4500 / 2, "fp16": 4500 / 2, "fp32": 2200 / 2, "fp8": 9000 / 2
+    }  # fmt: skip
     assert (b200.hbm_gb_s, b200.link_gb_s) == (8000.0, 1800 / 2)
     assert b200.sources["peak_tflops"].startswith("https://www.nvidia.com/")
     assert b200.sms == 148 and b200.sources["sms"].startswith("assumed: ")

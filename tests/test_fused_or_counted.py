@@ -125,8 +125,8 @@ FORMS = {
         lambda x, mesh, s: ((s,), {}),
         {"rs": 1},
     ),
-    # torchao's Float8Linear is such a subclass: the gather then takes PyTorch's path, which
-    # used to go uncounted.
+    # As torchao's Float8Linear with a config the fused fp8 path does not take (tests/test_fp8.py):
+    # the gather then takes PyTorch's path, which used to go uncounted.
     "block, children it does not recognise": (
         lambda: Attention(linear=OwnForward),
         lambda st: _block_plan(st, _gather()),

@@ -16,7 +16,12 @@ from tp_kernels.api import parallelize_module  # noqa: E402
 from tp_kernels.backends import available_backends, set_backend, use_backend  # noqa: E402
 from tp_kernels.backends.base import CaptureUnreadyError  # noqa: E402
 from tp_kernels.deadline import PeerTimeoutError, get_timeout, set_timeout  # noqa: E402
-from tp_kernels.ops import all_gather_matmul, matmul_reduce_scatter  # noqa: E402
+from tp_kernels.ops import (  # noqa: E402
+    all_gather_matmul,
+    all_gather_scaled_matmul,
+    matmul_reduce_scatter,
+    scaled_matmul_reduce_scatter,
+)
 from tp_kernels.ops.capture import reserve  # noqa: E402
 from tp_kernels.ops.planning import comm_stats, reset_comm_stats  # noqa: E402
 from tp_kernels.styles import (  # noqa: E402
@@ -42,6 +47,7 @@ __all__ = [
     "RowwiseParallel",
     "SequenceParallel",
     "all_gather_matmul",
+    "all_gather_scaled_matmul",
     "available_backends",
     "comm_stats",
     "get_timeout",
@@ -50,6 +56,7 @@ __all__ = [
     "parallelize_module",
     "reserve",
     "reset_comm_stats",
+    "scaled_matmul_reduce_scatter",
     "set_backend",
     "set_timeout",
     "use_backend",

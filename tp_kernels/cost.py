@@ -7,6 +7,12 @@ the output columns (the sum over every ``b`` of an all-gather-matmul), in a dtyp
     comm     = (W-1) * m * X * e / (link_gb_s * link_efficiency)            X = K (AG), N (RS)
     speed of light = max(compute, comm)
 
+An fp8 call (``dtype="fp8"``) computes at the fp8 rate; its bytes are not its compute dtype's
+(:class:`Problem`): the all-gather's rows cross the link in the ``wire`` dtype (fp8: ``K + 16``
+bytes a row, the packed row of :mod:`tp_kernels.backends.scaled`; bf16: ``2 K``, torchao's
+gather before its cast) and the reduce-scatter moves bf16 partials (2 bytes), so ``X * e`` above
+is the bytes of a row as they travel.
+
 ``comm`` counts the bytes that cross this rank's link once each (on an NVSwitch node every GPU has
 ``link_gb_s`` in each direction to the switch, whatever the peer). The speed of light knows no
 tiles; each schedule's time does. Every rank runs the same schedule on the same shapes, so one
@@ -72,6 +78,7 @@ __all__ = [
     "measure_cpu",
     "op_cost",
     "pipelined_s",
+    "quantize_s",
     "reference_s",
     "symm_copy_engine_s",
     "symm_cpu_s",
@@ -80,8 +87,14 @@ __all__ = [
 ]
 
 AG, RS = "all_gather_matmul", "matmul_reduce_scatter"
-_ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-# The model's dtype names for torch dtypes (other dtypes have no tensor-core rate to model).
+_ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+# The dtype of an fp8 GEMM's output: its partials cross the reduce-scatter's link in it.
+_FP8_OUT = "bf16"
+# What each compute dtype's all-gather may move: its own elements, or for fp8 the packed fp8
+# rows (the fused ops) or the bf16 input torchao gathers before it casts (PyTorch's styles).
+_WIRES = {"fp32": ("fp32",), "bf16": ("bf16",), "fp16": ("fp16",), "fp8": ("fp8", "bf16")}
+# The model's dtype names for torch dtypes (other dtypes have no tensor-core rate to model; an
+# fp8 call is modeled by name, "fp8", by the benchmarks, not looked up from a tensor's dtype).
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 # Columns of the schedule table, per op (on a GPU; a CPU has no torch_symm_mem).
 SCHEDULES = {op: ("reference", "torch_symm_mem", "pipelined", "symm") for op in (AG, RS)}
@@ -117,6 +130,10 @@ _ASSUMED = {
     "barrier_s": "assumed: 4 us for a symmetric-memory barrier (a signal to every peer over "
     "NVLink and a poll)",
     "nccl_sms": "assumed: NCCL's point-to-point kernels hold 8 SMs while they move bytes",
+    "fp8": "assumed until measured: an fp8 GEMM reaches the same share of its dense peak "
+    "(gemm_efficiency) with the same tile rates as a 16-bit one; an fp8 cast of a bf16 row is "
+    "one memory pass (read 2 bytes, write 1, and 4 of scale a row: torch.compile's fused amax "
+    "and cast)",
 }
 
 
@@ -160,12 +177,14 @@ def _gpu(name, peak, sms, hbm, link, datasheet, sms_source) -> DeviceSpec:
     return DeviceSpec(name, peak, sms, hbm, link, sources)
 
 
-_HOPPER_PEAK = {"bf16": 989.4, "fp16": 989.4, "fp32": 494.7}
+# fp8 (e4m3/e5m2) dense: twice the 16-bit rate on Hopper and Blackwell (the datasheets' sparse
+# figures halved); A100 has no fp8 tensor cores, so no "fp8" entry (op_cost refuses it there).
+_HOPPER_PEAK = {"bf16": 989.4, "fp16": 989.4, "fp32": 494.7, "fp8": 1978.9}
 DEVICES: dict[str, DeviceSpec] = {
     "h100": _gpu(
         "H100 SXM5", _HOPPER_PEAK, 132, 3350.0, 450.0,
-        f"{_NVIDIA}/h100/ (datasheet: BF16/FP16 1979 and TF32 989 TFLOPS with sparsity, half "
-        "dense; HBM3 3.35 TB/s; NVLink 900 GB/s)",
+        f"{_NVIDIA}/h100/ (datasheet: FP8 3958, BF16/FP16 1979 and TF32 989 TFLOPS with "
+        "sparsity, half dense; HBM3 3.35 TB/s; NVLink 900 GB/s)",
         f"{_HOPPER} (H100 SXM5: 132 SMs)",
     ),
     "h200": _gpu(
@@ -175,10 +194,10 @@ DEVICES: dict[str, DeviceSpec] = {
         f"assumed: the H100 SXM5's 132 SMs ({_HOPPER}), as the H200 has its tensor-core rates",
     ),
     "b200": _gpu(
-        "B200 (HGX, 1000 W)", {"bf16": 2250.0, "fp16": 2250.0, "fp32": 1100.0}, 148, 8000.0,
-        900.0,
-        f"{_NVIDIA}/hgx/ (HGX B200: BF16/FP16 4.5 and TF32 2.2 PFLOPS per GPU with sparsity, "
-        "half dense; HBM3e 8 TB/s; NVLink 5 1.8 TB/s per GPU)",
+        "B200 (HGX, 1000 W)", {"bf16": 2250.0, "fp16": 2250.0, "fp32": 1100.0, "fp8": 4500.0},
+        148, 8000.0, 900.0,
+        f"{_NVIDIA}/hgx/ (HGX B200: FP8 9, BF16/FP16 4.5 and TF32 2.2 PFLOPS per GPU with "
+        "sparsity, half dense; HBM3e 8 TB/s; NVLink 5 1.8 TB/s per GPU)",
         "assumed: 148 SMs (two dies of 74, as reported for B200; not on the datasheet)",
     ),
     "a100": _gpu(
@@ -254,8 +273,11 @@ def device_spec(device: torch.device) -> DeviceSpec | None:
 
 @dataclass(frozen=True)
 class Problem:
-    """One call: ``m`` rows per rank, ``k``, the right-hand widths ``ns``, ``w`` ranks, ``e``
-    bytes per element, on ``dev``."""
+    """One call: ``m`` rows per rank, ``k``, the right-hand widths ``ns``, ``w`` ranks, the GEMM
+    in ``dtype`` (its rate), on ``dev``. ``wire``: the dtype the all-gather's rows cross the
+    link in (``None``: ``dtype``; an fp8 call may gather ``"bf16"`` and cast after, as torchao
+    does under PyTorch's styles). Bytes: ``row_bytes`` per gathered row, ``out_e`` per element
+    of the output and of the reduce-scatter's partials (bf16 for an fp8 GEMM)."""
 
     m: int
     k: int
@@ -263,10 +285,29 @@ class Problem:
     w: int
     dtype: str
     dev: DeviceSpec
+    wire: str | None = None
 
     @property
     def e(self) -> int:
+        """Bytes per element of the compute dtype."""
         return _ELEMENT_BYTES[self.dtype]
+
+    @property
+    def wire_dtype(self) -> str:
+        return self.wire or self.dtype
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row of the all-gather's input as it crosses the link (and is copied):
+        ``K`` elements of the wire dtype; an fp8 row is packed with its scale, ``K + 16``."""
+        if self.wire_dtype == "fp8":
+            return self.k + tiling.ROW_SCALE_BYTES  # an fp8 row as tp_kernels gathers it
+        return self.k * _ELEMENT_BYTES[self.wire_dtype]
+
+    @property
+    def out_e(self) -> int:
+        """Bytes per element of the GEMM's output: the reduce-scatter's partials and sum."""
+        return _ELEMENT_BYTES[_FP8_OUT if self.dtype == "fp8" else self.dtype]
 
     @property
     def n(self) -> int:
@@ -408,8 +449,8 @@ def reference_s(p: Problem, op: str) -> float:
     AG: one all-gather of ``(W-1)*m*K*e`` bytes, then one GEMM ``W*m x K x N_j`` per right-hand
     matrix. RS: one GEMM ``W*m x K x N``, then NCCL's reduce-scatter of ``(W-1)*m*N*e`` bytes
     (the reduction runs inside NCCL's kernels at its bus rate)."""
-    width = p.k if op == AG else p.n
-    comm = p.nccl_s((p.w - 1) * p.m * width * p.e)
+    row = p.row_bytes if op == AG else p.n * p.out_e
+    comm = p.nccl_s((p.w - 1) * p.m * row)
     compute = sum(
         gemm_s(p.w * p.m, p.k, n, p.dtype, p.dev, cublas=True)
         for n in (p.ns if op == AG else (p.n,))
@@ -439,10 +480,10 @@ def torch_symm_mem_s(p: Problem, op: str) -> float:
     streams: list[list[tuple]] = [[], []]  # 0: compute, 1: backend
     if op == AG:
         gemms = [_gemm(dev, p.dtype, m, p.k, n, cublas=True) for n in p.ns]
-        shard = dev.copy_latency_s + p.link_s(m * p.k * p.e)
+        shard = dev.copy_latency_s + p.link_s(m * p.row_bytes)
         streams[0] += [
             ("delay", dev.barrier_s, ()),
-            ("copy", dev.copy_latency_s + p.hbm_s(2 * m * p.k * p.e), ()),
+            ("copy", dev.copy_latency_s + p.hbm_s(2 * m * p.row_bytes), ()),
             ("delay", dev.barrier_s, ()),
         ]
         streams[1].append(("delay", 0.0, ((0, 2),)))
@@ -451,11 +492,11 @@ def torch_symm_mem_s(p: Problem, op: str) -> float:
             s = step % 2
             streams[s].append(("copy", shard, ()))
             streams[s] += [("gemm", g, ()) for g in gemms]
-        streams[0].append(("copy", dev.copy_latency_s + p.hbm_s(2 * m * p.k * p.e), ()))
+        streams[0].append(("copy", dev.copy_latency_s + p.hbm_s(2 * m * p.row_bytes), ()))
         streams[0].append(("delay", dev.barrier_s, ((1, len(streams[1]) - 1),)))
         return _run_streams(streams, _Timeline(dev))
     g = _gemm(dev, p.dtype, m, p.k, p.n, cublas=True)
-    block = dev.copy_latency_s + p.link_s(m * p.n * p.e)
+    block = dev.copy_latency_s + p.link_s(m * p.n * p.out_e)
     streams[0].append(("delay", dev.barrier_s, ()))
     streams[1].append(("delay", 0.0, ((0, 0),)))
     for step in range(1, w):
@@ -467,7 +508,7 @@ def torch_symm_mem_s(p: Problem, op: str) -> float:
         ]
     streams[0].append(("gemm", g, ()))
     streams[0].append(("delay", dev.barrier_s, ((1, len(streams[1]) - 1),)))
-    return _run_streams(streams, _Timeline(dev)) + p.hbm_s((w + 1) * m * p.n * p.e)
+    return _run_streams(streams, _Timeline(dev)) + p.hbm_s((w + 1) * m * p.n * p.out_e)
 
 
 def pipelined_s(p: Problem, op: str) -> float:
@@ -483,7 +524,7 @@ def pipelined_s(p: Problem, op: str) -> float:
     (``sum_in_rank_order``: a conversion pass and ``W-1`` additions of an fp32 accumulator). On a
     CPU the "link" is gloo's."""
     dev, w, m = p.dev, p.w, p.m
-    chunks = tiling.transfer_blocks(m, (p.k if op == AG else p.n) * p.e)
+    chunks = tiling.transfer_blocks(m, p.row_bytes if op == AG else p.n * p.out_e)
     bounds = [m * i // chunks for i in range(chunks + 1)]
     rows = [b - a for a, b in zip(bounds, bounds[1:])]
     compute_sms = dev.sms - dev.nccl_sms if dev.sms else None
@@ -499,7 +540,7 @@ def pipelined_s(p: Problem, op: str) -> float:
 
     if op == AG:
         for i, r in enumerate(rows * (w - 1)):
-            transfers.append(("copy", transfer_s(i, r * p.k * p.e), ()))
+            transfers.append(("copy", transfer_s(i, r * p.row_bytes), ()))
         for r in rows:
             compute += [("gemm", _gemm(dev, p.dtype, r, p.k, n, cublas=True), ()) for n in p.ns]
         for i, r in enumerate(rows * (w - 1)):
@@ -509,9 +550,10 @@ def pipelined_s(p: Problem, op: str) -> float:
         return _run_streams([compute, transfers], timeline)
     for i, r in enumerate(rows * (w - 1)):
         compute.append(("gemm", _gemm(dev, p.dtype, r, p.k, p.n, cublas=True), ()))
-        transfers.append(("copy", transfer_s(i, r * p.n * p.e), ((0, len(compute) - 1),)))
+        transfers.append(("copy", transfer_s(i, r * p.n * p.out_e), ((0, len(compute) - 1),)))
     compute.append(("gemm", _gemm(dev, p.dtype, m, p.k, p.n, cublas=True), ()))
-    sum_bytes = m * p.n * ((p.e + 4) + (w - 1) * (4 + p.e + 4) + (4 + p.e))
+    e = p.out_e
+    sum_bytes = m * p.n * ((e + 4) + (w - 1) * (4 + e + 4) + (4 + e))
     compute.append(("delay", p.hbm_s(sum_bytes), ((1, len(transfers) - 1),)))
     return _run_streams([compute, transfers], timeline)
 
@@ -588,7 +630,7 @@ def _copy_engine_s(p: Problem, chunks: int) -> float:
     memory (TMA), so no SM moves bytes and none waits for a tile that is not running. Further
     launches (more matrices) read ``A`` after it: back-to-back waves."""
     dev = p.dev
-    start = 2 * (dev.copy_latency_s + p.hbm_s(2 * p.m * p.k * p.e))
+    start = 2 * (dev.copy_latency_s + p.hbm_s(2 * p.m * p.row_bytes))
     per_launch = tiling.MAX_BS_PER_LAUNCH
     first, rest = p.ns[:per_launch], p.ns[per_launch:]
     bm, bn, rel = _launch_tile(p, first)
@@ -597,7 +639,7 @@ def _copy_engine_s(p: Problem, chunks: int) -> float:
     at = start + dev.barrier_s
     for step in range(1, p.w):
         for c in range(math.ceil(p.m / rows)):
-            at += dev.copy_latency_s + p.link_s((min(p.m, (c + 1) * rows) - c * rows) * p.k * p.e)
+            at += dev.copy_latency_s + p.link_s((min(p.m, (c + 1) * rows) - c * rows) * p.row_bytes)
             landed[(step, c)] = at
     order = _shard_order_tiles(p, first, bm, bn)
     ready = [
@@ -638,9 +680,9 @@ def symm_reduce_scatter_s(p: Problem) -> float:
     pushed = 0.0
     for step in range(p.w - 1):
         block_done = max(done[step * per_slot : (step + 1) * per_slot])
-        pushed = max(pushed, block_done) + dev.copy_latency_s + p.link_s(p.m * p.n * p.e)
+        pushed = max(pushed, block_done) + dev.copy_latency_s + p.link_s(p.m * p.n * p.out_e)
     finish = max(max(done), pushed)
-    return finish + dev.copy_latency_s + p.hbm_s((p.w + 1) * p.m * p.n * p.e)
+    return finish + dev.copy_latency_s + p.hbm_s((p.w + 1) * p.m * p.n * p.out_e)
 
 
 def symm_cpu_s(p: Problem, op: str) -> float:
@@ -653,9 +695,19 @@ def symm_cpu_s(p: Problem, op: str) -> float:
     dev, w, m = p.dev, p.w, p.m
     compute = 2.0 * w * m * p.k * p.n / (dev.peak_tflops[p.dtype] * 1e12 * dev.gemm_efficiency)
     if op == AG:
-        return compute + p.hbm_s((w + 1) * m * p.k * p.e) + (w - 1) * dev.barrier_s
-    sum_bytes = m * p.n * ((p.e + 4) + (w - 1) * (4 + p.e + 4) + (4 + p.e))
+        return compute + p.hbm_s((w + 1) * m * p.row_bytes) + (w - 1) * dev.barrier_s
+    e = p.out_e
+    sum_bytes = m * p.n * ((e + 4) + (w - 1) * (4 + e + 4) + (4 + e))
     return compute + (w - 1) * dev.barrier_s + p.hbm_s(sum_bytes)
+
+
+def quantize_s(rows: int, k: int, device: DeviceSpec) -> float:
+    """Seconds of casting ``rows`` bf16 rows of ``k`` to fp8 with a scale each (torchao's
+    row-wise cast): one memory pass reading ``2 k`` bytes a row and writing ``k + 4`` (assumed:
+    torch.compile fuses the row's amax and its cast; :data:`DeviceSpec.sources` ``["fp8"]``).
+    The fused all-gather casts its ``m`` rows before they travel, torchao's unfused path the
+    ``W*m`` gathered rows after; a reduce-scatter's ``W*m`` local rows are cast either way."""
+    return _hbm_s(device, rows * (2 * k + k + 4))
 
 
 @dataclass(frozen=True)
@@ -682,24 +734,35 @@ def op_cost(
     device: DeviceSpec,
     *,
     ns: Sequence[int] | None = None,
+    wire: str | None = None,
 ) -> OpCost:
     """The model for ``op`` ("all_gather_matmul" or "matmul_reduce_scatter") with ``m`` rows per
     rank, ``k`` the reduction dim and ``n`` the output columns, on ``world_size`` ranks;
     ``ns``: the right-hand matrices' widths of an all-gather-matmul (summing to ``n``; default:
-    one of ``n``)."""
+    one of ``n``). ``dtype`` "fp8": a scaled call at the fp8 rate with bf16 output;
+    ``wire``: the dtype an all-gather moves (default ``dtype``: for fp8 the packed fp8 rows;
+    ``"bf16"`` with fp8 is torchao's gather before its cast; the cast itself is
+    :func:`quantize_s`, not in these times). A reduce-scatter moves its output dtype."""
     if op not in (AG, RS):
         raise ValueError(f"op: got {op!r}, expected all_gather_matmul or matmul_reduce_scatter")
     if dtype not in _ELEMENT_BYTES:
         raise ValueError(f"dtype: got {dtype!r}, expected one of {sorted(_ELEMENT_BYTES)}")
+    if dtype not in device.peak_tflops:
+        raise ValueError(f"dtype: {device.name} has no {dtype} rate in the model")
+    if wire is not None and (op == RS or wire not in _WIRES[dtype]):
+        raise ValueError(
+            f"wire: got {wire!r} for a {dtype} {op}; expected None"
+            + ("" if op == RS else f" or one of {list(_WIRES[dtype])}")
+        )
     if min(m, k, n, world_size) < 1:
         raise ValueError(f"m, k, n, world_size: got {(m, k, n, world_size)}, expected >= 1")
     widths = tuple(ns) if ns is not None else (n,)
     if sum(widths) != n or min(widths) < 1 or (op == RS and len(widths) != 1):
         raise ValueError(f"ns: got {widths}, expected positive widths summing to n={n} (RS: one)")
-    p = Problem(m, k, widths, world_size, dtype, device)
+    p = Problem(m, k, widths, world_size, dtype, device, wire)
     flops = 2.0 * world_size * m * k * n
     compute = flops / (device.peak_tflops[dtype] * 1e12 * device.gemm_efficiency)
-    comm = p.link_s((world_size - 1) * m * (k if op == AG else n) * p.e)
+    comm = p.link_s((world_size - 1) * m * (p.row_bytes if op == AG else n * p.out_e))
     sol = max(compute, comm)
     if world_size == 1:  # nothing to overlap: every backend runs the GEMM alone
         only = reference_s(p, op)

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,6 +148,8 @@ class _FusedLinear:
     # use_local_output, with output_layouts the placement the fused op produces): the fused
     # Linear then returns that local tensor itself (see ops/ag_matmul.py).
     local_output: bool
+    # A torchao Float8Linear, on tp_kernels/float8.py's fused fp8 path.
+    float8: bool = False
     # The grouping PrepareModuleInput of the parent module, once it has found this child.
     group: _GatherGroup | None = None
 
@@ -176,6 +179,20 @@ def _without_process_group(state: dict) -> dict:
 
 def _plain_linear(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+
+
+def _float8_linear(module: nn.Module) -> bool:
+    """Whether ``module`` is torchao's Float8Linear (asked without importing torchao: a
+    Float8Linear exists only once its module is imported)."""
+    float8_linear = sys.modules.get("torchao.float8.float8_linear")
+    return float8_linear is not None and isinstance(module, float8_linear.Float8Linear)
+
+
+def _float8_unfusable(module: nn.Module) -> str | None:
+    """Why a Float8Linear cannot take the fused fp8 path (:mod:`tp_kernels.float8`), or None."""
+    from tp_kernels import float8
+
+    return float8.unfusable_reason(module)
 
 
 class _FusableStyle:
@@ -224,11 +241,16 @@ class _FusableStyle:
         return isinstance(layout, Shard) and layout.dim != -1
 
     def _install(self, module: nn.Module, device_mesh: DeviceMesh, forward) -> None:
-        if not _plain_linear(module):
+        why = None
+        float8 = _float8_linear(module)
+        if float8:
+            why = _float8_unfusable(module)
+        elif not _plain_linear(module):
+            why = "a Linear subclass with its own forward is never fused"
+        if why is not None:
             if isinstance(module, nn.Linear) and self._has_fused_path():
                 # Counted per call, as every other fallback: the module's own forward runs.
                 where = f"{type(self).__name__} on {type(module).__qualname__}"
-                why = "a Linear subclass with its own forward is never fused"
                 module.register_forward_pre_hook(lambda mod, args: _fall_back(where, why))
             return
         produced = self.output_layouts[0]
@@ -243,6 +265,7 @@ class _FusableStyle:
             self.input_layouts,
             self.output_layouts,
             self.use_local_output and natural,
+            float8=float8,
         )
         # An instance attribute shadows nn.Linear.forward for this module only; hooks still run.
         module.forward = forward.__get__(module)
@@ -272,12 +295,18 @@ def _colwise_forward(self: nn.Linear, x: Any) -> Any:
     layout = x.placements[0] if isinstance(x, DTensor) else fused.input_layouts[0]
     dim = _sharded_dim(layout, x.ndim)
     if dim is not None and _eager_linear(self, x):
+        if fused.float8:
+            (y,) = _float8_colwise([self], x, dim, fused)
+            return y
         _, (y,) = colwise_linears(
             x, [self.weight], [self.bias], dim, fused.process_group, fused.backend
         )
         return y
     if not isinstance(x, DTensor):
         x = DTensor.from_local(x, fused.mesh, fused.input_layouts, run_check=False)
+    if dim is not None and fused.float8:
+        _fall_back(f"ColwiseParallel on {type(self).__qualname__}", _NOT_EAGER)
+        return type(self).forward(self, x)
     if dim is not None:
         _, (y,) = all_gather_matmul(
             x.to_local(), [self.weight.to_local().t()], dim, fused.mesh, backend=fused.backend
@@ -303,17 +332,48 @@ def _rowwise_forward(self: nn.Linear, x: Any) -> Any:
     if why is None and x.shape[dim] % world:
         why = f"output dim {dim} of size {x.shape[dim]} is uneven over {world} ranks"
     if why is None and _eager_linear(self, x):
+        if fused.float8:
+            return _float8_rowwise(self, x, dim, fused)
         return rowwise_linear(x, self.weight, self.bias, dim, fused.process_group, fused.backend)
+    if why is None and fused.float8:
+        why = _NOT_EAGER
     if local:
         x = DTensor.from_local(x, fused.mesh, fused.input_layouts, run_check=False)
     if why is not None:
         _fall_back(f"RowwiseParallel on {type(self).__qualname__}", why)
-        return nn.Linear.forward(self, x)
+        return type(self).forward(self, x)
     bias = None if self.bias is None else self.bias.to_local()
     y = matmul_reduce_scatter(
         x.to_local(), self.weight.to_local().t(), dim, fused.mesh, backend=fused.backend, bias=bias
     )
     return DTensor.from_local(y, fused.mesh, fused.output_layouts, run_check=False)
+
+
+_NOT_EAGER = "a Float8Linear fuses on the eager path only (not compiled, no dispatch mode)"
+
+
+def _float8_colwise(children: list[nn.Module], x: Any, dim: int, fused: _FusedLinear) -> tuple:
+    """The local outputs of fused fp8 colwise Linears ``children`` (one torchao config) on the
+    input ``x`` (local or DTensor) gathered along ``dim``: ``float8.Float8ColwiseLinears``."""
+    from tp_kernels import float8
+
+    group = fused.process_group
+    call = float8.call_for(children, local_tensor(x), dim, group, fused.backend, colwise=True)
+    weights, biases = [c.weight for c in children], [c.bias for c in children]
+    return float8.Float8ColwiseLinears.apply(call, x, *weights, *biases)
+
+
+def _float8_rowwise(module: nn.Module, x: Any, dim: int, fused: _FusedLinear) -> torch.Tensor:
+    """The local output of a fused fp8 rowwise Linear: ``float8.Float8RowwiseLinear`` (its
+    replicated bias added after the scatter, as :func:`rowwise_linear` adds it)."""
+    from tp_kernels import float8
+
+    group = fused.process_group
+    call = float8.call_for([module], local_tensor(x), dim, group, fused.backend, colwise=False)
+    y = float8.Float8RowwiseLinear.apply(call, x, module.weight)
+    if module.bias is not None:
+        y = y + local_tensor(module.bias).to(y.dtype)
+    return y
 
 
 def _sharded_last(placement: Placement, ndim: int) -> bool:
@@ -551,6 +611,11 @@ class _GatherGroup:
         children = self.children(mod)
         x = kwargs.get(gathered.key) if gathered.index is None else args[gathered.index]
         reason = gathered.problem or _why_not_grouped(mod, children, x, gathered.layout, mesh)
+        if reason is None and style.use_local_output and children[0]._tpk_fused.float8:
+            reason = (
+                "use_local_output=True asks for the gathered input as a local tensor, and the "
+                "fused fp8 gather moves fp8 bytes: no high-precision gathered input exists"
+            )
         if reason is not None:
             _fall_back(f"PrepareModuleInput on {type(mod).__qualname__}", reason)
             return self._torch_path(args, kwargs)
@@ -587,6 +652,8 @@ class _GatherGroup:
         backend = children[0]._tpk_fused.backend
         weights, biases = [c.weight for c in children], [c.bias for c in children]
         eager = _eager(x, weights, biases)
+        if children[0]._tpk_fused.float8:
+            return self._gather_float8(x, children, dim)
         if eager:
             gathered, ys = colwise_linears(
                 x, weights, biases, dim, self.process_group, backend, return_a=True
@@ -606,11 +673,26 @@ class _GatherGroup:
             if self.style.use_local_output
             else DTensor.from_local(gathered, self.mesh, (Replicate(),), run_check=False)
         )
+        return self._keep(passed, children, ys, eager=eager)
+
+    def _keep(self, passed: Any, children: list[nn.Module], ys: Any, *, eager: bool) -> Any:
+        """Keep each child's output for it to claim when called with ``passed``."""
         for child, y in zip(children, ys):
             if not (eager and child._tpk_fused.local_output):  # else the output hook takes y
                 y = DTensor.from_local(y, self.mesh, (Shard(y.ndim - 1),), run_check=False)
             self._outputs[id(child)] = (passed, y)
         return passed
+
+    def _gather_float8(self, x: Any, children: list[nn.Module], dim: int) -> DTensor:
+        """The fused fp8 gather (:func:`_float8_colwise`): the gather moves fp8 bytes, so no
+        high-precision gathered input exists to pass on. The module gets ``x`` itself as a
+        DTensor sharded as declared: the same global tensor, which any use other than the
+        children's redistributes by itself (only ``use_local_output=False`` styles group fp8
+        children, see :func:`_why_not_grouped`)."""
+        ys = _float8_colwise(children, x, dim, children[0]._tpk_fused)
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, self.mesh, (self.gathered.layout,), run_check=False)
+        return self._keep(x, children, ys, eager=True)
 
 
 def _why_not_grouped(module, children, x, layout, device_mesh) -> str | None:
@@ -637,6 +719,20 @@ def _why_not_grouped(module, children, x, layout, device_mesh) -> str | None:
         return f"{layout} shards the contracted (last) dim"
     if len({c._tpk_fused.backend for c in children}) > 1:
         return "its colwise children ask for different backends"
+    float8 = [c._tpk_fused.float8 for c in children]
+    if any(float8):
+        return _why_not_grouped_float8(children, float8, x)
+    return None
+
+
+def _why_not_grouped_float8(children, float8, x) -> str | None:
+    """Why fp8 children cannot share one fused fp8 gather (None: they can)."""
+    if not all(float8):
+        return "its colwise children mix Float8Linear and nn.Linear"
+    if len({(c.config, c.linear_mm_config) for c in children}) > 1:
+        return "its Float8Linear children differ in their torchao config"
+    if not _eager(x, [c.weight for c in children], [c.bias for c in children]):
+        return _NOT_EAGER
     return None
 
 

@@ -87,3 +87,10 @@ def transfer_blocks(rows: int, row_bytes: int) -> int:
     if chosen is None:
         chosen = min(_MAX_TRANSFER_BLOCKS, max(1, rows * row_bytes // MIN_TRANSFER_BLOCK_BYTES))
     return max(1, min(chosen, rows))
+
+
+ROW_SCALE_BYTES = 16
+"""Bytes a packed fp8 row carries after its ``K`` fp8 bytes (a scaled all-gather's row-wise
+shard, :mod:`tp_kernels.backends.scaled`): its fp32 scale, then padding to 16 bytes, so that every
+row starts 16-byte aligned for TMA and vector loads. The backends pack by it, the consumer kernel
+reads by it and the cost model counts it on the wire."""

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from tp_kernels import deadline
 from tp_kernels._compat import all_gather_single
+from tp_kernels.backends.scaled import Scaling
 
 
 class CaptureUnreadyError(RuntimeError):
@@ -129,8 +130,12 @@ class Backend(ABC):
         group: dist.ProcessGroup,
         *,
         return_a: bool,
+        scaling: Scaling | None = None,
     ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
-        """``(A if return_a else None, [A @ b for b in bs])`` with ``A`` gathered along dim 0."""
+        """``(A if return_a else None, [A @ b for b in bs])`` with ``A`` gathered along dim 0.
+        With ``scaling`` (:mod:`tp_kernels.backends.scaled`): ``a_shard`` is fp8 bytes
+        (``uint8``, packed rows when row-wise), ``bs`` fp8, the products ``scaling``'s, and
+        ``return_a`` is False (no scaled call wants the gathered bytes back)."""
 
     @abstractmethod
     def matmul_reduce_scatter(
@@ -140,5 +145,7 @@ class Backend(ABC):
         group: dist.ProcessGroup,
         *,
         addend: torch.Tensor | None = None,
+        scaling: Scaling | None = None,
     ) -> torch.Tensor:
-        """This rank's rows of ``sum over ranks of (a @ b + addend)``, summed over the group."""
+        """This rank's rows of ``sum over ranks of (a @ b + addend)``, summed over the group.
+        With ``scaling``: ``a`` and ``b`` fp8, ``a @ b`` is ``scaling``'s product."""

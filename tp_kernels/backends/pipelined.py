@@ -37,6 +37,7 @@ import torch.distributed as dist
 from tp_kernels import config, deadline, tiling
 from tp_kernels.backends import schedule
 from tp_kernels.backends.base import Backend
+from tp_kernels.backends.scaled import Scaling
 
 
 def set_chunks(chunks: int | None) -> None:
@@ -106,14 +107,16 @@ class PipelinedBackend(Backend):
         group: dist.ProcessGroup,
         *,
         return_a: bool,
+        scaling: Scaling | None = None,
     ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         world, rank = group.size(), group.rank()
         m = a_shard.shape[0]
         a = a_shard.new_empty((world * m, a_shard.shape[1]))
-        outs = [a_shard.new_empty((world * m, b.shape[1])) for b in bs]
+        out_dtype = a_shard.dtype if scaling is None else scaling.out_dtype
+        outs = [a_shard.new_empty((world * m, b.shape[1]), dtype=out_dtype) for b in bs]
         transport = _GatherBlocks(a_shard, a, group)
         try:
-            schedule.all_gather_matmul(a_shard, bs, outs, a, rank, world, transport)
+            schedule.all_gather_matmul(a_shard, bs, outs, a, rank, world, transport, scaling)
         except BaseException:
             transport.drain()
             raise
@@ -126,11 +129,13 @@ class PipelinedBackend(Backend):
         group: dist.ProcessGroup,
         *,
         addend: torch.Tensor | None = None,
+        scaling: Scaling | None = None,
     ) -> torch.Tensor:
         world, rank = group.size(), group.rank()
-        transport = _ScatterBlocks(a.shape[0] // world, b.shape[1], a, group)
+        out_dtype = a.dtype if scaling is None else scaling.out_dtype
+        transport = _ScatterBlocks(a.shape[0] // world, b.shape[1], out_dtype, a.device, group)
         try:
-            return schedule.matmul_reduce_scatter(a, b, addend, rank, world, transport)
+            return schedule.matmul_reduce_scatter(a, b, addend, rank, world, transport, scaling)
         except BaseException:
             transport.received()  # drain: wait for what was posted
             raise
@@ -177,13 +182,16 @@ class _ScatterBlocks:
     and posted at once, with the matching receive of ``r-k``'s block for this rank; every Work
     (one per batch on NCCL, one per op on gloo) is waited before the sum."""
 
-    def __init__(self, m: int, n: int, a: torch.Tensor, group: dist.ProcessGroup) -> None:
+    def __init__(
+        self, m: int, n: int, dtype: torch.dtype, device: torch.device, group: dist.ProcessGroup
+    ) -> None:
         self._group = group
         self._rank, self._world = group.rank(), group.size()
-        self._blocks = _row_blocks(m, tiling.transfer_blocks(m, n * a.element_size()))
-        self._received = a.new_empty((self._world, m, n))  # [s]: rank s's partial of our rows
+        self._blocks = _row_blocks(m, tiling.transfer_blocks(m, n * dtype.itemsize))
+        # [s]: rank s's partial of our rows
+        self._received = torch.empty((self._world, m, n), dtype=dtype, device=device)
         # [k-1]: the block for rank r+k, kept alive until the sends complete.
-        self._sent = a.new_empty((self._world - 1, m, n))
+        self._sent = torch.empty((self._world - 1, m, n), dtype=dtype, device=device)
         self._works: list[dist.Work] = []
 
     def slots(self, dst: int) -> list[schedule.Block]:

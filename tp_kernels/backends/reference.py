@@ -15,6 +15,7 @@ from tp_kernels import deadline
 from tp_kernels._compat import reduce_scatter_single
 from tp_kernels.backends import schedule
 from tp_kernels.backends.base import Backend
+from tp_kernels.backends.scaled import Scaling
 
 
 class ReferenceBackend(Backend):
@@ -27,8 +28,11 @@ class ReferenceBackend(Backend):
         group: dist.ProcessGroup,
         *,
         return_a: bool,
+        scaling: Scaling | None = None,
     ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         a = self.all_gather_async(a_shard, group).wait()
+        if scaling is not None:
+            return (a if return_a else None), [scaling.block(a, j, b) for j, b in enumerate(bs)]
         return (a if return_a else None), [a @ b for b in bs]
 
     def matmul_reduce_scatter(
@@ -38,8 +42,14 @@ class ReferenceBackend(Backend):
         group: dist.ProcessGroup,
         *,
         addend: torch.Tensor | None = None,
+        scaling: Scaling | None = None,
     ) -> torch.Tensor:
-        partial = a @ b if addend is None else torch.addmm(addend, a, b)
+        if scaling is not None:
+            partial = scaling.block(a, 0, b)
+            if addend is not None:
+                partial += addend
+        else:
+            partial = a @ b if addend is None else torch.addmm(addend, a, b)
         world = group.size()
         if world == 1:
             return partial

@@ -28,6 +28,8 @@ from typing import Protocol
 
 import torch
 
+from tp_kernels.backends.scaled import Scaling
+
 Block = tuple[int, int, torch.Tensor]
 """``(begin, end, rows)``: rows ``[begin, end)`` of one rank's block, as a tensor."""
 
@@ -76,10 +78,11 @@ def all_gather_matmul(
     rank: int,
     world: int,
     transport: GatherTransport,
+    scaling: Scaling | None = None,
 ) -> None:
-    """``outs[j][s*m:(s+1)*m] = A_s @ bs[j]`` for every rank ``s`` in :func:`gather_order`, and
-    ``gathered[s*m:(s+1)*m] = A_s`` when ``gathered`` is given (a transport that delivers straight
-    into ``gathered`` costs no copy)."""
+    """``outs[j][s*m:(s+1)*m] = A_s @ bs[j]`` (or ``scaling``'s product) for every rank ``s`` in
+    :func:`gather_order`, and ``gathered[s*m:(s+1)*m] = A_s`` when ``gathered`` is given (a
+    transport that delivers straight into ``gathered`` costs no copy)."""
     m = a_shard.shape[0]
     for src in gather_order(rank, world):
         blocks = [(0, m, a_shard)] if src == rank else transport.arrivals(src)
@@ -87,8 +90,11 @@ def all_gather_matmul(
             dst = slice(src * m + begin, src * m + end)
             if gathered is not None and rows.data_ptr() != gathered[dst].data_ptr():
                 rows = gathered[dst].copy_(rows)
-            for out, b in zip(outs, bs):
-                torch.mm(rows, b, out=out[dst])
+            for j, (out, b) in enumerate(zip(outs, bs)):
+                if scaling is None:
+                    torch.mm(rows, b, out=out[dst])
+                else:
+                    out[dst] = scaling.block(rows, j, b)
 
 
 def matmul_reduce_scatter(
@@ -98,14 +104,20 @@ def matmul_reduce_scatter(
     rank: int,
     world: int,
     transport: ScatterTransport,
+    scaling: Scaling | None = None,
 ) -> torch.Tensor:
-    """This rank's rows of ``sum over ranks of (a @ b + addend)``: partial blocks produced in
+    """This rank's rows of ``sum over ranks of (a @ b + addend)`` (``a @ b``: ``scaling``'s
+    product when given, to which ``addend`` is added in its dtype): partial blocks produced in
     :func:`scatter_order` into the transport's slots, then summed by :func:`sum_in_rank_order`."""
     m = a.shape[0] // world
     for dst in scatter_order(rank, world):
         for begin, end, slot in transport.slots(dst):
             rows = slice(dst * m + begin, dst * m + end)
-            if addend is None:
+            if scaling is not None:
+                slot.copy_(scaling.block(a[rows], 0, b, rows))
+                if addend is not None:
+                    slot += addend[rows]
+            elif addend is None:
                 torch.mm(a[rows], b, out=slot)
             else:
                 torch.addmm(addend[rows], a[rows], b, out=slot)

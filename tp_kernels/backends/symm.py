@@ -42,9 +42,13 @@ Two paths run this protocol:
   protocol a replay does. The host does exactly the same on CPU and CUDA (but that
   the CPU's copier and pusher are threads, the GPU's side streams): no handshake of its own,
   nothing that synchronizes with the device, tables, progress words, staging and the side
-  streams made once, the weight read through its strides. It covers fp32, fp16 and bf16;
-  other dtypes, and a reduce-scatter with an ``addend`` (the producer kernel has no addend
-  input), take the torch path.
+  streams made once, the weight read through its strides. It covers fp32, fp16 and bf16, and
+  scaled (fp8) calls whose ``out_dtype`` is one of them (:mod:`tp_kernels.backends.scaled`: the
+  all-gather moves the shard's bytes, packed rows with their scales or fp8 bytes, unchanged
+  under the same progress words; both GEMMs apply the scales in their epilogue, so a scaled
+  result agrees with ``scaled_mm`` within a rounding, not bit for bit); other dtypes, and a
+  reduce-scatter with an ``addend`` (the producer kernel has no addend input), take the torch
+  path.
 
 A call is opened by ``_begin``, which refuses what cannot run before anything is signalled and
 returns its two parts: a ``_Round`` (the call's number, its header and its signals to and from each
@@ -113,6 +117,7 @@ import torch.distributed as dist
 from tp_kernels import config, deadline, signals, symmetric_memory
 from tp_kernels.backends import base, schedule, symm_gather, symm_scatter
 from tp_kernels.backends.base import Backend, CaptureNeed, PendingGather
+from tp_kernels.backends.scaled import Scaling
 
 _CTL_TAG = "tp_kernels.backends.symm.ctl"
 _DATA_TAG = "tp_kernels.backends.symm.data"
@@ -141,8 +146,12 @@ _DTYPES = (
     torch.bfloat16,
     torch.complex64,
     torch.complex128,
+    torch.uint8,  # a scaled all-gather's fp8 bytes (see tp_kernels.backends.scaled)
 )
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# A scaled call's operands (its gathered bytes, fp8): it takes the Triton path by its out_dtype,
+# one of _KERNEL_DTYPES.
+_SCALED_OPERAND_DTYPES = (torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _describe(header: Sequence[int]) -> str:
@@ -607,7 +616,9 @@ class SymmBackend(Backend):
         device = torch.device(device)
         if group.size() == 1:
             return None
-        if not _use_triton(device, need.dtype):
+        # A scaled call's operands take the path of its out_dtype, which the kernels cover.
+        scaled = need.dtype in _SCALED_OPERAND_DTYPES
+        if not _use_triton(device, torch.bfloat16 if scaled else need.dtype):
             # The torch path (CPU without the kernels, or a dtype they lack) waits for its
             # signals on the host, which no graph can capture.
             return f"{need.dtype} on {device.type} takes its torch path, whose waits are the host's"
@@ -640,15 +651,20 @@ class SymmBackend(Backend):
         group: dist.ProcessGroup,
         *,
         return_a: bool,
+        scaling: Scaling | None = None,
     ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         """``A = cat_s A_s`` [W*m, K] from every rank's ``a_shard`` [m, K]; ``outs[j] = A @ bs[j]``
-        [W*m, N_j]; ``(A if return_a else None, outs)``."""
+        [W*m, N_j] (``scaling``'s product when given); ``(A if return_a else None, outs)``."""
         rank, world = group.rank(), group.size()
         if world == 1:
-            return (a_shard.clone() if return_a else None), [a_shard @ b for b in bs]
+            a = a_shard.clone() if return_a else None
+            if scaling is not None:
+                return a, [scaling.block(a_shard, j, b) for j, b in enumerate(bs)]
+            return a, [a_shard @ b for b in bs]
         m, k = a_shard.shape
         dtype = a_shard.dtype
-        use_kernels = _use_triton(a_shard.device, dtype)
+        # A scaled call's kernels take its fp8 bytes as they come and make its out_dtype.
+        use_kernels = _use_triton(a_shard.device, dtype if scaling is None else scaling.out_dtype)
         round_, half = _begin(
             group, a_shard.device, _AG, dtype, (m, k, 0), a_shard.nbytes, kernels=use_kernels
         )
@@ -656,10 +672,11 @@ class SymmBackend(Backend):
         # matmul reads them from here (it is also what return_a gives). The Triton path always
         # gathers: the copier fills it and the consumer reads local memory only.
         a = a_shard.new_empty((world * m, k))
-        outs = [a_shard.new_empty((world * m, b.shape[1])) for b in bs]
+        out_dtype = dtype if scaling is None else scaling.out_dtype
+        outs = [a_shard.new_empty((world * m, b.shape[1]), dtype=out_dtype) for b in bs]
         half.ensure()
         if use_kernels:
-            _ag_triton(round_, half, a_shard, bs, outs, a)
+            _ag_triton(round_, half, a_shard, bs, outs, a, scaling)
             return (a if return_a else None), outs
         half.view(rank, (m, k), dtype).copy_(a_shard)
         round_.signal()
@@ -668,7 +685,7 @@ class SymmBackend(Backend):
         gathered = a if return_a or len(bs) > 1 else None
         transport = _Arrivals(round_, half, (m, k), dtype)
         try:
-            schedule.all_gather_matmul(a_shard, bs, outs, gathered, rank, world, transport)
+            schedule.all_gather_matmul(a_shard, bs, outs, gathered, rank, world, transport, scaling)
         except Exception as exc:
             # A matmul raised after this rank signalled: take the peers' signals of this round
             # too, so that the next call starts clean (as it does after a mismatch). The
@@ -693,14 +710,19 @@ class SymmBackend(Backend):
         group: dist.ProcessGroup,
         *,
         addend: torch.Tensor | None = None,
+        scaling: Scaling | None = None,
     ) -> torch.Tensor:
         """This rank's rows ``[r*m, (r+1)*m)`` of ``sum over ranks s of (a @ b + addend)(s)``:
-        ``a`` [W*m, K], ``b`` [K, N], ``addend`` None or [W*m, N]; returns [m, N]."""
+        ``a`` [W*m, K], ``b`` [K, N], ``addend`` None or [W*m, N]; returns [m, N]. With
+        ``scaling``, ``a @ b`` is its product, in its ``out_dtype``."""
         rank, world = group.rank(), group.size()
+        if world == 1 and scaling is not None:
+            out = scaling.block(a, 0, b)
+            return out if addend is None else out.add_(addend)
         if world == 1:
             return a @ b if addend is None else torch.addmm(addend, a, b)
         m, n = a.shape[0] // world, b.shape[1]
-        dtype = a.dtype
+        dtype = a.dtype if scaling is None else scaling.out_dtype
         use_kernels = addend is None and _use_triton(a.device, dtype)
         round_, half = _begin(
             group,
@@ -708,14 +730,14 @@ class SymmBackend(Backend):
             _RS,
             dtype,
             (a.shape[0], n, a.shape[1]),
-            a.element_size() * a.shape[0] * n,
+            dtype.itemsize * a.shape[0] * n,
             kernels=use_kernels,
         )
         half.ensure()
         if use_kernels:
-            return _rs_triton(round_, half, a, b, m, n)
+            return _rs_triton(round_, half, a, b, m, n, scaling)
         transport = _Slots(round_, half, (world, m, n), dtype)
-        return schedule.matmul_reduce_scatter(a, b, addend, rank, world, transport)
+        return schedule.matmul_reduce_scatter(a, b, addend, rank, world, transport, scaling)
 
 
 class _Arrivals:
@@ -782,12 +804,15 @@ def _ag_triton(
     bs: list[torch.Tensor],
     outs: list[torch.Tensor],
     a: torch.Tensor,
+    scaling: Scaling | None = None,
 ) -> None:
     """The all-gather-matmul of :class:`SymmBackend` on the copy-engine protocol
     (:mod:`tp_kernels.backends.symm_gather`): the start barrier, publish the shard, the publish
     barrier, then the copies into ``a`` beside :func:`kernels.ag_matmul_consumer`, which waits
     on their progress words. Every launch, copy and word is the same in every call of this
-    shape: a CUDA graph replays it."""
+    shape: a CUDA graph replays it. A scaled call's shard is uint8 bytes (packed rows, or fp8
+    bytes with a tensor-wise scale): they move unchanged under the same words, and the consumer
+    reads the fp8 data and the scales from them (:func:`kernels.ag_matmul_consumer`)."""
     from tp_kernels import kernels
 
     state, rank, world = round_.state, round_.rank, round_.world
@@ -804,6 +829,13 @@ def _ag_triton(
     rows = symm_gather.chunk_rows(m, k, ns, a.dtype, world, a.device, interpret=kernels.INTERPRET)
     sources = [(s, half.view(s, (m, k), a_shard.dtype)) for s in round_.peers()]
     copies = copier.start(sources, a, rows, words)
+    scaled = {}
+    if scaling is not None:
+        scaled = {
+            "a_dtype": scaling.a_dtype,
+            "a_scale": scaling.a_scale,
+            "b_scales": scaling.b_scales,
+        }
     try:
         kernels.ag_matmul_consumer(
             a,
@@ -815,6 +847,7 @@ def _ag_triton(
             rank=rank,
             world_size=world,
             timeout_s=deadline.get_timeout(),
+            **scaled,
         )
     finally:
         copies.join()
@@ -823,13 +856,21 @@ def _ag_triton(
 
 
 def _rs_triton(
-    round_: _Round, half: _Half, a: torch.Tensor, b: torch.Tensor, m: int, n: int
+    round_: _Round,
+    half: _Half,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    m: int,
+    n: int,
+    scaling: Scaling | None = None,
 ) -> torch.Tensor:
     """The matmul-reduce-scatter of :class:`SymmBackend` on the copy-engine protocol
     (:mod:`tp_kernels.backends.symm_scatter`): the start barrier (after which no peer reads its
     slots of the previous call), then :func:`kernels.matmul_rs_producer` stores the peers'
     blocks into local staging beside the pusher, which copies each into its peer's slot once
-    complete and signals it; then :func:`kernels.reduce_slots`."""
+    complete and signals it; then :func:`kernels.reduce_slots`. Scaled: fp8 ``a`` and ``b``
+    with ``scaling``'s scales applied in the producer's epilogue; the partials, the slots and
+    the result are in ``scaling.out_dtype``."""
     from tp_kernels import kernels
 
     state, rank, world = round_.state, round_.rank, round_.world
@@ -838,18 +879,22 @@ def _rs_triton(
     _, words = state.progress_words()
     pusher, staging_bytes = state.scatter_state()
     shape = (world, m, n)
-    staging = staging_bytes[: world * m * n * a.element_size()].view(a.dtype).view(shape)
-    own = half.view(rank, shape, a.dtype)
-    pushes = [(d, staging[d], half.view(d, shape, a.dtype)[rank]) for d in round_.peers()]
+    dtype = a.dtype if scaling is None else scaling.out_dtype
+    staging = staging_bytes[: world * m * n * dtype.itemsize].view(dtype).view(shape)
+    own = half.view(rank, shape, dtype)
+    pushes = [(d, staging[d], half.view(d, shape, dtype)[rank]) for d in round_.peers()]
+    scaled = {}
+    if scaling is not None:
+        scaled = {"a_scale": scaling.a_scale, "b_scale": scaling.b_scales[0]}
     _barrier(state, pads, rank, world, _START, clear=True)
 
     def produce() -> None:
         kernels.matmul_rs_producer(
             a, b, staging, own, words, pads, counters=counters, rank=rank, world_size=world,
-            channel=_SLOTS,
+            channel=_SLOTS, **scaled,
         )  # fmt: skip
 
-    out = a.new_empty((m, n))
+    out = a.new_empty((m, n), dtype=dtype)
     copies = pusher.run(produce, pushes, words, _SLOTS * world + rank)
     try:
         kernels.reduce_slots(

@@ -59,6 +59,15 @@ What each call guards against, from torch's ``_symmetric_memory/__init__.py`` (2
   reduce-scatter is a collective of the group: NCCL's capture, gloo's (ranks sharing a GPU) do
   not, so there a captured call with an addend is refused too.
 
+Scaled (fp8) calls go to torch's ``fused_all_gather_scaled_matmul`` and
+``fused_scaled_matmul_reduce_scatter`` with the same scales (a packed row-wise shard is unpacked
+into its fp8 rows and their ``[m, 1]`` scales, which torch gathers as its "row-wise-sharded"
+``A_scale``). Where their semantics differ from :func:`tp_kernels.backends.scaled.scaled_mm`
+(torchao's rule): a row-wise product without fast accumulation is scaled inside torch's GEMM
+(one rounding) where torchao scales a bf16 product afterwards (two), and an fp16/fp32 row-wise
+output is asked of torch's GEMM as bf16 and cast here. torch's scaled ops take no addend, so an
+addend is reduce-scattered beside them, as above.
+
 Numerics (what the rule of tp_kernels/testing/numerics.py allows for): torch rounds each rank's
 partial product to the input dtype before reducing (2.13: ``torch.sum`` over the partials, which on
 CUDA accumulates fp16/bf16 in fp32 and rounds once; 2.15: a Triton kernel that does the same), as
@@ -88,6 +97,7 @@ from tp_kernels import symmetric_memory
 from tp_kernels._compat import reduce_scatter_single
 from tp_kernels.backends import base
 from tp_kernels.backends.base import Backend, CaptureNeed, CaptureUnreadyError
+from tp_kernels.backends.scaled import Scaling, unpack_rows
 
 _OPS = ("fused_all_gather_matmul", "fused_matmul_reduce_scatter")
 
@@ -333,7 +343,10 @@ class TorchSymmMemBackend(Backend):
         group: dist.ProcessGroup,
         *,
         return_a: bool,
+        scaling: Scaling | None = None,
     ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        if scaling is not None:
+            return self._all_gather_scaled_matmul(a_shard, bs, group, scaling)
         if group.size() == 1:
             return (a_shard.clone() if return_a else None), [a_shard @ b for b in bs]
         nbytes = a_shard.nbytes
@@ -354,12 +367,17 @@ class TorchSymmMemBackend(Backend):
         group: dist.ProcessGroup,
         *,
         addend: torch.Tensor | None = None,
+        scaling: Scaling | None = None,
     ) -> torch.Tensor:
         world = group.size()
+        if world == 1 and scaling is not None:
+            out = scaling.block(a, 0, b)
+            return out if addend is None else out.add_(addend)
         if world == 1:
             return a @ b if addend is None else torch.addmm(addend, a, b)
-        nbytes = a.shape[0] * b.shape[1] * a.dtype.itemsize
-        if _check_call("matmul_reduce_scatter", group, a.device, nbytes, a.dtype) and (
+        out_dtype = a.dtype if scaling is None else scaling.out_dtype
+        nbytes = a.shape[0] * b.shape[1] * out_dtype.itemsize
+        if _check_call("matmul_reduce_scatter", group, a.device, nbytes, out_dtype) and (
             addend is not None
         ):
             _check_addend(group)
@@ -372,11 +390,63 @@ class TorchSymmMemBackend(Backend):
                 pending = reduce_scatter_single(
                     rs_addend, addend.contiguous(), group, async_op=True
                 )
-            out = torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, group.group_name)
+            if scaling is None:
+                out = torch.ops.symm_mem.fused_matmul_reduce_scatter(
+                    a, b, "sum", 0, group.group_name
+                )
+            else:
+                out = _torch_dtype_out(scaling, lambda mm_dtype: (
+                    torch.ops.symm_mem.fused_scaled_matmul_reduce_scatter(
+                        a, b, scaling.a_scale, scaling.b_scales[0], "sum", 0, 0,
+                        group.group_name, [a.shape[0] // world, b.shape[1]],
+                        out_dtype=mm_dtype, use_fast_accum=scaling.fast_accum,
+                    )
+                ))  # fmt: skip
             if pending is not None:
                 pending.wait()
                 out = out.add_(rs_addend)
         return out
+
+    def _all_gather_scaled_matmul(
+        self,
+        a_shard: torch.Tensor,
+        bs: Sequence[torch.Tensor],
+        group: dist.ProcessGroup,
+        scaling: Scaling,
+    ) -> tuple[None, list[torch.Tensor]]:
+        if group.size() == 1:
+            return None, [scaling.block(a_shard, j, b) for j, b in enumerate(bs)]
+        k = bs[0].shape[0]
+        if scaling.packed:
+            data, a_scale = (t.contiguous() for t in unpack_rows(a_shard, k, scaling.a_dtype))
+        else:
+            data, a_scale = a_shard.view(scaling.a_dtype), scaling.a_scale
+        _check_call("all_gather_matmul", group, a_shard.device, a_shard.nbytes, a_shard.dtype)
+        _enable_for_group(group)
+        n = len(bs)
+        with symmetric_memory._on_device(a_shard.device):
+            a, outs = _torch_dtype_out(scaling, lambda mm_dtype: (
+                torch.ops.symm_mem.fused_all_gather_scaled_matmul(
+                    data, list(bs), a_scale, list(scaling.b_scales), 0, group.group_name,
+                    [None] * n, [None] * n, [mm_dtype] * n, [scaling.fast_accum] * n,
+                )
+            ))  # fmt: skip
+        # A scaled call never asks for A (see Backend.all_gather_matmul): torch's A would be
+        # the fp8 rows without their scales.
+        return None, list(outs)
+
+
+def _torch_dtype_out(scaling: Scaling, call: Any) -> Any:
+    """``call(mm_dtype)`` with the dtype torch's row-wise scaled GEMM can produce (bf16 for an
+    fp16/fp32 ``out_dtype``), its products cast to ``out_dtype`` afterwards."""
+    rowwise = scaling.packed or (scaling.a_scale is not None and scaling.a_scale.dim() == 2)
+    if not rowwise or scaling.out_dtype == torch.bfloat16:
+        return call(scaling.out_dtype)
+    result = call(torch.bfloat16)
+    if isinstance(result, torch.Tensor):
+        return result.to(scaling.out_dtype)
+    a, outs = result
+    return a, [out.to(scaling.out_dtype) for out in outs]
 
 
 BACKEND = TorchSymmMemBackend()

@@ -6,8 +6,9 @@ Usage::
         --N 2048] [--dtype fp32|fp16|bf16] [--rounds R] [--warmup N] [--providers P ...]
         [--threads T] [--out PATH]
     python -m tp_kernels.bench model [--gpu h100] [--tp 8] [--tokens 2048 8192]
-        [--model llama3-70b] [--param NAME=VALUE]   (the cost model's schedules for Llama-3's
-        fused ops, or with --model its plan of a whole model; see tp_kernels.bench.model)
+        [--model llama3-70b | --fp8] [--param NAME=VALUE]   (the cost model's schedules for
+        Llama-3's fused ops, with --model its plan of a whole model, with --fp8 fused fp8
+        against torchao's unfused fp8 and fused bf16; see tp_kernels.bench.model)
     python -m tp_kernels.bench overhead [--world-sizes 1 2]   (the host's microseconds per fused
         call and TP Linear, see tp_kernels.bench.overhead)
 

@@ -15,6 +15,14 @@ light, the unfused time and the best fused backend's, per forward op and per bac
 gradient goes through the other fused op; the weight gradient is a local GEMM). Then a block's
 and the model's totals.
 
+With ``--fp8``: the fp8 comparison (issue 27), on the schedule table's shapes (the forward fused
+ops of Llama-3 8B/70B/405B at ``--tp`` and each of ``--tokens``): per call and per layer, the best
+fused bf16 schedule, torchao's unfused fp8 path under PyTorch's styles (the all-gather moves the
+bf16 input, then every gathered row is cast, then the fp8 GEMM; the GEMM, then NCCL's
+reduce-scatter of bf16 partials; nothing overlapped) and the best fused fp8 schedule (each rank
+casts its own rows, the packed fp8 rows travel; bf16 partials). The fp8 GEMM's efficiency is
+assumed to be bf16's until a GPU measures it.
+
 ``--param NAME=VALUE`` replaces a figure of the device (a field of
 :class:`tp_kernels.cost.DeviceSpec`, e.g. the ones ``gpu_check`` fits). Nothing runs on a GPU:
 these are :mod:`tp_kernels.cost`'s predictions.
@@ -28,15 +36,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tp_kernels.bench.protocol import render_table
-from tp_kernels.cost import DEVICES, SCHEDULES, DeviceSpec, op_cost
+from tp_kernels.cost import DEVICES, SCHEDULES, DeviceSpec, op_cost, quantize_s
 
 __all__ = [
     "MODELS",
     "Row",
     "block_prediction",
+    "fp8_rows",
     "linear_rows",
     "main",
     "plan_rows",
+    "render_fp8",
     "render_schedules",
     "schedule_rows",
     "with_params",
@@ -169,6 +179,18 @@ def block_prediction(
     return times
 
 
+def _forward_ops(tp: int, tokens: Sequence[int]):
+    """``(model, tokens, linear, op, m, k, widths)`` of every forward fused op of every model at
+    each token count, ``m`` the rows per rank."""
+    for name, cfg in MODELS.items():
+        for count in tokens:
+            if count % tp:
+                raise ValueError(f"{count} tokens do not divide by --tp {tp}")
+            for linear, k, widths, _ in _linears(cfg, tp)[:4]:
+                op = RS if linear in _ROWWISE else AG
+                yield name, count, linear, op, count // tp, k, widths
+
+
 def schedule_rows(
     device: DeviceSpec, tp: int, tokens: Sequence[int] = TOKENS, dtype: str = "bf16"
 ) -> dict[str, list[tuple]]:
@@ -176,26 +198,20 @@ def schedule_rows(
     "m x K x N", speed of light s, {schedule: s}, verdict)``; the verdict names the fastest
     fused schedule, or says that none beats ``reference``."""
     table: dict[str, list[tuple]] = {AG: [], RS: []}
-    for name, cfg in MODELS.items():
-        for count in tokens:
-            if count % tp:
-                raise ValueError(f"{count} tokens do not divide by --tp {tp}")
-            m = count // tp
-            for linear, k, widths, _ in _linears(cfg, tp)[:4]:
-                op = RS if linear in _ROWWISE else AG
-                n = sum(widths)
-                cost = op_cost(op, m, k, n, tp, dtype, device, ns=widths if op == AG else None)
-                times = cost.schedules_s
-                fused = min((s for s in times if s != "reference"), key=times.__getitem__)
-                verdict = (
-                    fused
-                    if times[fused] < times["reference"]
-                    else "NONE beats reference: auto rules fusion out"
-                )
-                table[op].append(
-                    (name, count, linear, f"{m}x{k}x{n}", cost.speed_of_light_s,
-                     cost.schedules_s, verdict)
-                )  # fmt: skip
+    for name, count, linear, op, m, k, widths in _forward_ops(tp, tokens):
+        n = sum(widths)
+        cost = op_cost(op, m, k, n, tp, dtype, device, ns=widths if op == AG else None)
+        times = cost.schedules_s
+        fused = min((s for s in times if s != "reference"), key=times.__getitem__)
+        verdict = (
+            fused
+            if times[fused] < times["reference"]
+            else "NONE beats reference: auto rules fusion out"
+        )
+        table[op].append(
+            (name, count, linear, f"{m}x{k}x{n}", cost.speed_of_light_s,
+             cost.schedules_s, verdict)
+        )  # fmt: skip
     return table
 
 
@@ -220,6 +236,106 @@ def render_schedules(table: dict[str, list[tuple]], device: DeviceSpec, tp: int)
     for name in _NUMERIC:
         out.append(f"  {name} = {getattr(device, name):g}: {device.sources[name]}")
     out.append("models: " + ", ".join(cfg["source"] for cfg in MODELS.values()))
+    return "\n".join(out)
+
+
+@dataclass(frozen=True)
+class Fp8Row:
+    """One forward fused op of the fp8 comparison: seconds per call of the best fused bf16
+    schedule (``bf16_backend``), torchao's unfused fp8 path, and the best fused fp8 schedule
+    (``fp8_backend``), each with its casts; ``fp8_sol_s``: the fp8 call's speed of light."""
+
+    model: str
+    tokens: int
+    linear: str
+    op: str
+    m: int
+    k: int
+    n: int
+    bf16_fused_s: float
+    bf16_backend: str
+    torchao_s: float
+    fp8_fused_s: float
+    fp8_backend: str
+    fp8_sol_s: float
+
+
+def fp8_rows(device: DeviceSpec, tp: int, tokens: Sequence[int] = TOKENS) -> list[Fp8Row]:
+    """The fp8 comparison on :func:`schedule_rows`' shapes. The input's cast to fp8
+    (:func:`tp_kernels.cost.quantize_s`) is counted where it runs: the fused all-gather casts the
+    rank's ``m`` rows before they travel, torchao's path the ``W*m`` gathered rows after the bf16
+    gather; a reduce-scatter's ``W*m`` local rows are cast in both. Left out, as the same in both
+    fp8 paths: the weights' casts and the row-parallel Linear's all-reduce of its input's row
+    amaxes (``K`` is sharded there: docs/DESIGN.md's fp8 section)."""
+    rows = []
+    for name, count, linear, op, m, k, widths in _forward_ops(tp, tokens):
+        n = sum(widths)
+        ns = widths if op == AG else None
+        bf16 = op_cost(op, m, k, n, tp, "bf16", device, ns=ns).backends_s
+        fp8 = op_cost(op, m, k, n, tp, "fp8", device, ns=ns)
+        wire = "bf16" if op == AG else None
+        torchao = op_cost(op, m, k, n, tp, "fp8", device, ns=ns, wire=wire).backends_s
+        cast_fused = quantize_s(m if op == AG else tp * m, k, device)
+        cast_torchao = quantize_s(tp * m, k, device)
+        bf16_best = min(FUSED, key=bf16.__getitem__)
+        fp8_best = min(FUSED, key=fp8.backends_s.__getitem__)
+        rows.append(
+            Fp8Row(name, count, linear, op, m, k, n, bf16[bf16_best], bf16_best,
+                   torchao["reference"] + cast_torchao,
+                   fp8.backends_s[fp8_best] + cast_fused, fp8_best,
+                   fp8.speed_of_light_s + cast_fused)
+        )  # fmt: skip
+    return rows
+
+
+def render_fp8(rows: Sequence[Fp8Row], device: DeviceSpec, tp: int) -> str:
+    """The fp8 comparison: per forward call, then per layer (the four forward fused ops)."""
+    out = [
+        f"cost model (MODELED, nothing measured): fp8 against bf16, the forward fused ops of "
+        f"Llama-3 TP={tp} on {device.name}; ms per call",
+        "  bf16 fused: the best fused bf16 schedule; fp8 torchao: PyTorch's styles with "
+        "Float8Linear, unfused (AG: bf16 gather,",
+        "  cast of the W*m rows, fp8 GEMM; RS: fp8 GEMM, bf16 reduce-scatter); fp8 fused: the "
+        "best fused fp8 schedule (AG: each",
+        "  rank's m rows cast, K + 16 bytes a row on the wire; RS: bf16 partials); vs: torchao's "
+        "or bf16's time / fp8 fused's",
+    ]
+    header = ("model", "tokens", "linear", "op", "m x K x N /rank", "bf16 fused", "backend",
+              "fp8 torchao", "fp8 fused", "backend", "fp8 SoL", "vs torchao",
+              "vs bf16")  # fmt: skip
+    cells = [
+        (r.model, str(r.tokens), r.linear, "AG+mm" if r.op == AG else "mm+RS",
+         f"{r.m}x{r.k}x{r.n}", _ms(r.bf16_fused_s), r.bf16_backend, _ms(r.torchao_s),
+         _ms(r.fp8_fused_s), r.fp8_backend, _ms(r.fp8_sol_s),
+         f"{r.torchao_s / r.fp8_fused_s:.2f}x", f"{r.bf16_fused_s / r.fp8_fused_s:.2f}x")
+        for r in rows
+    ]  # fmt: skip
+    out += ["", render_table(header, cells, left=5)]
+    layers: dict[tuple[str, int], list[Fp8Row]] = {}
+    for r in rows:
+        layers.setdefault((r.model, r.tokens), []).append(r)
+    header = ("model", "tokens", "bf16 fused", "fp8 torchao", "fp8 fused", "vs torchao",
+              "vs bf16")  # fmt: skip
+    cells = []
+    for (name, count), group in layers.items():
+        bf16, torchao, fp8 = (
+            sum(getattr(r, f) for r in group) for f in ("bf16_fused_s", "torchao_s", "fp8_fused_s")
+        )
+        cells.append((name, str(count), _ms(bf16), _ms(torchao), _ms(fp8),
+                      f"{torchao / fp8:.2f}x", f"{bf16 / fp8:.2f}x"))  # fmt: skip
+    out += ["", "per layer (forward: wq/wk/wv, wo, w1/w3, w2), ms:", render_table(header, cells)]
+    peak = device.peak_tflops
+    out += [
+        "",
+        f"device: {device.name}: dense fp8 {peak.get('fp8', 0):g} and bf16 {peak['bf16']:g} "
+        f"TFLOP/s, HBM {device.hbm_gb_s:g} GB/s, NVLink {device.link_gb_s:g} GB/s per "
+        f"direction: {device.source}",
+        f"fp8: {device.sources.get('fp8', 'assumed: as bf16')}; gemm_efficiency = "
+        f"{device.gemm_efficiency:g} for both dtypes; not modeled: the weights' casts and the "
+        "row-parallel Linears' all-reduce of row amaxes (the same in both fp8 paths), "
+        "attention's own math",
+        "models: " + ", ".join(cfg["source"] for cfg in MODELS.values()),
+    ]
     return "\n".join(out)
 
 
@@ -304,6 +420,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="tokens per step of the schedule table (default: 2048 8192)")  # fmt: skip
     p.add_argument("--batch", type=int, default=1, help="with --model")
     p.add_argument("--seq", type=int, default=8192, help="with --model")
+    p.add_argument("--fp8", action="store_true",
+                   help="print the fp8 comparison (fused fp8, torchao's unfused fp8, fused bf16) "
+                   "on the schedule table's shapes")  # fmt: skip
     p.add_argument("--param", type=_param, action="append", default=[], metavar="NAME=VALUE",
                    help="replace a figure of the device, repeatable")  # fmt: skip
     args = p.parse_args(argv)
@@ -312,8 +431,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"--tp, --batch, --seq, --tokens: got {args.tp}, {args.batch}, {args.seq}, "
             f"{args.tokens}; expected >= 1"
         )
+    if args.fp8 and args.model is not None:
+        p.error("--fp8 compares on the schedule table's shapes; leave out --model")
     device = with_params(DEVICES[args.gpu], args.param)
+    if args.fp8 and "fp8" not in device.peak_tflops:
+        p.error(f"--fp8: {device.name} has no fp8 tensor cores in the model")
     try:
+        if args.fp8:
+            print(render_fp8(fp8_rows(device, args.tp, args.tokens), device, args.tp))
+            return 0
         if args.model is None:
             print(render_schedules(schedule_rows(device, args.tp, args.tokens), device, args.tp))
             return 0

@@ -9,7 +9,9 @@ on CUDA; ``--consistency`` turns them on), per world size of ``--world-sizes``:
 * per backend, ``all_gather_matmul`` and ``matmul_reduce_scatter``, and their excess over the mm;
 * one ``ColwiseParallel(input_layouts=Shard(0))`` Linear, forward and forward + backward, and a
   Colwise(Shard(0)) -> Rowwise(output_layouts=Shard(0)) MLP step, forward + backward, with
-  PyTorch's styles and with tp_kernels' (per backend), and the ratio to PyTorch's.
+  PyTorch's styles and with tp_kernels' (per backend), and the ratio to PyTorch's; with
+  ``--fp8`` (torchao installed, ``--dim`` a multiple of 16 as fp8 GEMMs want), the same MLP step
+  with its Linears converted to Float8Linear (rowwise recipe).
 
 ``--hot-path`` instead lists what one eager ``ColwiseParallel(input_layouts=Shard(0))`` Linear
 forward runs of tp_kernels (its modules, then its functions, in first-call order) on ``symm``'s
@@ -23,6 +25,7 @@ table gives the median over ``--rounds`` rounds of the slowest rank, with p20 an
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import statistics
 import sys
@@ -54,9 +57,15 @@ def _loop(fn: Callable[[], object], calls: int) -> Callable[[], None]:
     return run
 
 
-def _mlp(styles, mesh, dim: int) -> nn.Module:
+def _mlp(styles, mesh, dim: int, *, recipe: str | None = None) -> nn.Module:
+    """The Colwise -> Rowwise MLP; ``recipe``: its Linears converted to torchao's Float8Linear
+    with that recipe first (tp_kernels' fused fp8 path)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim))
+    if recipe is not None:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe))
     plan = {
         "0": styles.ColwiseParallel(input_layouts=Shard(0)),
         "1": styles.RowwiseParallel(output_layouts=Shard(0)),
@@ -79,7 +88,7 @@ def _step(model: nn.Module, x: torch.Tensor) -> Callable[[], None]:
     return run
 
 
-def _providers(rows: int, dim: int, calls: int) -> dict[str, Callable[[], None]]:
+def _providers(rows: int, dim: int, calls: int, *, fp8: bool) -> dict[str, Callable[[], None]]:
     group = dist.group.WORLD
     world = group.size()
     mesh = init_device_mesh("cpu", (world,))
@@ -105,7 +114,15 @@ def _providers(rows: int, dim: int, calls: int) -> dict[str, Callable[[], None]]
         out[f"Linear fwd, tp_kernels {name}"] = _with_backend(name, lambda m=linear: m(x))
         out[f"Linear fwd+bwd, tp_kernels {name}"] = _with_backend(name, _step(linear, x))
         out[f"MLP fwd+bwd, tp_kernels {name}"] = _with_backend(name, _step(mlp, x))
+    if fp8:
+        out[f"{_FP8_MLP}, PyTorch"] = _step(_mlp(torch_tp, mesh, dim, recipe="rowwise"), x)
+        for name in BACKENDS:
+            mlp = _mlp(tpk, mesh, dim, recipe="rowwise")
+            out[f"{_FP8_MLP}, tp_kernels {name}"] = _with_backend(name, _step(mlp, x))
     return {name: _loop(fn, calls) for name, fn in out.items()}
+
+
+_FP8_MLP = "fp8 MLP fwd+bwd (rowwise Float8Linear)"
 
 
 def _with_backend(name: str, fn: Callable[[], object]) -> Callable[[], object]:
@@ -116,12 +133,15 @@ def _with_backend(name: str, fn: Callable[[], object]) -> Callable[[], object]:
     return run
 
 
-def measure(rows: int, dim: int, calls: int, rounds: int, consistency: bool) -> dict:
-    """On every rank: per provider, the per-call microseconds of each round (slowest rank)."""
+def measure(
+    rows: int, dim: int, calls: int, rounds: int, consistency: bool, fp8: bool = False
+) -> dict:
+    """On every rank: per provider, the per-call microseconds of each round (slowest rank);
+    ``fp8``: with the fp8 MLP step's providers."""
     torch.set_num_threads(1)
     config.CHECK_CONSISTENCY.set(consistency)
     try:
-        providers = _providers(rows, dim, calls)
+        providers = _providers(rows, dim, calls, fp8=fp8)
         times_ms = time_providers(
             providers, rounds=rounds, warmup=2, group=dist.group.WORLD, device=torch.device("cpu")
         )
@@ -212,6 +232,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=positive_int, default=15, help="samples (default 15)")
     p.add_argument("--consistency", action="store_true", help="agree on every call (CPU default)")
     p.add_argument(
+        "--fp8",
+        action="store_true",
+        help="also the MLP step with rowwise Float8Linears (needs torchao; ~5x slower per call)",
+    )
+    p.add_argument(
         "--hot-path",
         action="store_true",
         help="list the modules and functions one eager colwise Linear runs (symm, W=2), no timing",
@@ -220,7 +245,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.fp8 and args.dim % 16:
+        parser.error(f"--fp8: --dim is {args.dim}; fp8 GEMMs need a multiple of 16")
+    if args.fp8 and importlib.util.find_spec("torchao") is None:
+        parser.error("--fp8: torchao is not installed (pip install torchao)")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.hot_path:
         with LocalWorld(2, env={"TRITON_INTERPRET": "1"}, timeout_s=600) as world:
@@ -231,9 +261,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for world_size in args.world_sizes:
         world = LocalWorld(world_size)
         try:
-            us = world.run(measure, args.rows, args.dim, args.calls, args.rounds, args.consistency)[
-                0
-            ]
+            us = world.run(
+                measure, args.rows, args.dim, args.calls, args.rounds, args.consistency, args.fp8
+            )[0]
         finally:
             world.close()
         print(render(world_size, us), flush=True)

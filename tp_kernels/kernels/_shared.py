@@ -32,6 +32,8 @@ WAIT_CHUNK = tl.constexpr(signals.WAIT_CHUNK)
 WAIT_SLOT = tl.constexpr(signals.WAIT_SLOT)
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+# The operands of a scaled GEMM (fp8 with fp32 dequant scales; out in one of _TL_DTYPES).
+FP8_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def triton_unsupported_reason(version: str = triton.__version__) -> str | None:
@@ -70,6 +72,47 @@ def _fp32_matmul_uses_tf32() -> bool:
     if precision != "none":
         return precision == "tf32"
     return bool(matmul.allow_tf32)
+
+
+def check_scales(
+    a_scale: torch.Tensor | None,
+    b_scales: Sequence[torch.Tensor],
+    bs: Sequence[torch.Tensor],
+    rows: int,
+    *,
+    a_rows_packed: bool,
+) -> None:
+    """A scaled GEMM's operands: every ``bs[j]`` fp8 [K, N_j] with a fp32 ``b_scales[j]`` of
+    shape [] or [1, N_j] (any stride); ``a_scale`` fp32 [] or (unless A's rows are packed with
+    their scales) [rows, 1]. Cheap, and what a wrong scale would turn into a wrong address."""
+    if len(b_scales) != len(bs):
+        raise ValueError(f"b_scales: got {len(b_scales)}, expected one per b ({len(bs)})")
+    for j, (b, scale) in enumerate(zip(bs, b_scales, strict=True)):
+        if b.dtype not in FP8_DTYPES:
+            raise TypeError(f"bs[{j}]: a scaled GEMM takes fp8 operands, got {b.dtype}")
+        if scale.dtype != torch.float32 or tuple(scale.shape) not in ((), (1, b.shape[1])):
+            raise ValueError(
+                f"b_scales[{j}]: got {scale.dtype} of shape {tuple(scale.shape)}, expected "
+                f"float32 of shape () or (1, {b.shape[1]})"
+            )
+    if a_scale is None:
+        if not a_rows_packed:
+            raise ValueError("a_scale: required unless A's rows carry their scales")
+        return
+    shapes = ((),) if a_rows_packed else ((), (rows, 1))
+    if a_scale.dtype != torch.float32 or tuple(a_scale.shape) not in shapes:
+        raise ValueError(
+            f"a_scale: got {a_scale.dtype} of shape {tuple(a_scale.shape)}, expected float32 of "
+            f"shape {' or '.join(str(s) for s in shapes)}"
+        )
+
+
+def scale_stride(scale: torch.Tensor) -> int:
+    """The element stride between consecutive scales of a ``[]``, ``[rows, 1]`` or ``[1, N]``
+    scale (0 for one scale): what a kernel steps its scale pointer by."""
+    if scale.dim() == 0:
+        return 0
+    return scale.stride(0) if scale.shape[1] == 1 and scale.shape[0] != 1 else scale.stride(-1)
 
 
 def dot_precision(dtype: torch.dtype) -> str | None:
@@ -430,6 +473,21 @@ def _round_to(x, DTYPE: tl.constexpr, BF16_BY_HAND: tl.constexpr):
         return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         return x.to(DTYPE)
+
+
+@triton.jit
+def _scale_epilogue(acc, a_scale, A_ROWS: tl.constexpr, b_scale_ptr, cols64, col_ok, stride_bsn):
+    """A scaled GEMM's epilogue, in fp32: ``acc * a_scale[:, None] * b_scale[None, :]`` with
+    ``a_scale`` a ``[BLOCK_M]`` vector (``A_ROWS``) or a scalar, and ``b_scale[n] =
+    b_scale_ptr[cols64[n] * stride_bsn]`` (stride 0: one scale). The caller then rounds once to
+    the output dtype; ``torch._scaled_mm`` without fast accumulation may round twice (see
+    :mod:`tp_kernels.backends.scaled`), so the two agree within a rounding, not bit for bit."""
+    b_scale = tl.load(b_scale_ptr + cols64 * stride_bsn, mask=col_ok, other=0.0)
+    if A_ROWS:
+        acc = acc * a_scale[:, None]
+    else:
+        acc = acc * a_scale
+    return acc * b_scale[None, :]
 
 
 @triton.jit

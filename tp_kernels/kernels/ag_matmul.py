@@ -23,11 +23,17 @@ One launch takes up to three right-hand matrices (QKV's, w1/w3's), each shard's 
 one of them before the next shard's, so all their math overlaps the copies; a call with more runs
 further launches after the first on the same stream, which read the complete ``A`` without
 waiting.
+
+Scaled (fp8) calls run the same kernel with ``SCALE`` set: ``A`` is then the gathered bytes as
+the copier moved them (packed rows ``[W*m, K + 16]``, each row's fp8 data and its fp32 scale at
+byte ``K``, or fp8 bytes ``[W*m, K]`` with one tensor-wise scale), under the same progress
+words; ``C_j = (A_data @ B_j) * a_scale[:, None] * b_scale_j[None, :]``, the scales applied to
+the fp32 accumulator, rounded once to C's dtype (:func:`ag_matmul_consumer`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import triton
@@ -36,6 +42,7 @@ import triton.language as tl
 from tp_kernels import signals
 from tp_kernels.kernels._shared import (
     DEFAULT_TIMEOUT_S,
+    FP8_DTYPES,
     GROUP_M,
     INTERPRET,
     RAISED,
@@ -45,10 +52,12 @@ from tp_kernels.kernels._shared import (
     _note_first_touch,
     _range_arg,
     _round_to,
+    _scale_epilogue,
     _tile_coords,
     _tile_span,
     _wait_signal,
     check_ptr_table,
+    check_scales,
     check_status,
     check_world,
     dot_precision,
@@ -56,6 +65,7 @@ from tp_kernels.kernels._shared import (
     new_trace,
     on_device,
     persistent_programs,
+    scale_stride,
     set_block_shape,
     store_order,
     timeout_ns,
@@ -64,7 +74,7 @@ from tp_kernels.kernels._shared import (
     tma_operand,
     tma_supported,
 )
-from tp_kernels.tiling import MAX_BS_PER_LAUNCH
+from tp_kernels.tiling import MAX_BS_PER_LAUNCH, ROW_SCALE_BYTES
 
 
 @triton.jit(do_not_specialize=["rank", "channel", "status_addr", "timeout_ns"])
@@ -103,13 +113,16 @@ def _set_block_shapes(nargs: dict) -> None:
 
 @triton.jit
 def _consumer_tile(
-    a, a_ptr, b, c_ptr, src, m_tile, col_tile, tiles_per_shard, m, K, N, stride_bk, stride_bn,
-    DTYPE: tl.constexpr, A_LAYOUT: tl.constexpr, B_LAYOUT: tl.constexpr,
+    a, a_ptr, b, c_ptr, src, m_tile, col_tile, tiles_per_shard, m, K, N, stride_am, stride_bk,
+    stride_bn, a_scale_ptr, b_scale_ptr, stride_bsn,
+    DTYPE: tl.constexpr, A_LAYOUT: tl.constexpr, B_LAYOUT: tl.constexpr, SCALE: tl.constexpr,
     BF16_BY_HAND: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """One output tile ``C[src*m + rows, cols] = A[src*m + rows, :] @ B[:, cols]`` (fp32
-    accumulation), ``(rows, cols)`` tile ``(m_tile, col_tile)`` of an ``N``-wide ``C``."""
+    accumulation), ``(rows, cols)`` tile ``(m_tile, col_tile)`` of an ``N``-wide ``C``; scaled
+    (``SCALE != "none"``), ``acc * a_scale[rows, None] * b_scale[None, cols]`` before the one
+    rounding to ``DTYPE`` (see :func:`~._shared._scale_epilogue`)."""
     row0, rows64, cols64, row_ok, col_ok = _tile_span(
         m_tile, col_tile, tiles_per_shard, m, N, BLOCK_M, BLOCK_N
     )
@@ -121,19 +134,27 @@ def _consumer_tile(
             a_blk = a.load([src * m + row0, k0])
         else:
             ks = k0 + tl.arange(0, BLOCK_K)
-            a_offsets = (src * m + rows64)[:, None] * K + ks[None, :]
+            a_offsets = (src * m + rows64)[:, None] * stride_am + ks[None, :]
             a_blk = tl.load(a_ptr + a_offsets, mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
         acc = _accumulate(
             acc, a_blk, b, k0, col_tile * BLOCK_N, K, N, stride_bk, stride_bn, B_LAYOUT,
             BLOCK_K, BLOCK_N, BF16_BY_HAND, INPUT_PRECISION,
         )  # fmt: skip
+    if SCALE != "none":
+        if SCALE == "row":
+            # A packed row: K fp8 bytes, then its fp32 scale at byte K (16-byte aligned rows).
+            row_bytes = a_ptr.to(tl.pointer_type(tl.uint8)) + (src * m + rows64) * stride_am + K
+            a_scale = tl.load(row_bytes.to(tl.pointer_type(tl.float32)), mask=row_ok, other=0.0)
+        else:
+            a_scale = tl.load(a_scale_ptr)
+        acc = _scale_epilogue(acc, a_scale, SCALE == "row", b_scale_ptr, cols64, col_ok, stride_bsn)
     c_tile = c_ptr + (src * m + rows64)[:, None] * N + cols64[None, :]
     tl.store(c_tile, _round_to(acc, DTYPE, BF16_BY_HAND), mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.autotune(
     configs=gemm_configs(pre_hook=_set_block_shapes),
-    key=["m", "K", "N0", "N1", "N2", "DTYPE", "WAIT", "A_LAYOUT", "B_LAYOUT", "NUM_B"],
+    key=["m", "K", "N0", "N1", "N2", "DTYPE", "WAIT", "A_LAYOUT", "B_LAYOUT", "NUM_B", "SCALE"],
 )
 @triton.jit(do_not_specialize=["rank", "status_addr", "timeout_ns"])
 def _ag_matmul_kernel(
@@ -145,6 +166,10 @@ def _ag_matmul_kernel(
     c1,
     c2,
     a_ptr,
+    a_scale_ptr,
+    b0_scale,
+    b1_scale,
+    b2_scale,
     progress_addr,
     trace_ptr,
     status_addr,
@@ -155,12 +180,16 @@ def _ag_matmul_kernel(
     N0,
     N1,
     N2,
+    stride_am,
     stride_b0k,
     stride_b0n,
     stride_b1k,
     stride_b1n,
     stride_b2k,
     stride_b2n,
+    stride_b0s,
+    stride_b1s,
+    stride_b2s,
     chunk_rows,
     chunks,
     timeout_ns,
@@ -169,6 +198,7 @@ def _ag_matmul_kernel(
     A_LAYOUT: tl.constexpr,
     B_LAYOUT: tl.constexpr,
     NUM_B: tl.constexpr,
+    SCALE: tl.constexpr,
     TRACE: tl.constexpr,
     BF16_BY_HAND: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
@@ -177,10 +207,17 @@ def _ag_matmul_kernel(
     BLOCK_K: tl.constexpr,
 ):
     """Output tiles of ``NUM_B`` (1 to 3) products: ``C_j[s*m + i, n] = sum_k A[s*m + i, k] *
-    B_j[k, n]`` (fp32 accumulation) for ``j < NUM_B``.
+    B_j[k, n]`` (fp32 accumulation) for ``j < NUM_B``, rounded once to ``DTYPE`` (C's dtype).
 
-    ``A`` [W*m, K] is the local gathered A, row-major: ``a`` is a descriptor over it when
-    ``A_LAYOUT == "rc"``, else ``a_ptr`` is read through pointers (``a`` is then ``a_ptr``);
+    ``A`` [W*m, K] is the local gathered A, rows ``stride_am`` elements apart (unit column
+    stride): ``a`` is a descriptor over it when ``A_LAYOUT == "rc"``, else ``a_ptr`` is read
+    through pointers (``a`` is then ``a_ptr``); ``a_ptr`` always points at it. ``SCALE``:
+    ``"none"``, or fp8 operands (A and the B_j e4m3 or e5m2) whose fp32 dequant scales multiply
+    the accumulator before the rounding, ``C_j = (acc * a_scale[:, None]) * b_scale_j[None, :]``:
+    ``"row"``, A's rows are packed (``stride_am = K + 16`` bytes, row ``i``'s scale the fp32 at
+    byte ``K`` of the row: :func:`tp_kernels.backends.scaled.pack_rows`); ``"tensor"``, A is plain
+    fp8 and its one scale is ``*a_scale_ptr``. ``bj_scale[n * stride_bjs]`` is B_j's scale of
+    column ``n`` (stride 0: one scale);
     ``b_j`` is B_j [K, N_j] as :func:`_load_block` reads it with ``B_LAYOUT`` (strides
     ``stride_bjk``, ``stride_bjn`` for ``"pointer"``); C_j [W*m, N_j] is row-major (``c_j``).
     Tiles go shard by shard, rank ``s = (rank + step) % W`` at step ``step``, so the first tiles
@@ -229,23 +266,25 @@ def _ag_matmul_kernel(
         # operand has its own (inlined) tile loop, pruned by NUM_B.
         if j == 0:
             _consumer_tile(
-                a, a_ptr, b0, c0, src, m_tile, col_tile, tiles_per_shard, m, K, N0, stride_b0k,
-                stride_b0n, DTYPE, A_LAYOUT, B_LAYOUT, BF16_BY_HAND, INPUT_PRECISION, BLOCK_M,
-                BLOCK_N, BLOCK_K,
+                a, a_ptr, b0, c0, src, m_tile, col_tile, tiles_per_shard, m, K, N0, stride_am,
+                stride_b0k, stride_b0n, a_scale_ptr, b0_scale, stride_b0s, DTYPE, A_LAYOUT,
+                B_LAYOUT, SCALE, BF16_BY_HAND, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
             )  # fmt: skip
         if NUM_B >= 2:
             if j == 1:
                 _consumer_tile(
                     a, a_ptr, b1, c1, src, m_tile, col_tile, tiles_per_shard, m, K, N1,
-                    stride_b1k, stride_b1n, DTYPE, A_LAYOUT, B_LAYOUT, BF16_BY_HAND,
-                    INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+                    stride_am, stride_b1k, stride_b1n, a_scale_ptr, b1_scale, stride_b1s,
+                    DTYPE, A_LAYOUT, B_LAYOUT, SCALE, BF16_BY_HAND, INPUT_PRECISION, BLOCK_M,
+                    BLOCK_N, BLOCK_K,
                 )  # fmt: skip
         if NUM_B >= 3:
             if j == 2:
                 _consumer_tile(
                     a, a_ptr, b2, c2, src, m_tile, col_tile, tiles_per_shard, m, K, N2,
-                    stride_b2k, stride_b2n, DTYPE, A_LAYOUT, B_LAYOUT, BF16_BY_HAND,
-                    INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+                    stride_am, stride_b2k, stride_b2n, a_scale_ptr, b2_scale, stride_b2s,
+                    DTYPE, A_LAYOUT, B_LAYOUT, SCALE, BF16_BY_HAND, INPUT_PRECISION, BLOCK_M,
+                    BLOCK_N, BLOCK_K,
                 )  # fmt: skip
         tile += tl.num_programs(0)
 
@@ -341,6 +380,40 @@ def check_progress(
         )
 
 
+def _scaled_operands(
+    a: torch.Tensor,
+    bs: Sequence[torch.Tensor],
+    a_dtype: torch.dtype | None,
+    a_scale: torch.Tensor | None,
+    b_scales: Sequence[torch.Tensor] | None,
+) -> tuple[torch.Tensor, int, str, Callable[[list[int]], tuple]]:
+    """``(A's data as the kernel reads it, K, SCALE, scale_args)`` of :func:`ag_matmul_consumer`'s
+    operands; ``scale_args(group)`` gives a launch's ``(a_scale, [b_j scales], [their strides])``
+    (unread tensors where unscaled)."""
+    if b_scales is None:
+        if a_dtype is not None or a_scale is not None:
+            raise ValueError("a_dtype and a_scale: only with b_scales (a scaled call)")
+        return a, a.shape[1], "none", lambda group: (a, [a] * len(group), [0] * len(group))
+    if a_dtype not in FP8_DTYPES:
+        raise TypeError(f"a_dtype: got {a_dtype}, expected one of {list(FP8_DTYPES)}")
+    K = bs[0].shape[0]
+    row_bytes = K + ROW_SCALE_BYTES if a_scale is None else K
+    if a.dtype != torch.uint8 or a.dim() != 2 or a.shape[1] != row_bytes or not a.is_contiguous():
+        what = "packed rows" if a_scale is None else "fp8 bytes"
+        raise ValueError(
+            f"a: got {a.dtype} of shape {tuple(a.shape)}, expected contiguous uint8 {what} of "
+            f"{row_bytes} bytes per row (K = {K})"
+        )
+    check_scales(a_scale, b_scales, bs, a.shape[0], a_rows_packed=True)
+    data = a[:, :K].view(a_dtype)  # rows a.stride(0) bytes apart: K + 16 when packed
+    a_arg = data if a_scale is None else a_scale
+
+    def scale_args(group: list[int]) -> tuple:
+        return a_arg, [b_scales[j] for j in group], [scale_stride(b_scales[j]) for j in group]
+
+    return data, K, "row" if a_scale is None else "tensor", scale_args
+
+
 def ag_matmul_consumer(
     a: torch.Tensor,
     bs: Sequence[torch.Tensor],
@@ -353,6 +426,9 @@ def ag_matmul_consumer(
     world_size: int,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     order_out: torch.Tensor | None = None,
+    a_dtype: torch.dtype | None = None,
+    a_scale: torch.Tensor | None = None,
+    b_scales: Sequence[torch.Tensor] | None = None,
 ) -> None:
     """``outs[j] = A @ bs[j]`` for every j while a copier fills ``A``: one launch for up to
     :data:`MAX_BS_PER_LAUNCH` consecutive ``bs`` of one layout (QKV's, w1/w3's: one launch), so
@@ -368,6 +444,15 @@ def ag_matmul_consumer(
     [W*m, N_j], contiguous; all share one dtype (fp32, fp16 or bf16) and device. Nothing here
     synchronizes with the device.
 
+    Scaled (fp8, ``b_scales`` given): ``outs[j] = (A_data * a_scale) @ (bs[j] * b_scales[j])``,
+    accumulated in fp32 and rounded once to ``outs[j]``'s dtype (fp32, fp16 or bf16), where
+    ``a`` holds the gathered bytes (uint8, moved by the copier as they are): either packed rows
+    ``[W*m, K + 16]`` (``a_scale`` None: row ``i``'s ``K`` fp8 bytes, then its fp32 scale at byte
+    ``K``, :func:`tp_kernels.backends.scaled.pack_rows`) or ``[W*m, K]`` of fp8 bytes with one
+    fp32 ``a_scale`` ``[]``; the fp8 dtype of those bytes is ``a_dtype`` (e4m3 or e5m2);
+    ``bs[j]`` are fp8 [K, N_j] (any strides) with ``b_scales[j]`` fp32 ``[]`` or ``[1, N_j]``.
+    The progress words and chunks are the same as unscaled: a chunk carries its rows' scales.
+
     Args:
         progress: int32 (uint32 on CUDA, as stream writes take it), at least ``W * chunks``
             words on the device, zero before the call (the start barrier clears them).
@@ -380,19 +465,23 @@ def ag_matmul_consumer(
             touched them (a trace for tests and debugging; adds one atomic per tile).
     """
     check_world(rank, world_size)
-    dtype, device = a.dtype, a.device
-    m, K = a.shape[0] // world_size, a.shape[1]
+    device = a.device
+    m = a.shape[0] // world_size
+    a_data, K, scale, scale_args = _scaled_operands(a, bs, a_dtype, a_scale, b_scales)
+    dtype = a_data.dtype
+    # Unscaled, A, the bs and the outs share one dtype; scaled, the outs' is the products'.
+    out_dtype = outs[0].dtype if scale != "none" else dtype
     if not isinstance(chunk_rows, int) or chunk_rows < 1:
         raise ValueError(f"chunk_rows: got {chunk_rows!r}, expected a positive int")
     chunks = triton.cdiv(m, chunk_rows)
     check_progress(progress, world_size * chunks, device)
     check_status(status, world_size)
     trace = new_trace(order_out, world_size, device)
-    DTYPE = tl_dtype(dtype, argument="a")
+    DTYPE = tl_dtype(out_dtype, argument="outs[0]" if scale != "none" else "a")
     wait_ns = timeout_ns(timeout_s)
     tma = tma_supported(device, dtype)
-    a_layout = tma_layout(a) if tma else "pointer"
-    a_arg = tma_operand(a, a_layout)
+    a_layout = tma_layout(a_data) if tma else "pointer"
+    a_arg = tma_operand(a_data, a_layout)
     programs = persistent_programs(device)
     layouts = [tma_layout(b) if tma else "pointer" for b in bs]
     with on_device(device):
@@ -402,6 +491,7 @@ def ag_matmul_consumer(
             unused = MAX_BS_PER_LAUNCH - len(group)
             b_args = [tma_operand(b, layouts[group[0]]) for b in group_bs]
             strides = [stride for b in group_bs for stride in (b.stride(0), b.stride(1))]
+            a_scale_arg, b_scale_args, scale_strides = scale_args(group)
 
             def grid(meta: dict, ns: tuple[int, ...] = tuple(ns)) -> tuple[int]:
                 col_tiles = sum(triton.cdiv(n, meta["BLOCK_N"]) for n in ns)
@@ -414,7 +504,10 @@ def ag_matmul_consumer(
                 *b_args[:1] * unused,  # unused operands: never read (NUM_B)
                 *[outs[j] for j in group],
                 *[outs[group[0]]] * unused,
-                a,
+                a_data,
+                a_scale_arg,
+                *b_scale_args,
+                *b_scale_args[:1] * unused,
                 progress.data_ptr(),
                 trace if wait and trace is not None else progress,
                 status.data_ptr(),
@@ -424,8 +517,11 @@ def ag_matmul_consumer(
                 K,
                 *ns,
                 *[0] * unused,
+                a_data.stride(0),
                 *strides,
                 *[0, 0] * unused,
+                *scale_strides,
+                *[0] * unused,
                 chunk_rows,
                 chunks,
                 wait_ns,
@@ -434,8 +530,9 @@ def ag_matmul_consumer(
                 A_LAYOUT=a_layout,
                 B_LAYOUT=layouts[group[0]],
                 NUM_B=len(group),
+                SCALE=scale,
                 TRACE=wait and trace is not None,
-                BF16_BY_HAND=INTERPRET and dtype == torch.bfloat16,
+                BF16_BY_HAND=INTERPRET and out_dtype == torch.bfloat16,
                 INPUT_PRECISION=dot_precision(dtype),
             )
     store_order(trace, order_out, world_size)

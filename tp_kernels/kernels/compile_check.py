@@ -16,6 +16,11 @@ configs. Each PTX file is written to ``--out`` and checked:
 * every GEMM with 16-bit operands uses ``wgmma`` on sm_90 (warpgroup MMA), ``mma.sync`` below,
   and on sm_100 (B200) ``tcgen05.mma``, whose accumulator lives in tensor memory: allocated with
   ``tcgen05.alloc`` and read back with ``tcgen05.ld``;
+* every scaled (fp8) GEMM, compiled for sm_90 and sm_100 (e4m3 operands, row-wise and
+  tensor-wise scales, bf16 out; fp8 ``tl.dot`` needs sm_89, so none for sm_80), uses
+  ``wgmma`` on e4m3 operands on sm_90 (``.f32.e4m3.e4m3``; an e5m2 A: ``.e5m2.e4m3``) and
+  ``tcgen05.mma`` of ``kind::f8f6f4`` on sm_100 (whose operand types live in the instruction
+  descriptor, a register, not in the text), with the tensor-memory facts above;
 * every GEMM feeds its main loop with asynchronous copies (``cp.async`` or TMA's
   ``cp.async.bulk.tensor``): without them its loads are not pipelined behind the math;
 * a GEMM that takes an operand as a tensor descriptor (sm_90 and sm_100) copies it with TMA
@@ -82,6 +87,32 @@ GEMM16_PATTERNS = {
         (r"tcgen05\.mma\.\S*kind::f16", "tcgen05.mma (sm_100 MMA, 16-bit inputs) in the GEMM"),
         (r"tcgen05\.alloc\.", "a tensor memory allocation (tcgen05.alloc) for the accumulator"),
         (r"tcgen05\.ld\.", "the accumulator's load from tensor memory (tcgen05.ld)"),
+    ),
+}
+
+# The fp8 GEMMs' MMAs, as Triton emits them for e4m3 operands (read in the PTX of 3.6.0, 3.7.1
+# and 3.8.0): on sm_90 wgmma names both operand types in the instruction; on sm_100 tcgen05.mma
+# runs the fp8/fp6/fp4 kind and carries the operand types in its instruction descriptor (a
+# register operand, not text), with the accumulator in tensor memory as for 16 bits.
+GEMM8_PATTERNS = {
+    90: (
+        (
+            r"wgmma\.mma_async\S*\.f32\.e4m3\.e4m3",
+            "wgmma (sm_90 warpgroup MMA) with e4m3 operands and an fp32 accumulator",
+        ),
+    ),
+    100: (
+        (r"tcgen05\.mma\S*kind::f8f6f4", "tcgen05.mma (sm_100 MMA) of kind f8f6f4 (fp8 inputs)"),
+        *GEMM16_PATTERNS[100][1:],
+    ),
+}
+# e5m2 A (a gradient) against e4m3 B (a weight): one wgmma of mixed operand types.
+GEMM8_MIXED_PATTERNS = {
+    90: (
+        (
+            r"wgmma\.mma_async\S*\.f32\.e5m2\.e4m3",
+            "wgmma (sm_90 warpgroup MMA) with e5m2 A and e4m3 B",
+        ),
     ),
 }
 
@@ -199,12 +230,24 @@ def variants(arch: int) -> list[Variant]:
         # As _shared.tma_supported decides: fp32 without TF32 reads through pointers.
         return layout if tma and precision != "ieee" else "pointer"
 
-    def gemm_constants(tl_type, precision, a_layout, b_layout, **more):
+    def gemm_constants(tl_type, precision, a_layout, b_layout, scale="none", **more):
         # The constexprs of both GEMM kernels as a GPU launch sets them: no trace, bf16 by the MMA.
         return {
-            "DTYPE": tl_type, "A_LAYOUT": a_layout, "B_LAYOUT": b_layout, "TRACE": False,
-            "BF16_BY_HAND": False, "INPUT_PRECISION": precision, **more,
+            "DTYPE": tl_type, "A_LAYOUT": a_layout, "B_LAYOUT": b_layout, "SCALE": scale,
+            "TRACE": False, "BF16_BY_HAND": False, "INPUT_PRECISION": precision, **more,
         }  # fmt: skip
+
+    def scale_args(scale, a_elem, scale_strides):
+        # The scales' arguments: unread pointers and strides when unscaled (the launchers pass
+        # an operand and 0); a row-wise scale steps by 1 (specialized to the constant 1, as at
+        # run time), a tensor-wise one by 0; the all-gather's row-wise scales are in A's packed
+        # rows, so its a_scale_ptr is A again.
+        types = dict.fromkeys(scale_strides, i32)
+        constants = {}
+        if scale == "row":
+            types, constants = {}, dict.fromkeys(scale_strides, 1)
+        a_scale = f"*{a_elem}" if scale in ("none", "row") else "*fp32"
+        return a_scale, types, constants
 
     def gemm_patterns(own, mma, a_layout, b_layout):
         # What a GEMM's PTX must hold: its own protocol's, pipelined loads, the MMA, and TMA
@@ -212,7 +255,13 @@ def variants(arch: int) -> list[Variant]:
         tma_loads = TMA_PATTERNS if {a_layout, b_layout} != {"pointer"} else ()
         return own + ASYNC_COPY_PATTERNS + mma + tma_loads
 
-    def ag_variant(tag, elem, tl_type, precision, mma, config, b_name, wait, num_b=1):
+    def ag_variant(
+        tag, elem, tl_type, precision, mma, config, b_name, wait, num_b=1, scale="none",
+        out=None, a_elem=None,
+    ):  # fmt: skip
+        # Scaled: ``elem`` is B's fp8 type, ``a_elem`` A's, ``out`` (elem, tl type) C's.
+        out_elem, out_type = out or (elem, tl_type)
+        a_elem = a_elem or elem
         b_layout, unit, other, other_aligned = _B_LAYOUTS[b_name]
         b_layout = layout_of(b_layout, precision)
         # A is the local gathered A, [W*m, K] row-major: TMA (but for fp32 without TF32). Rows
@@ -224,15 +273,22 @@ def variants(arch: int) -> list[Variant]:
         # Every right-hand matrix of a launch (up to 3: QKV) as the first: its own strides.
         units = [unit.replace("stride_b", f"stride_b{j}") for j in range(3)]
         others = [other.replace("stride_b", f"stride_b{j}") for j in range(3)]
+        a_scale, scale_types, scale_constants = scale_args(
+            scale, a_elem, [f"stride_b{j}s" for j in range(3)]
+        )
         types = {
-            "a": _operand_type(a_layout, elem, kw["BLOCK_M"], kw["BLOCK_K"]),
-            "a_ptr": f"*{elem}", "progress_addr": "i64", "trace_ptr": "*i32",
-            "status_addr": "i64", "rank": i32, "world_size": i32, "m": i32, "K": i32,
-            "chunk_rows": i32, "chunks": i32, "timeout_ns": "i64",
+            "a": _operand_type(a_layout, a_elem, kw["BLOCK_M"], kw["BLOCK_K"]),
+            "a_ptr": f"*{a_elem}", "a_scale_ptr": a_scale, "progress_addr": "i64",
+            "trace_ptr": "*i32", "status_addr": "i64", "rank": i32, "world_size": i32, "m": i32,
+            "K": i32, "stride_am": i32, "chunk_rows": i32, "chunks": i32, "timeout_ns": "i64",
+            **scale_types,
         }  # fmt: skip
         for j in range(3):
-            types |= {f"b{j}": b_type, f"c{j}": f"*{elem}", f"N{j}": i32, others[j]: i32}
-        aligned = ["a_ptr", "trace_ptr", "m", "K", "chunk_rows"]
+            types |= {f"b{j}": b_type, f"c{j}": f"*{out_elem}", f"N{j}": i32, others[j]: i32}
+            # Unscaled, the launcher passes A (a tensor) as the unread scales.
+            types[f"b{j}_scale"] = "*fp32" if scale != "none" else f"*{a_elem}"
+        aligned = ["a_ptr", "trace_ptr", "m", "K", "stride_am", "chunk_rows"]
+        aligned += ["a_scale_ptr"] + [f"b{j}_scale" for j in range(3)] * (scale != "none")
         aligned += [f"{name}{j}" for name in ("c", "N") for j in range(3)]
         aligned += others * other_aligned
         aligned += [f"b{j}" for j in range(3) if b_layout == "pointer"]
@@ -249,11 +305,13 @@ def variants(arch: int) -> list[Variant]:
             ag_matmul._ag_matmul_kernel.fn,
             types,
             gemm_constants(
-                tl_type,
+                out_type,
                 precision,
                 a_layout,
                 b_layout,
+                scale,
                 **dict.fromkeys(units, 1),
+                **scale_constants,
                 WAIT=wait,
                 NUM_B=num_b,
                 **kw,
@@ -264,19 +322,29 @@ def variants(arch: int) -> list[Variant]:
             num_stages=config.num_stages,
         )
 
-    def rs_variant(tag, elem, tl_type, precision, mma, config, a_layout, b_name):
+    def rs_variant(
+        tag, elem, tl_type, precision, mma, config, a_layout, b_name, scale="none", out=None
+    ):
+        # Scaled: ``elem`` is the operands' fp8 type, ``out`` (elem, tl type) the blocks'.
+        out_elem, out_type = out or (elem, tl_type)
         b_layout, unit, other, other_aligned = _B_LAYOUTS[b_name]
         a_layout, b_layout = layout_of(a_layout, precision), layout_of(b_layout, precision)
         blocks = {k: config[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
+        a_scale, scale_types, scale_constants = scale_args(scale, elem, ["stride_as", "stride_bs"])
+        a_type = _operand_type(a_layout, elem, blocks["BLOCK_M"], blocks["BLOCK_K"])
+        b_type = _operand_type(b_layout, elem, blocks["BLOCK_K"], blocks["BLOCK_N"])
         types = {
-            "a": _operand_type(a_layout, elem, blocks["BLOCK_M"], blocks["BLOCK_K"]),
-            "b": _operand_type(b_layout, elem, blocks["BLOCK_K"], blocks["BLOCK_N"]),
-            "staging": f"*{elem}", "own_slots": f"*{elem}", "progress": "*i32",
-            "signal_ptrs": "*i64", "counter_ptr": "*i32",
-            "trace_ptr": "*i32", "rank": i32, "world_size": i32, "m": i32, "N": i32, "K": i32,
-            "stride_am": i32, other: i32, "channel": i32,
+            "a": a_type, "b": b_type,
+            "staging": f"*{out_elem}", "own_slots": f"*{out_elem}", "progress": "*i32",
+            "signal_ptrs": "*i64", "counter_ptr": "*i32", "trace_ptr": "*i32",
+            # Unscaled, the launcher passes a and b (tensors) as the unread scales.
+            "a_scale_ptr": "*fp32" if scale != "none" else f"*{elem}",
+            "b_scale_ptr": "*fp32" if scale != "none" else f"*{elem}",
+            "rank": i32, "world_size": i32, "m": i32, "N": i32, "K": i32,
+            "stride_am": i32, other: i32, "channel": i32, **scale_types,
         }  # fmt: skip
         aligned = ["staging", "own_slots", "progress", "signal_ptrs", "counter_ptr", "m", "N", "K"]
+        aligned += ["a_scale_ptr", "b_scale_ptr"] * (scale != "none")
         aligned += ["stride_am"]
         aligned += [other] * other_aligned
         aligned += [arg for arg, lay in (("a", a_layout), ("b", b_layout)) if lay == "pointer"]
@@ -287,8 +355,16 @@ def variants(arch: int) -> list[Variant]:
             matmul_rs._matmul_rs_kernel,
             types,
             gemm_constants(
-                tl_type, precision, a_layout, b_layout, stride_ak=1, **{unit: 1}, **blocks
-            ),
+                out_type,
+                precision,
+                a_layout,
+                b_layout,
+                scale,
+                stride_ak=1,
+                **{unit: 1},
+                **scale_constants,
+                **blocks,
+            ),  # fmt: skip
             tuple(aligned),
             required,
             num_warps=config["num_warps"],
@@ -346,6 +422,35 @@ def variants(arch: int) -> list[Variant]:
                     num_warps=config.num_warps,
                 )
             )
+    if arch in GEMM8_PATTERNS:
+        found += fp8_variants(arch, ag_variant, rs_variant)
+    return found
+
+
+def fp8_variants(arch: int, ag_variant, rs_variant) -> list[Variant]:
+    """The scaled (fp8) GEMMs on ``arch`` (sm_90, sm_100; ``tl.dot`` of fp8 needs sm_89, so
+    sm_80 has none): e4m3 operands in the common layout (B=nk: a Linear's weight, K-major as the
+    fp8 MMAs want both operands), bf16 out, the all-gather consumer's first launch reading packed
+    rows (row-wise scales) or fp8 bytes (a tensor-wise scale), the reduce-scatter producer with
+    row-wise and tensor-wise scales; one config each (the scales change only the epilogue), and
+    a row-wise consumer with e5m2 A (the gradient's type) against e4m3 B on sm_90."""
+    import triton.language as tl
+
+    from tp_kernels.kernels import ag_matmul, matmul_rs
+
+    mma = GEMM8_PATTERNS[arch]
+    e4m3, bf16 = ("fp8e4nv", tl.float8e4nv), ("bf16", tl.bfloat16)
+    config = ag_matmul._ag_matmul_kernel.configs[0]
+    producer = matmul_rs._producer_config(128, 256, None)
+    found = []
+    for scale in ("row", "tensor"):
+        tag = f"fp8e4m3-{scale}"
+        args = (tag, e4m3[0], e4m3[1], None, mma)
+        found.append(ag_variant(*args, config, "B=nk", True, scale=scale, out=bf16))
+        found.append(rs_variant(*args, producer, "rc", "B=nk", scale=scale, out=bf16))
+    if arch == 90:
+        args = ("fp8e5m2xe4m3-row", e4m3[0], e4m3[1], None, GEMM8_MIXED_PATTERNS[arch])
+        found.append(ag_variant(*args, config, "B=nk", True, scale="row", out=bf16, a_elem="fp8e5"))
     return found
 
 

@@ -16,7 +16,9 @@ also orders this call's pushes after every peer's reduction of the previous call
 
 The partials cross the link in the operands' dtype (a bf16 GEMM sends bf16 partials), rounded
 once from the fp32 accumulator: fp32 partials would double the bytes on the link, which is what
-this op is bound by whenever it is worth fusing. The sum then runs in fp32, so the result is
+this op is bound by whenever it is worth fusing. A scaled (fp8) GEMM sends them in its output
+dtype, the scales applied to the accumulator before that one rounding (``acc * a_scale[row] *
+b_scale[col]``, :func:`matmul_rs_producer`). The sum then runs in fp32, so the result is
 rounded W + 1 times in all, fewer than a ring reduce-scatter in bf16 (NCCL's, and so PyTorch's),
 which rounds after every hop; the tests hold the result to twice the error of that reference.
 
@@ -36,6 +38,7 @@ import triton.language as tl
 from tp_kernels import tiling
 from tp_kernels.kernels._shared import (
     DEFAULT_TIMEOUT_S,
+    FP8_DTYPES,
     GROUP_M,
     INTERPRET,
     RAISED,
@@ -45,10 +48,12 @@ from tp_kernels.kernels._shared import (
     _note_first_touch,
     _range_arg,
     _round_to,
+    _scale_epilogue,
     _tile_coords,
     _tile_span,
     _wait_signal,
     check_ptr_table,
+    check_scales,
     check_status,
     check_tensor,
     check_world,
@@ -56,6 +61,7 @@ from tp_kernels.kernels._shared import (
     new_trace,
     on_device,
     persistent_programs,
+    scale_stride,
     set_block_shape,
     store_order,
     timeout_ns,
@@ -101,6 +107,8 @@ def _matmul_rs_kernel(
     signal_ptrs,
     counter_ptr,
     trace_ptr,
+    a_scale_ptr,
+    b_scale_ptr,
     rank,
     world_size,
     m,
@@ -110,10 +118,13 @@ def _matmul_rs_kernel(
     stride_ak,
     stride_bk,
     stride_bn,
+    stride_as,
+    stride_bs,
     channel,
     DTYPE: tl.constexpr,
     A_LAYOUT: tl.constexpr,
     B_LAYOUT: tl.constexpr,
+    SCALE: tl.constexpr,
     TRACE: tl.constexpr,
     BF16_BY_HAND: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
@@ -121,9 +132,14 @@ def _matmul_rs_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """Tiles of ``P = A @ B`` (fp32 accumulation), each for a destination ``d``, stored locally:
+    """Tiles of ``P = A @ B`` (fp32 accumulation, rounded once to ``DTYPE``, the blocks' dtype),
+    each for a destination ``d``, stored locally:
 
-    ``blocks[d, i, n] = sum_k A[d*m + i, k] * B[k, n]``, with ``blocks`` = ``own_slots`` (this
+    ``blocks[d, i, n] = sum_k A[d*m + i, k] * B[k, n]``, or with ``SCALE`` (``"row"`` or
+    ``"tensor"``: fp8 A and B, e4m3 or e5m2) ``(sum_k ...) * a_scale[d*m + i] * b_scale[n]``
+    in fp32 before the rounding, ``a_scale[i] = a_scale_ptr[i * stride_as]`` (``"row"``) or
+    ``*a_scale_ptr`` (``"tensor"``) and ``b_scale[n] = b_scale_ptr[n * stride_bs]`` (stride 0:
+    one scale); with ``blocks`` = ``own_slots`` (this
     rank's buffer, [W, m, N]) for ``d == rank`` and ``staging`` [W, m, N] for the others; ``a``
     is A [W*m, K] and ``b`` is B [K, N] as
     :func:`_load_block` reads them with ``A_LAYOUT`` and ``B_LAYOUT`` (strides for ``"pointer"``).
@@ -160,6 +176,15 @@ def _matmul_rs_kernel(
                 acc, a_blk, b, k0, col_tile * BLOCK_N, K, N, stride_bk, stride_bn, B_LAYOUT,
                 BLOCK_K, BLOCK_N, BF16_BY_HAND, INPUT_PRECISION,
             )  # fmt: skip
+        if SCALE != "none":
+            if SCALE == "row":
+                a_rows = (dst * m + rows64) * stride_as
+                a_scale = tl.load(a_scale_ptr + a_rows, mask=row_ok, other=0.0)
+            else:
+                a_scale = tl.load(a_scale_ptr)
+            acc = _scale_epilogue(
+                acc, a_scale, SCALE == "row", b_scale_ptr, cols64, col_ok, stride_bs
+            )
         # Block d starts at row d*m of either [W, m, N] tensor: the own rows go straight into
         # the own slot, the peers' into staging, from where the copy engine pushes them.
         if dst == rank:
@@ -245,10 +270,13 @@ def matmul_rs_producer(
     world_size: int,
     channel: int,
     order_out: torch.Tensor | None = None,
+    a_scale: torch.Tensor | None = None,
+    b_scale: torch.Tensor | None = None,
 ) -> None:
     """``blocks[d] = (a @ b)[d*m:(d+1)*m]`` for every rank d, each block announced once complete.
 
-    Shapes (W = ``world_size``): ``a`` [W*m, K], ``b`` [K, N], same dtype (fp32, fp16 or bf16) and
+    Shapes (W = ``world_size``): ``a`` [W*m, K], ``b`` [K, N], same dtype (fp32, fp16 or bf16; fp8
+    with ``a_scale`` and ``b_scale``, then the blocks are in another dtype, see below) and
     device, any strides (on sm_90 and newer each is read with TMA when its layout allows, see
     :func:`tp_kernels.kernels.tma_layout`, else through its strides). ``staging`` and
     ``own_slots`` are contiguous [W, m, N] of that dtype: block ``d != rank`` goes into
@@ -267,12 +295,31 @@ def matmul_rs_producer(
         counters: :func:`new_counters` of this device, not shared with a launch on another stream.
         order_out: optional int [W]; receives the destination ranks in the order the kernel first
             touched them (a trace for tests and debugging).
+        a_scale, b_scale: a scaled (fp8) product, ``blocks[d] = ((a * a_scale) @ (b *
+            b_scale))[d*m:(d+1)*m]``: ``a`` and ``b`` fp8 (e4m3 or e5m2), ``a_scale`` fp32 [] or
+            [W*m, 1], ``b_scale`` fp32 [] or [1, N] (any strides); accumulated in fp32, scaled,
+            then rounded once to the dtype of ``staging`` and ``own_slots`` (fp32, fp16 or
+            bf16), which the partials then cross the link in.
     """
     check_world(rank, world_size, channel)
     m, K, N = a.shape[0] // world_size, a.shape[1], b.shape[1]
-    DTYPE = tl_dtype(a.dtype, argument="a")
+    scaled = a_scale is not None or b_scale is not None
+    if scaled:
+        if a_scale is None or b_scale is None or a.dtype not in FP8_DTYPES:
+            raise ValueError(
+                f"a scaled product takes fp8 a (got {a.dtype}), a_scale and b_scale (got "
+                f"{'None' if a_scale is None else 'a tensor'} and "
+                f"{'None' if b_scale is None else 'a tensor'})"
+            )
+        check_scales(a_scale, [b_scale], [b], a.shape[0], a_rows_packed=False)
+        scale = "row" if a_scale.dim() else "tensor"
+        a_scale_arg, b_scale_arg = a_scale, b_scale
+    else:
+        scale, a_scale_arg, b_scale_arg = "none", a, b
+    out_dtype = staging.dtype if scaled else a.dtype
+    DTYPE = tl_dtype(out_dtype, argument="staging" if scaled else "a")
     for name, blocks in (("staging", staging), ("own_slots", own_slots)):
-        check_tensor(blocks, (world_size, m, N), a.dtype, a.device, argument=name)
+        check_tensor(blocks, (world_size, m, N), out_dtype, a.device, argument=name)
     check_tensor(progress, (world_size,), torch.int32, a.device, argument="progress")
     check_ptr_table(signal_ptrs, world_size, a.device, argument="signal_ptrs")
     check_tensor(counters, (world_size,), torch.int32, a.device, argument="counters")
@@ -300,6 +347,8 @@ def matmul_rs_producer(
             signal_ptrs,
             counters,
             counters if trace is None else trace,
+            a_scale_arg,
+            b_scale_arg,
             rank,
             world_size,
             m,
@@ -309,12 +358,15 @@ def matmul_rs_producer(
             a.stride(1),
             b.stride(0),
             b.stride(1),
+            scale_stride(a_scale) if scaled else 0,
+            scale_stride(b_scale) if scaled else 0,
             channel,
             DTYPE=DTYPE,
             A_LAYOUT=a_layout,
             B_LAYOUT=b_layout,
+            SCALE=scale,
             TRACE=trace is not None,
-            BF16_BY_HAND=INTERPRET and a.dtype == torch.bfloat16,
+            BF16_BY_HAND=INTERPRET and out_dtype == torch.bfloat16,
             INPUT_PRECISION=dot_precision(a.dtype),
             **config,
         )

@@ -72,7 +72,7 @@ def _forward(
     keep_a: bool,
 ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
     """``(A if keep_a else None, [A @ b_j])`` for the shard's rows ``a [m, K]``."""
-    record("forward", _OP, impl.name)
+    record("forward", _OP, impl.name, sent_bytes=planning.gather_bytes(a, group))
     return impl.all_gather_matmul(a.contiguous(), bs, group, return_a=keep_a)
 
 

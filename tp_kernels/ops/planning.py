@@ -458,7 +458,15 @@ class CommStats(collections.Counter):
     process, keyed by ``(phase, kind, backend)``: phase ``"forward"`` or ``"backward"``; kind
     ``"all_gather_matmul"``, ``"matmul_reduce_scatter"``, ``"all_gather"`` (a plain re-gather of a
     saved shard in backward) or ``"fallback"`` (a style took PyTorch's DTensor path, backend
-    ``"torch"``). Counted where the ops run, so compiled graphs count too."""
+    ``"torch"``), ``"scaled_all_gather_matmul"``, ``"scaled_matmul_reduce_scatter"`` (fp8 calls)
+    or ``"amax_all_reduce"`` (an fp8 scale that spans the group's shards). :attr:`sent_bytes`
+    holds, per key, the bytes this rank put on the link for those calls (an all-gather's shard,
+    a reduce-scatter's partials for the peers), where the call counts them. Counted where the
+    ops run, so compiled graphs count too."""
+
+    def __init__(self, counts: object = (), sent_bytes: object = ()) -> None:
+        super().__init__(counts)
+        self.sent_bytes: collections.Counter = collections.Counter(sent_bytes)
 
     def total(
         self, phase: str | None = None, kind: str | None = None, backend: str | None = None
@@ -469,22 +477,42 @@ class CommStats(collections.Counter):
             n for key, n in self.items() if all(w is None or w == k for w, k in zip(want, key))
         )
 
+    def total_bytes(
+        self, phase: str | None = None, kind: str | None = None, backend: str | None = None
+    ) -> int:
+        """:attr:`sent_bytes` of the calls matching every filter given."""
+        want = (phase, kind, backend)
+        return sum(
+            n
+            for key, n in self.sent_bytes.items()
+            if all(w is None or w == k for w, k in zip(want, key))
+        )
+
 
 _counts = CommStats()
 _lock = threading.Lock()  # autograd may run backward on another thread
 
 
-def record(phase: str, kind: str, backend: str) -> None:
+def record(phase: str, kind: str, backend: str, *, sent_bytes: int = 0) -> None:
     with _lock:
         _counts[(phase, kind, backend)] += 1
+        if sent_bytes:
+            _counts.sent_bytes[(phase, kind, backend)] += sent_bytes
+
+
+def gather_bytes(shard: torch.Tensor, group: dist.ProcessGroup) -> int:
+    """The bytes this rank puts on the link in an all-gather of ``shard``: the shard, once for
+    each peer (whether sent, or read by the peer's copy engine)."""
+    return shard.numel() * shard.element_size() * (group.size() - 1)
 
 
 def comm_stats() -> CommStats:
     """A snapshot of the counters since the last :func:`reset_comm_stats`."""
     with _lock:
-        return CommStats(_counts)
+        return CommStats(_counts, _counts.sent_bytes)
 
 
 def reset_comm_stats() -> None:
     with _lock:
         _counts.clear()
+        _counts.sent_bytes.clear()

@@ -1,0 +1,421 @@
+"""torchao's ``Float8Linear`` on the fused path: fp8 bytes on the wire, torchao's numerics.
+
+A Float8Linear quantizes its input, its weight and, in backward, its output gradient before each
+of its three GEMMs (``matmul_with_hp_or_float8_args`` in torchao/float8/float8_linear.py). Under
+sequence parallelism the colwise Linear's input is gathered and the rowwise Linear's output is
+reduce-scattered; here each cast is made with torchao's own functions (its scale rule, power-of-
+two rounding and saturation: ``tensor_to_amax``, ``amax_to_scale``,
+``hp_tensor_and_scale_to_float8``, ``hp_tensor_to_float8_dynamic``) on the local shard, with one
+change: where the cast's amax spans the ranks' shards (a tensor-wise amax of a sharded tensor; a
+row-wise amax along a sharded dim) the local amax is all-reduced (MAX) over the group first, as
+DTensor does under PyTorch's styles. So every rank holds the fp8 values and scales torchao would
+compute on the unsharded tensor, and the fused ops run the GEMMs on them:
+
+=========================  =================================================  ===================
+colwise (gathered input)   cast (dim reduced by the amax; "spans": all-reduce)  GEMM
+=========================  =================================================  ===================
+forward                    x [m, K]: per row (local) or tensor (spans);        fused scaled
+                           w^T [K, N]: per column over K (local) or tensor     all-gather-matmul:
+                           (spans)                                             fp8 rows + scales
+dgrad                      dY [W*m, N]: per row over N (spans);                fused scaled
+                           w^T: per row over N (spans), or tensor (spans)      matmul-reduce-
+                                                                               scatter (bf16)
+wgrad                      dY: per column over rows (local) / tensor (spans);  local GEMM on the
+                           x: per column over the gathered rows (spans), cast  gathered fp8 (or
+                           on the shard, its fp8 bytes gathered                hp) x
+=========================  =================================================  ===================
+
+=========================  =================================================  ===================
+rowwise (scattered out)    cast                                                GEMM
+=========================  =================================================  ===================
+forward                    x [W*m, K]: per row over K (spans) / tensor;        fused scaled
+                           w^T [K, N]: per column over K (spans) / tensor      matmul-reduce-
+                                                                               scatter (bf16)
+dgrad                      dY [m, N]: per row (local) / tensor (spans);        fused scaled all-
+                           w^T: per row over N (local) / tensor (spans)        gather-matmul
+wgrad                      dY: per column over the gathered rows (spans), cast  local GEMM on the
+                           on the shard, its bytes gathered; x: per column     gathered dY
+                           over rows (local) / tensor (spans)
+=========================  =================================================  ===================
+
+A recipe's disabled cast (``rowwise_with_gw_hp``'s weight-gradient operands) stays in high
+precision: its gathered operand travels in bf16/fp32. The GEMMs are torchao's: the local ones
+are ``torch.mm`` of torchao's Float8TrainingTensors; the fused ones take the same fp8 data and
+dequant scales and :func:`tp_kernels.backends.scaled.scaled_mm`'s product (torchao's rule), so on
+``reference`` the outputs and grads equal torchao's under PyTorch's styles bit for bit wherever
+the same rows meet the same ``torch._scaled_mm`` (the reduce-scatter sums partials in fp32 in rank
+order where DTensor's collective sums in the dtype: within a tolerance there).
+
+What fuses (:func:`unfusable_reason`): a Float8Linear whose forward casts are both row-wise or
+both tensor-wise and whose input-grad casts are enabled, not emulated, without inner-dim padding
+and without FSDP's float8 all-gather of weights; anything else takes PyTorch's path, counted as a
+fallback. Eager only (not under torch.compile or a dispatch mode: those fall back too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torchao.float8.config import Float8LinearConfig, ScalingGranularity, ScalingType
+from torchao.float8.float8_linear import Float8Linear
+from torchao.float8.float8_ops import preprocess_addmm
+from torchao.float8.float8_scaling_utils import (
+    get_maybe_axiswise_dim,
+    hp_tensor_to_float8_dynamic,
+)
+from torchao.float8.float8_training_tensor import (
+    Float8TrainingTensor,
+    GemmInputRole,
+    LinearMMConfig,
+    hp_tensor_and_scale_to_float8,
+)
+from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax
+
+from tp_kernels import deadline
+from tp_kernels.backends.base import Backend
+from tp_kernels.ops.planning import (
+    as_grad,
+    dtensor_specs,
+    flatten_rows,
+    gather_bytes,
+    local_tensor,
+    record,
+    unflatten_rows,
+)
+from tp_kernels.ops.scaled import gather_scaled, reduce_scatter_scaled, scaled_backend
+
+__all__ = ["Float8ColwiseLinears", "Float8RowwiseLinear", "unfusable_reason"]
+
+
+def unfusable_reason(module: nn.Module) -> str | None:
+    """Why ``module`` (a Float8Linear) cannot take the fused fp8 path, or None."""
+    if not isinstance(module, Float8Linear):
+        return f"{type(module).__qualname__} is not torchao's Float8Linear"
+    c: Float8LinearConfig = module.config
+    forward = (c.cast_config_input, c.cast_config_weight)
+    if any(cc.scaling_type is ScalingType.DISABLED for cc in forward):
+        return "its forward casts are disabled"
+    input_grad = (c.cast_config_grad_output, c.cast_config_weight_for_grad_input)
+    if any(cc.scaling_type is ScalingType.DISABLED for cc in input_grad):
+        return "its input-grad casts are disabled (the fused input-grad GEMM is fp8)"
+    if forward[0].scaling_granularity != forward[1].scaling_granularity:
+        return "its input and weight casts differ in granularity"
+    if c.emulate:
+        return "it emulates fp8 GEMMs (config.emulate)"
+    if c.pad_inner_dim:
+        return "it pads the inner dim (config.pad_inner_dim)"
+    if c.enable_fsdp_float8_all_gather:
+        return "its weights are cast by FSDP's float8 all-gather"
+    return None
+
+
+class _Call(NamedTuple):
+    """One fused fp8 call: the backend and group, the gathered (colwise) or scattered (rowwise)
+    ``dim`` of ``x``, the modules' torchao config and GEMM configs (the same for every module of
+    a group), and how many Linears share the gathered input (colwise)."""
+
+    impl: Backend
+    group: dist.ProcessGroup
+    dim: int
+    config: Float8LinearConfig
+    mm: LinearMMConfig
+    num_linears: int
+
+
+def _cast(
+    t: torch.Tensor,
+    cc,
+    axiswise_dim: int,
+    role: GemmInputRole,
+    call: _Call,
+    *,
+    sharded_dim: int | None,
+    phase: str,
+) -> torch.Tensor:
+    """torchao's cast of ``t`` for ``cc`` (a CastConfig) along ``axiswise_dim`` (its amax
+    reduces that dim; tensor-wise: every dim), as a Float8TrainingTensor (``t`` itself when the
+    cast is disabled). ``t`` is this rank's shard of a tensor sharded on ``sharded_dim`` (None:
+    ``t`` is whole): when the amax reduces that dim, the local amax is all-reduced (MAX)."""
+    if cc.scaling_type is ScalingType.DISABLED:
+        return t
+    granularity = cc.scaling_granularity
+    dim = get_maybe_axiswise_dim(axiswise_dim, granularity)
+    spans = sharded_dim is not None and (
+        granularity is ScalingGranularity.TENSORWISE or dim % t.ndim == sharded_dim
+    )
+    round_pow2 = call.config.round_scales_to_power_of_2
+    if not spans or call.group.size() == 1:
+        return hp_tensor_to_float8_dynamic(
+            t,
+            cc.target_dtype,
+            call.mm,
+            gemm_input_role=role,
+            scaling_granularity=granularity,
+            axiswise_dim=dim,
+            round_scales_to_power_of_2=round_pow2,
+        )
+    amax = tensor_to_amax(t, scaling_granularity=granularity, axiswise_dim=dim)
+    record(phase, "amax_all_reduce", call.impl.name, sent_bytes=amax.nbytes)
+    deadline.complete(
+        lambda: dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=call.group, async_op=True),
+        call.group,
+        "amax all-reduce",
+        amax.device,
+    )
+    scale = amax_to_scale(amax, cc.target_dtype, round_scales_to_power_of_2=round_pow2)
+    return hp_tensor_and_scale_to_float8(t, scale, cc.target_dtype, call.mm, role, dim)
+
+
+def _operands(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The fp8 data and dequant scales (``_scaled_mm``'s: torchao takes the reciprocal of its
+    scales) of torchao's GEMM of Float8TrainingTensors ``a @ b``, as torchao prepares them (a
+    tensor-wise scale beside a row-wise one repeated along its axis)."""
+    a_data, a_scale, b_data, b_scale = preprocess_addmm(a, b)
+    return a_data, a_scale.reciprocal(), b_data, b_scale.reciprocal()
+
+
+class _PendingCast(NamedTuple):
+    """A cast operand whose shard's bytes are being gathered (rows first): :meth:`wait` gives
+    the gathered operand as torchao's tensor (or the high-precision one)."""
+
+    pending: object
+    like: torch.Tensor
+
+    def wait(self) -> torch.Tensor:
+        gathered = self.pending.wait()
+        if not isinstance(self.like, Float8TrainingTensor):
+            return gathered
+        like = self.like
+        return Float8TrainingTensor(
+            gathered.view(like._data.dtype),
+            like._scale,
+            like._orig_dtype,
+            like._linear_mm_config,
+            like._gemm_input_role,
+            like._axiswise_dim,
+        )
+
+
+def _gather_cast(
+    shard: torch.Tensor, cc, role: GemmInputRole, call: _Call, *, phase: str
+) -> _PendingCast:
+    """Start gathering ``shard`` (rows of a tensor sharded on dim 0) cast for ``cc`` along dim
+    0 (its amax over the gathered rows: all-reduced), as fp8 bytes (high precision when the cast
+    is disabled); the gather runs while the caller computes."""
+    cast = _cast(shard, cc, 0, role, call, sharded_dim=0, phase=phase)
+    data = cast._data.view(torch.uint8) if isinstance(cast, Float8TrainingTensor) else cast
+    data = data.contiguous()
+    record(phase, "all_gather", call.impl.name, sent_bytes=gather_bytes(data, call.group))
+    return _PendingCast(call.impl.all_gather_async(data, call.group), cast)
+
+
+class Float8ColwiseLinears(torch.autograd.Function):
+    """``apply(call, x, *weights, *biases)`` -> ``y_j = Float8Linear_j(all_gather(x))`` for the
+    ``call.num_linears`` Linears (weights ``[N_j, K]``, biases ``[N_j]`` or None; local or
+    DTensor), laid out as ``x`` with the gathered dim ``W`` times longer. See the module
+    docstring's first table."""
+
+    @staticmethod
+    def forward(ctx, call: _Call, x, *params):
+        n = call.num_linears
+        weights = [local_tensor(w) for w in params[:n]]
+        biases = params[n:]
+        rows, lead = flatten_rows(local_tensor(x), call.dim)
+        rows = rows.contiguous()
+        c = call.config
+        x8 = _cast(rows, c.cast_config_input, -1, GemmInputRole.INPUT, call,
+                   sharded_dim=0, phase="forward")  # fmt: skip
+        w8s = [
+            _cast(
+                w.t(),
+                c.cast_config_weight,
+                0,
+                GemmInputRole.WEIGHT,
+                call,
+                sharded_dim=1,
+                phase="forward",
+            )  # fmt: skip
+            for w in weights
+        ]
+        operands = [_operands(x8, w8) for w8 in w8s]
+        a, a_scale = operands[0][:2]
+        outs = gather_scaled(
+            call.impl,
+            call.group,
+            a,
+            a_scale,
+            [b for _, _, b, _ in operands],
+            [b_scale for _, _, _, b_scale in operands],
+            out_dtype=rows.dtype,
+            fast_accum=call.mm.output.use_fast_accum,
+            phase="forward",
+            post_scale=True,
+        )
+        outs = [out if b is None else out + local_tensor(b).to(out.dtype)
+                for out, b in zip(outs, biases)]  # fmt: skip
+        need = ctx.needs_input_grad
+        ctx.call, ctx.lead, ctx.specs = call, lead, dtensor_specs(x, *params)
+        ctx.need_x, ctx.need_w, ctx.need_bias = need[1], need[2 : 2 + n], need[2 + n :]
+        ctx.save_for_backward(rows if any(ctx.need_w) else None,
+                              *(weights if ctx.need_x else ()))  # fmt: skip
+        ctx.set_materialize_grads(False)
+        gathered_lead = (call.group.size() * lead[0], *lead[1:])
+        return tuple(unflatten_rows(out, gathered_lead, call.dim) for out in outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        call, c = ctx.call, ctx.call.config
+        rows, *weights = ctx.saved_tensors
+        used = [j for j, g in enumerate(grads) if g is not None]
+        gs = {j: flatten_rows(grads[j], call.dim)[0].contiguous() for j in used}
+        need_w = [j for j in used if ctx.need_w[j]]
+        gathered_x = None
+        if need_w:  # gathered while the input grad's reduce-scatter runs
+            gathered_x = _gather_cast(rows, c.cast_config_input_for_grad_weight,
+                                      GemmInputRole.INPUT, call, phase="backward")  # fmt: skip
+        grad_x = None
+        if ctx.need_x and used:
+            grad_x = _colwise_dgrad(call, [gs[j] for j in used], [weights[j] for j in used])
+            grad_x = unflatten_rows(grad_x, ctx.lead, call.dim)
+        grad_w = [None] * call.num_linears
+        if need_w:
+            a = gathered_x.wait()
+            for j in need_w:
+                g = _cast(gs[j], c.cast_config_grad_output_for_grad_weight, 0,
+                          GemmInputRole.GRAD_OUTPUT, call, sharded_dim=1,
+                          phase="backward")  # fmt: skip
+                grad_w[j] = torch.mm(g.t(), a)
+        grad_b = [gs[j].sum(0) if j in gs and need else None
+                  for j, need in enumerate(ctx.need_bias)]  # fmt: skip
+        return None, *map(as_grad, (grad_x, *grad_w, *grad_b), ctx.specs)
+
+
+def _colwise_dgrad(
+    call: _Call, grad_outs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor]
+) -> torch.Tensor:
+    """``reduce_scatter(sum_j dY_j @ w_j)`` [m, K] with torchao's casts: the first Linear's
+    product in the fused call, the others' (local GEMMs) added to it before the scatter."""
+    c = call.config
+    products = []
+    for g, w in zip(grad_outs, weights):
+        g8 = _cast(g, c.cast_config_grad_output, -1, GemmInputRole.GRAD_OUTPUT, call,
+                   sharded_dim=1, phase="backward")  # fmt: skip
+        w8 = _cast(w.t(), c.cast_config_weight_for_grad_input, -1, GemmInputRole.WEIGHT, call,
+                   sharded_dim=1, phase="backward")  # fmt: skip
+        products.append((g8, w8.t()))
+    addend = None
+    for g8, w8_t in products[1:]:
+        product = torch.mm(g8, w8_t)
+        addend = product if addend is None else addend + product
+    g8, w8_t = products[0]
+    a, a_scale, b, b_scale = _operands(g8, w8_t)
+    return reduce_scatter_scaled(
+        call.impl,
+        call.group,
+        a,
+        a_scale,
+        b,
+        b_scale,
+        out_dtype=grad_outs[0].dtype,
+        fast_accum=call.mm.grad_input.use_fast_accum,
+        phase="backward",
+        addend=addend,
+        post_scale=True,
+    )
+
+
+class Float8RowwiseLinear(torch.autograd.Function):
+    """``apply(call, x, weight)`` -> this rank's rows (along ``call.dim``) of
+    ``Float8Linear(x)`` summed over the group: ``x [..., K_r]`` sharded on its last dim
+    (``weight [N, K_r]``, local or DTensor), the result ``[..., s, ..., N]`` with ``s`` the
+    scattered dim's size over ``W``. See the module docstring's second table."""
+
+    @staticmethod
+    def forward(ctx, call: _Call, x, weight):
+        w = local_tensor(weight)
+        rows, lead = flatten_rows(local_tensor(x), call.dim)
+        rows = rows.contiguous()
+        c = call.config
+        x8 = _cast(rows, c.cast_config_input, -1, GemmInputRole.INPUT, call,
+                   sharded_dim=1, phase="forward")  # fmt: skip
+        w8 = _cast(w.t(), c.cast_config_weight, 0, GemmInputRole.WEIGHT, call,
+                   sharded_dim=0, phase="forward")  # fmt: skip
+        a, a_scale, b, b_scale = _operands(x8, w8)
+        out = reduce_scatter_scaled(
+            call.impl,
+            call.group,
+            a,
+            a_scale,
+            b,
+            b_scale,
+            out_dtype=rows.dtype,
+            fast_accum=call.mm.output.use_fast_accum,
+            phase="forward",
+            post_scale=True,
+        )
+        need = ctx.needs_input_grad
+        ctx.call, ctx.lead, ctx.specs = call, lead, dtensor_specs(x, weight)
+        ctx.need_x, ctx.need_w = need[1], need[2]
+        ctx.save_for_backward(rows if ctx.need_w else None, w if ctx.need_x else None)
+        world = call.group.size()
+        return unflatten_rows(out, (lead[0] // world, *lead[1:]), call.dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        call, c = ctx.call, ctx.call.config
+        rows, w = ctx.saved_tensors
+        g = flatten_rows(grad, call.dim)[0].contiguous()
+        gathered_g = None
+        if ctx.need_w:  # gathered while the input grad's fused call runs
+            cc = c.cast_config_grad_output_for_grad_weight
+            gathered_g = _gather_cast(g, cc, GemmInputRole.GRAD_OUTPUT, call, phase="backward")
+        grad_x = grad_w = None
+        if ctx.need_x:
+            g8 = _cast(g, c.cast_config_grad_output, -1, GemmInputRole.GRAD_OUTPUT, call,
+                       sharded_dim=0, phase="backward")  # fmt: skip
+            w8 = _cast(w.t(), c.cast_config_weight_for_grad_input, -1, GemmInputRole.WEIGHT,
+                       call, sharded_dim=0, phase="backward")  # fmt: skip
+            a, a_scale, b, b_scale = _operands(g8, w8.t())
+            (grad_rows,) = gather_scaled(
+                call.impl,
+                call.group,
+                a,
+                a_scale,
+                [b],
+                [b_scale],
+                out_dtype=g.dtype,
+                fast_accum=call.mm.grad_input.use_fast_accum,
+                phase="backward",
+                post_scale=True,
+            )
+            grad_x = unflatten_rows(grad_rows, ctx.lead, call.dim)
+        if ctx.need_w:
+            x8 = _cast(rows, c.cast_config_input_for_grad_weight, 0, GemmInputRole.INPUT, call,
+                       sharded_dim=1, phase="backward")  # fmt: skip
+            grad_w = torch.mm(gathered_g.wait().t(), x8)
+        return None, *map(as_grad, (grad_x, grad_w), ctx.specs)
+
+
+def call_for(
+    modules: Sequence[nn.Module],
+    x: torch.Tensor,
+    dim: int,
+    group: dist.ProcessGroup,
+    backend: str | None,
+    *,
+    colwise: bool,
+) -> _Call:
+    """The :class:`_Call` of fused fp8 Linears ``modules`` (sharing one config) on the local
+    ``x`` with its gathered or scattered ``dim``."""
+    first = modules[0]
+    k = x.shape[-1]
+    m = x.numel() // k if colwise else x.numel() // k // group.size()
+    ns = [local_tensor(mod.weight).shape[0] for mod in modules]
+    out_dtype = x.dtype
+    op = "scaled_all_gather_matmul" if colwise else "scaled_matmul_reduce_scatter"
+    impl = scaled_backend(backend, group, op, m, k, ns, out_dtype, x.device)
+    return _Call(impl, group, dim, first.config, first.linear_mm_config, len(modules))
