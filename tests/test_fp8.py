@@ -49,15 +49,51 @@ class SwiGLU(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-def _plan(styles) -> dict:
+def _plan(styles, *, local_gathered_input: bool = False) -> dict:
+    """The block's plan from the module ``styles`` (tp_kernels or PyTorch's tensor.parallel).
+    ``local_gathered_input``: the block's PrepareModuleInput hands its children the gathered
+    input as a local tensor (``use_local_output=True``)."""
     return {
         "": styles.PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            input_layouts=(Shard(1),),
+            desired_input_layouts=(Replicate(),),
+            use_local_output=local_gathered_input,
         ),
         "w1": styles.ColwiseParallel(),
         "w3": styles.ColwiseParallel(),
         "w2": styles.RowwiseParallel(output_layouts=Shard(1)),
     }
+
+
+def _float8_plan(styles) -> dict:
+    """The block's plan from torchao's float8 TP styles, or tp_kernels' classes of the same names
+    (``styles``: either module)."""
+    return {
+        "": styles.PrepareFloat8ModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+        ),
+        "w1": styles.Float8ColwiseParallel(),
+        "w3": styles.Float8ColwiseParallel(),
+        "w2": styles.Float8RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+
+def _plans(kind: str) -> tuple[dict, dict]:
+    """(tp_kernels' plan, the plan it is compared with) of one ``kind``.
+
+    ``"float8 styles"``: tp_kernels' float8 TP styles against PyTorch's plain styles. torchao's
+    float8 styles cannot run here (DTensor all-gathers their ``float8_e4m3fn`` tensor, which gloo
+    refuses: "Invalid scalar type"); their numerics are the plain styles' under tensor-wise
+    scaling, which they assume: a cast before the gather takes the amax of the DTensor (all-
+    reduced), one after it the amax of the gathered tensor, the same maximum, so the same scale
+    and fp8 values; the output gradient likewise, cast before its gather (rowwise) or on the
+    shard it arrives as (colwise, its amax all-reduced)."""
+    if kind == "float8 styles":
+        import tp_kernels.float8_tensor_parallel as tpk_float8_tp
+
+        return _float8_plan(tpk_float8_tp), _plan(torch_tp)
+    local = kind == "local gathered input"
+    return _plan(tpk, local_gathered_input=local), _plan(torch_tp, local_gathered_input=local)
 
 
 def _step(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -68,10 +104,10 @@ def _step(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return (y.detach(), x.grad, *(p.grad.to_local() for p in model.parameters()))
 
 
-def _block_pair(recipe: str, dtype: torch.dtype, **config_changes):
+def _block_pair(recipe: str, dtype: torch.dtype, plans: str = "plain", **config_changes):
     """The SwiGLU block converted with ``recipe`` (its config changed by ``config_changes``),
-    parallelized by tp_kernels' styles and by PyTorch's, and this rank's input shard:
-    ``(ours, theirs, x, parameter names)``."""
+    parallelized by tp_kernels' styles and by PyTorch's (``plans``: see :func:`_plans`), and this
+    rank's input shard: ``(ours, theirs, x, parameter names)``."""
     import dataclasses
 
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -83,8 +119,9 @@ def _block_pair(recipe: str, dtype: torch.dtype, **config_changes):
     config = Float8LinearConfig.from_recipe_name(recipe)
     convert_to_float8_training(base, config=dataclasses.replace(config, **config_changes))
     mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
-    ours = tpk.parallelize_module(copy.deepcopy(base), mesh, _plan(tpk))
-    theirs = torch_tp.parallelize_module(copy.deepcopy(base), mesh, _plan(torch_tp))
+    our_plan, their_plan = _plans(plans)
+    ours = tpk.parallelize_module(copy.deepcopy(base), mesh, our_plan)
+    theirs = torch_tp.parallelize_module(copy.deepcopy(base), mesh, their_plan)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(B, 8 * world, H, generator=g).to(dtype).chunk(world, dim=1)[rank]
     names = ["output", "input grad", *(f"{n} grad" for n, _ in ours.named_parameters())]
@@ -173,11 +210,12 @@ def _norm_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
-def _fused_step(recipe: str, dtype_name: str, backend: str) -> dict:
+def _fused_step(recipe: str, dtype_name: str, backend: str, plans: str = "plain") -> dict:
     """One training step of the SwiGLU block converted with ``recipe``, under tp_kernels' styles
-    on ``backend`` and under PyTorch's: each result's error against PyTorch's (``exact``: equal;
-    ``error``: norm-relative), the counters and the bytes each call sent."""
-    ours, theirs, x, names = _block_pair(recipe, getattr(torch, dtype_name))
+    on ``backend`` and under PyTorch's (``plans``: see :func:`_plans`): each result's error against
+    PyTorch's (``exact``: equal; ``error``: norm-relative), the counters and the bytes each call
+    sent."""
+    ours, theirs, x, names = _block_pair(recipe, getattr(torch, dtype_name), plans)
     tpk.reset_comm_stats()
     with tpk.use_backend(backend):
         got = _step(ours, x)
@@ -284,3 +322,50 @@ def test_a_disabled_input_grad_cast_is_not_fused(worlds):
         _compare_unfused, "rowwise", "bfloat16", "disabled input-grad casts"
     ):
         assert failures == []
+
+
+def test_torchao_s_float8_tp_styles_fuse_with_their_numerics(worlds):
+    """tp_kernels' Float8ColwiseParallel, Float8RowwiseParallel and PrepareFloat8ModuleInput on
+    a tensor-wise block (what torchao's assume) against torchao's numerics (see :func:`_plans`):
+    the plain styles' checks, fp8 bytes on the wire and zero fallbacks, at 2 ranks (exact) and
+    3."""
+    for world in (2, 3):
+        for result in worlds(world).run(
+            _fused_step, "tensorwise", "bfloat16", "reference", "float8 styles"
+        ):
+            assert _check_fused(result, "tensorwise", "bfloat16", world, "reference") == []
+
+
+def _compare_local_gathered_input(recipe: str, plans: str) -> list[str]:
+    """The block's gather handed to the children as a local tensor: the fused fp8 gather has no
+    high-precision gathered input to hand over, so the gather falls back (counted), and the
+    children, given a replicated input, must run Float8Linear's own forward."""
+    ours, theirs, x, names = _block_pair(recipe, torch.bfloat16, plans)
+    tpk.reset_comm_stats()
+    got = _step(ours, x)
+    counts = dict(tpk.comm_stats())
+    want = _step(theirs, x)
+    failures = [f"{n} differs" for n, a, b in zip(names, got, want) if not torch.equal(a, b)]
+    fallbacks = {key: n for key, n in counts.items() if key[1] == "fallback"}
+    if fallbacks != {("forward", "fallback", "torch"): 1}:
+        failures.append(f"fallbacks {fallbacks}: expected the gather's only")
+    return failures
+
+
+def test_a_float8_child_of_an_unfused_gather_runs_float8_linear_s_forward(worlds):
+    """Before, a fused-installed Float8Linear handed a replicated input ran ``nn.Linear.forward``
+    (a high-precision matmul): its output differed from torchao's."""
+    for failures in worlds(2).run(_compare_local_gathered_input, "rowwise", "local gathered input"):
+        assert failures == []
+
+
+def test_the_float8_tp_styles_check_their_modules_as_torchao_s_do():
+    """A plain nn.Linear under Float8ColwiseParallel: torchao's ValueError, from tp_kernels' class
+    too (raised at apply time, before any communication)."""
+    import torchao.float8.float8_tensor_parallel as torchao_tp
+
+    import tp_kernels.float8_tensor_parallel as tpk_float8_tp
+
+    for styles in (torchao_tp, tpk_float8_tp):
+        with pytest.raises(ValueError, match="Expecting module to be Float8Linear"):
+            styles.Float8ColwiseParallel()._apply(nn.Linear(16, 16), None)

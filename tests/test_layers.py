@@ -24,7 +24,16 @@ LAYERS: tuple[tuple[str, int, tuple[str, ...]], ...] = (
     ("package", 8, ("tp_kernels",)),
     ("integrations", 7, ("tp_kernels.integrations",)),
     ("models", 6, ("tp_kernels.models",)),
-    ("styles", 5, ("tp_kernels.styles", "tp_kernels.api", "tp_kernels.float8")),
+    (
+        "styles",
+        5,
+        (
+            "tp_kernels.styles",
+            "tp_kernels.api",
+            "tp_kernels.float8",
+            "tp_kernels.float8_tensor_parallel",
+        ),
+    ),
     ("ops", 4, ("tp_kernels.ops",)),
     ("backends", 3, ("tp_kernels.backends",)),
     ("cost model", 2, ("tp_kernels.cost",)),

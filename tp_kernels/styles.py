@@ -314,7 +314,7 @@ def _colwise_forward(self: nn.Linear, x: Any) -> Any:
         if self.bias is not None:
             y = y + self.bias.to_local()
         return DTensor.from_local(y, fused.mesh, (Shard(y.ndim - 1),), run_check=False)
-    return nn.Linear.forward(self, x)
+    return type(self).forward(self, x)  # nothing to gather: the module's own forward
 
 
 def _rowwise_forward(self: nn.Linear, x: Any) -> Any:
@@ -392,8 +392,10 @@ class ColwiseParallel(_FusableStyle, _torch_style.ColwiseParallel):
 
     _kind = "colwise"
 
-    @staticmethod
-    def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
+    @classmethod
+    def _prepare_input_fn(cls, input_layouts, desired_input_layouts, mod, inputs, device_mesh):
+        # A classmethod so that an unfused call takes the next class's hook in the MRO: PyTorch's,
+        # or torchao's in Float8ColwiseParallel (tp_kernels/float8_tensor_parallel.py).
         fused: _FusedLinear | None = getattr(mod, "_tpk_fused", None)
         x = inputs[0]
         if fused is not None:
@@ -413,7 +415,7 @@ class ColwiseParallel(_FusableStyle, _torch_style.ColwiseParallel):
                         return x
                     why = f"input dim {dim} of size {x.shape[dim]} is uneven over {world} ranks"
                 _fall_back(f"ColwiseParallel on {type(mod).__qualname__}", why)
-        return _torch_style.ColwiseParallel._prepare_input_fn(
+        return super()._prepare_input_fn(
             input_layouts, desired_input_layouts, mod, inputs, device_mesh
         )
 
@@ -436,8 +438,9 @@ class RowwiseParallel(_FusableStyle, _torch_style.RowwiseParallel):
 
     _kind = "rowwise"
 
-    @staticmethod
-    def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
+    @classmethod
+    def _prepare_input_fn(cls, input_layouts, desired_input_layouts, mod, inputs, device_mesh):
+        # A classmethod for the reason ColwiseParallel's is one.
         fused: _FusedLinear | None = getattr(mod, "_tpk_fused", None)
         x = inputs[0]
         if (
@@ -448,7 +451,7 @@ class RowwiseParallel(_FusableStyle, _torch_style.RowwiseParallel):
             and _eager_linear(mod, x)
         ):
             return inputs  # the fused Linear reads it as input_layouts (Shard(-1))
-        return _torch_style.RowwiseParallel._prepare_input_fn(
+        return super()._prepare_input_fn(
             input_layouts, desired_input_layouts, mod, inputs, device_mesh
         )
 
