@@ -214,8 +214,14 @@ def test_apply_tp_with_activation_checkpointing(worlds, mode):
 
 def _patch_and_restore() -> list[str]:
     """Check on a rank (where torchtitan is imported) that every patched name comes back."""
+    import torchao.float8.float8_tensor_parallel as torchao_float8_tp
+
+    import tp_kernels.float8_tensor_parallel as tpk_float8_tp
+
     problems = []
     modules, _ = titan._style_modules()
+    modules.append(torchao_float8_tp)
+    float8_names = tpk_float8_tp.__all__
     before = {m.__name__: dict(vars(m)) for m in modules}
     llama3 = llama3_parallelize
     with titan.patched() as names:
@@ -229,6 +235,9 @@ def _patch_and_restore() -> list[str]:
                 problems.append(f"inside: llama3's {name} is {getattr(llama3, name)}")
         if llama3.parallelize_module is not torch_tp.parallelize_module:
             problems.append("parallelize_module was rebound")
+        for name in float8_names:  # imported by apply_tp from torchao's module when it runs
+            if getattr(torchao_float8_tp, name) is not getattr(tpk_float8_tp, name):
+                problems.append(f"inside: torchao's {name} is {getattr(torchao_float8_tp, name)}")
     try:
         with titan.patched():
             raise KeyError("inside")
@@ -282,3 +291,85 @@ def test_patched_takes_the_dist_gemm_path_by_version(monkeypatch):
     assert not titan._uses_dist_gemm(torchtitan)
     monkeypatch.setattr(torchtitan, "__version__", "0.2.2")
     assert not titan._uses_dist_gemm(torchtitan)
+
+
+# --- FP8: torchtitan's float8 converter (torchao's Float8Linear) ----------------------------------
+
+
+def _float8_model(world: int, recipe: str) -> Transformer:
+    """The tiny model converted by torchtitan 0.2.2's own float8 converter with ``recipe``
+    (``tensorwise``: no recipe name, the converter's default config). The converter refuses
+    without an sm_89 GPU unless asked to emulate, and an emulated Float8Linear never fuses (its
+    GEMMs are not ``_scaled_mm``); ``torch._scaled_mm`` runs on the CPU here, so its hardware
+    check is answered yes."""
+    from unittest import mock
+
+    from torchtitan.components.quantization import float8 as titan_float8
+    from torchtitan.config.job_config import JobConfig
+
+    job = JobConfig()
+    job.model.converters = ["quantize.linear.float8"]
+    job.quantize.linear.float8.recipe_name = None if recipe == "tensorwise" else recipe
+    parallel_dims = mock.Mock(dp_shard_enabled=False)
+    with mock.patch.object(titan_float8, "has_cuda_capability", return_value=True):
+        converter = titan_float8.Float8LinearConverter(job, parallel_dims)
+    model = _base_model(world)
+    converter.convert(model)
+    return model
+
+
+def _float8_step(recipe: str, backend: str) -> dict:
+    """One training step of the float8-converted model through ``apply_tp`` under ``patched()``
+    (tensorwise with ``enable_float8_tensorwise_tp``, as torchtitan's parallelize_llama sets it)
+    and as shipped without the flag (PyTorch's styles: torchao's float8 styles cannot run on
+    gloo, which refuses to all-gather a float8 tensor): each quantity's norm-relative error,
+    the counters."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    world = dist.get_world_size()
+    base = _float8_model(world, recipe)
+    fp8 = [name for name, m in base.named_modules() if isinstance(m, Float8Linear)]
+    mesh = init_device_mesh("cpu", (world,))
+    theirs = copy.deepcopy(base)
+    llama3_parallelize.apply_tp(theirs, mesh, loss_parallel=True, enable_float8_tensorwise_tp=False)
+    ours = copy.deepcopy(base)
+    with titan.patched():
+        llama3_parallelize.apply_tp(
+            ours, mesh, loss_parallel=True, enable_float8_tensorwise_tp=recipe == "tensorwise"
+        )
+    want = _loss_and_grads(theirs, loss_parallel=True)
+    tp_kernels.reset_comm_stats()
+    with tp_kernels.use_backend(backend):
+        got = _loss_and_grads(ours, loss_parallel=True)
+    counts = tp_kernels.comm_stats()
+    return {
+        "fp8 linears": fp8,
+        "fused": [name for name in fp8 if hasattr(ours.get_submodule(name), "_tpk_fused")],
+        "loss equal": torch.equal(got[0], want[0]),
+        "errors": {name: relative_error(got[1][name], want[1][name]) for name in want[1]},
+        "counts": dict(counts),
+    }
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise", "rowwise_with_gw_hp"])
+def test_apply_tp_runs_torchtitan_s_float8_linears_fused(worlds, recipe):
+    """Every Linear torchtitan's converter makes fp8 (all 15: the filter passes dims that are
+    multiples of 16) fused by ``apply_tp`` under ``patched()``, the tensorwise recipe through its
+    float8 TP styles: zero fallbacks, the fp8 fused ops counted as the bf16 ones are (FORWARD,
+    BACKWARD), the loss equal to PyTorch's styles' and each gradient within 2^-20 of it
+    (tests/test_fp8.py's reasoning at 2 ranks on ``reference``: the same casts and ``_scaled_mm``
+    rows; fp32 master weights, whose weight grads reduce the rows in another order)."""
+    pytest.importorskip("torchao.float8")
+    result = worlds(2).run(_float8_step, recipe, "reference")[0]
+    assert len(result["fp8 linears"]) == 7 * LAYERS + 1 and result["fused"] == result["fp8 linears"]
+    assert result["loss equal"]
+    assert max(result["errors"].values()) <= 2**-20, result["errors"]
+    counts = result["counts"]
+    assert not [key for key in counts if key[1] == "fallback"], counts
+    fused = {(phase, kind): n for (phase, kind, _), n in counts.items() if "scaled" in kind}
+    assert fused == {
+        ("forward", "scaled_all_gather_matmul"): FORWARD["all_gather_matmul"],
+        ("forward", "scaled_matmul_reduce_scatter"): FORWARD["matmul_reduce_scatter"],
+        ("backward", "scaled_all_gather_matmul"): BACKWARD["all_gather_matmul"],
+        ("backward", "scaled_matmul_reduce_scatter"): BACKWARD["matmul_reduce_scatter"],
+    }

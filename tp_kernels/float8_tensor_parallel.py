@@ -24,6 +24,7 @@ children's ``linear_mm_config`` before tp_kernels' grouping installs the fused g
 
 from __future__ import annotations
 
+import torch.nn as nn
 from torchao.float8 import float8_tensor_parallel as _torchao_tp
 
 from tp_kernels import styles
@@ -31,13 +32,32 @@ from tp_kernels import styles
 __all__ = ["Float8ColwiseParallel", "Float8RowwiseParallel", "PrepareFloat8ModuleInput"]
 
 
-class Float8ColwiseParallel(styles.ColwiseParallel, _torchao_tp.Float8ColwiseParallel):
+class _LocalOutputOnly:
+    """torchao's output hook wraps a DTensor output in a cast of its gradient to fp8, which the
+    fused backward makes itself: so a style that hands on a DTensor (``use_local_output=False``,
+    or a colwise output laid out other than ``Shard(-1)``) never fuses; its calls take torchao's
+    path, counted."""
+
+    def _unfusable_reason(self, module: nn.Module) -> str | None:
+        if not self._hands_on_local(module):
+            return (
+                f"{type(self).__name__} hands on a DTensor output, whose gradient torchao's "
+                f"output hook casts to fp8 (the fused backward casts it itself)"
+            )
+        return super()._unfusable_reason(module)
+
+
+class Float8ColwiseParallel(
+    _LocalOutputOnly, styles.ColwiseParallel, _torchao_tp.Float8ColwiseParallel
+):
     """torchao's ``Float8ColwiseParallel`` (a Float8Linear with tensor-wise scaling, its input
     gathered in fp8), fused as :class:`tp_kernels.ColwiseParallel` fuses a Float8Linear; plus
     ``backend``."""
 
 
-class Float8RowwiseParallel(styles.RowwiseParallel, _torchao_tp.Float8RowwiseParallel):
+class Float8RowwiseParallel(
+    _LocalOutputOnly, styles.RowwiseParallel, _torchao_tp.Float8RowwiseParallel
+):
     """torchao's ``Float8RowwiseParallel`` (its output gradient gathered in fp8 in backward), fused
     as :class:`tp_kernels.RowwiseParallel` fuses a Float8Linear; plus ``backend``."""
 

@@ -240,31 +240,40 @@ class _FusableStyle:
         layout = self.input_layouts[0] if self._kind == "colwise" else self.output_layouts[0]
         return isinstance(layout, Shard) and layout.dim != -1
 
+    def _unfusable_reason(self, module: nn.Module) -> str | None:
+        """Why ``module`` never takes the fused path under this style (None: its calls may)."""
+        if _float8_linear(module):
+            return _float8_unfusable(module)
+        if not _plain_linear(module):
+            return "a Linear subclass with its own forward is never fused"
+        return None
+
+    def _hands_on_local(self, module: nn.Module) -> bool:
+        """Whether the module's output is handed on as the local tensor the fused op produces
+        (``use_local_output``, and that tensor laid out as ``output_layouts``)."""
+        produced = self.output_layouts[0]
+        if self._kind == "colwise":  # the fused op leaves the output sharded on its last dim
+            natural = isinstance(produced, Shard) and produced.dim in (-1, module.weight.ndim - 1)
+        else:  # the installed rowwise forward produces exactly output_layouts
+            natural = True
+        return self.use_local_output and natural
+
     def _install(self, module: nn.Module, device_mesh: DeviceMesh, forward) -> None:
-        why = None
         float8 = _float8_linear(module)
-        if float8:
-            why = _float8_unfusable(module)
-        elif not _plain_linear(module):
-            why = "a Linear subclass with its own forward is never fused"
+        why = self._unfusable_reason(module)
         if why is not None:
             if isinstance(module, nn.Linear) and self._has_fused_path():
                 # Counted per call, as every other fallback: the module's own forward runs.
                 where = f"{type(self).__name__} on {type(module).__qualname__}"
                 module.register_forward_pre_hook(lambda mod, args: _fall_back(where, why))
             return
-        produced = self.output_layouts[0]
-        if self._kind == "colwise":  # the fused op leaves the output sharded on its last dim
-            natural = isinstance(produced, Shard) and produced.dim in (-1, module.weight.ndim - 1)
-        else:  # the installed rowwise forward produces exactly output_layouts
-            natural = True
         module._tpk_fused = _FusedLinear(
             self._kind,
             device_mesh,
             self.backend,
             self.input_layouts,
             self.output_layouts,
-            self.use_local_output and natural,
+            self._hands_on_local(module),
             float8=float8,
         )
         # An instance attribute shadows nn.Linear.forward for this module only; hooks still run.
@@ -294,10 +303,10 @@ def _colwise_forward(self: nn.Linear, x: Any) -> Any:
     # input_layouts.
     layout = x.placements[0] if isinstance(x, DTensor) else fused.input_layouts[0]
     dim = _sharded_dim(layout, x.ndim)
+    if dim is not None and fused.float8 and _eager(x, [self.weight], [self.bias]):
+        (y,) = _float8_colwise([self], x, dim, fused)
+        return _handed_on(y, fused, (Shard(y.ndim - 1),))
     if dim is not None and _eager_linear(self, x):
-        if fused.float8:
-            (y,) = _float8_colwise([self], x, dim, fused)
-            return y
         _, (y,) = colwise_linears(
             x, [self.weight], [self.bias], dim, fused.process_group, fused.backend
         )
@@ -331,9 +340,9 @@ def _rowwise_forward(self: nn.Linear, x: Any) -> Any:
         why = f"input placements {x.placements} are not Shard(-1)"
     if why is None and x.shape[dim] % world:
         why = f"output dim {dim} of size {x.shape[dim]} is uneven over {world} ranks"
+    if why is None and fused.float8 and _eager(x, [self.weight], [self.bias]):
+        return _handed_on(_float8_rowwise(self, x, dim, fused), fused, fused.output_layouts)
     if why is None and _eager_linear(self, x):
-        if fused.float8:
-            return _float8_rowwise(self, x, dim, fused)
         return rowwise_linear(x, self.weight, self.bias, dim, fused.process_group, fused.backend)
     if why is None and fused.float8:
         why = _NOT_EAGER
@@ -350,6 +359,15 @@ def _rowwise_forward(self: nn.Linear, x: Any) -> Any:
 
 
 _NOT_EAGER = "a Float8Linear fuses on the eager path only (not compiled, no dispatch mode)"
+
+
+def _handed_on(y: torch.Tensor, fused: _FusedLinear, placements: tuple) -> Any:
+    """A fused fp8 Linear's local output ``y``, laid out as ``placements``, as the output hook
+    expects it: itself where the style hands on the local tensor, else a DTensor for the hook
+    to redistribute (a Replicate output, a loss-parallel Shard(-1) kept as DTensor)."""
+    if fused.local_output:
+        return y
+    return DTensor.from_local(y, fused.mesh, placements, run_check=False)
 
 
 def _float8_colwise(children: list[nn.Module], x: Any, dim: int, fused: _FusedLinear) -> tuple:

@@ -17,10 +17,15 @@ a ``with`` block, and restores PyTorch's afterwards::
 Only the plan is built inside the block: the hooks it installs stay after it, so the forward and
 backward may run anywhere. Functions that other modules import from a patched one (simple_fsdp,
 vlm and flux reuse llama3's ``apply_tp``) look the names up in the patched module, so they follow.
-Not rebound: ``parallelize_module`` (tp_kernels' styles run inside PyTorch's; rebinding it would
-only add tp_kernels' 1-D mesh check to the expert-parallel calls that share the name), and the
-float8 styles that ``apply_tp`` imports from torchao when ``enable_float8_tensorwise_tp`` is set
-(they keep their own path). :func:`patch` / :func:`unpatch` do the same without a block.
+The float8 styles that ``apply_tp`` imports from torchao inside the function when
+``enable_float8_tensorwise_tp`` is set (``Float8ColwiseParallel``, ``Float8RowwiseParallel``,
+``PrepareFloat8ModuleInput``) are rebound in their own module,
+``torchao.float8.float8_tensor_parallel``, to :mod:`tp_kernels.float8_tensor_parallel`'s (when
+torchao is installed), so that import finds tp_kernels' classes; the rowwise recipes use the
+plain styles, which fuse Float8Linear too. Not rebound: ``parallelize_module`` (tp_kernels'
+styles run inside PyTorch's; rebinding it would only add tp_kernels' 1-D mesh check to the
+expert-parallel calls that share the name). :func:`patch` / :func:`unpatch` do the same without
+a block.
 
 **torchtitan 0.3.x** (tested with 0.3.0) builds dense models from per-module sharding configs
 and calls no style class; its fused path, ``tp_gemm_backend="dist_gemm"``, runs modules of
@@ -78,6 +83,8 @@ _STYLES = {
     if getattr(_torch_tp, name) is not getattr(_tpk_styles, name)  # re-exports need no patch
 }
 _IMPORT_LINE = "from torch.distributed.tensor.parallel import"
+# torchao's float8 TP styles, imported by name inside torchtitan 0.2.x's apply_tp.
+TORCHAO_FLOAT8_TP_MODULE = "torchao.float8.float8_tensor_parallel"
 # torchtitan 0.3: the module whose fused linears call these Functions, rebound to tp_kernels'.
 DIST_GEMM_MODULE = "torchtitan.models.common.dist_gemm"
 DIST_GEMM_FUNCTIONS = ("AllGatherLinear", "AllGatherLinearMulti", "LinearReduceScatter")
@@ -187,6 +194,20 @@ def _style_targets() -> list[tuple[ModuleType, str, object]]:
         for module in modules
         for attr, value in list(vars(module).items())
         if _is_torch_style(value)
+    ] + _torchao_float8_targets()
+
+
+def _torchao_float8_targets() -> list[tuple[ModuleType, str, object]]:
+    """``(torchao's float8 TP module, name, tp_kernels' class)`` for each float8 style, or none
+    without torchao (then ``apply_tp`` cannot take its float8 path either)."""
+    if importlib.util.find_spec("torchao") is None:
+        return []
+    module = importlib.import_module(TORCHAO_FLOAT8_TP_MODULE)
+    from tp_kernels import float8_tensor_parallel
+
+    return [
+        (module, name, getattr(float8_tensor_parallel, name))
+        for name in float8_tensor_parallel.__all__
     ]
 
 
