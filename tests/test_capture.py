@@ -58,8 +58,11 @@ _ABSENT = object()
 
 
 @contextlib.contextmanager
-def _forbidding() -> Iterator[list[str]]:
-    """Every forbidden function raises :class:`Forbidden`; the names called are yielded."""
+def _forbidding(*, device_max_all_reduce: bool = False) -> Iterator[list[str]]:
+    """Every forbidden function raises :class:`Forbidden`; the names called are yielded.
+    ``device_max_all_reduce``: an all-reduce MAX of a tensor is allowed (the fp8 path's amax
+    reduction: on NCCL a stream-ordered collective of device tensors, which a graph captures;
+    every host-side exchange has its own entry below)."""
     seen: list[str] = []
 
     def forbid(what: str) -> Callable:
@@ -83,9 +86,19 @@ def _forbidding() -> Iterator[list[str]]:
         (auto, "_time_and_choose"),
         (auto, "_agreed_max"),
     ]
-    with _patched(
-        [(obj, name, forbid(f"{getattr(obj, '__name__', obj)}.{name}")) for obj, name in targets]
-    ):
+    patches = [
+        (obj, name, forbid(f"{getattr(obj, '__name__', obj)}.{name}")) for obj, name in targets
+    ]
+    if device_max_all_reduce:
+        refuse, all_reduce = patches[targets.index((dist, "all_reduce"))][2], dist.all_reduce
+
+        def max_only(tensor, op=dist.ReduceOp.SUM, *args, **kwargs):
+            if op != dist.ReduceOp.MAX or not isinstance(tensor, torch.Tensor):
+                return refuse(tensor, op, *args, **kwargs)
+            return all_reduce(tensor, op, *args, **kwargs)
+
+        patches[targets.index((dist, "all_reduce"))] = (dist, "all_reduce", max_only)
+    with _patched(patches):
         yield seen
 
 
@@ -427,3 +440,71 @@ def test_a_gloo_group_of_cuda_tensors_is_not_capturable(worlds):
             assert got[f"{name} cpu"] is None, got
             why = got[f"{name} cuda"]
             assert why is not None and "'gloo'" in why and "NCCL" in why, got
+
+
+def _float8_hygiene(backend: str) -> dict:
+    """torchao's rowwise Float8Linear SwiGLU block on tp_kernels' styles (tests/test_fp8.py's):
+    an eager step, the same step captured, then one with a longer sequence captured."""
+    import test_fp8
+
+    ours, _, x, _ = test_fp8._block_pair("rowwise", torch.bfloat16)
+    needs: list[tuple[str, int]] = []
+    impl = get_backend(backend)
+    ask = impl.capture_unready_reason
+
+    def spy(group, device, need):
+        needs.append((need.op, need.nbytes))
+        return ask(group, device, need)
+
+    def step(x: torch.Tensor) -> list[torch.Tensor]:
+        ours.zero_grad(set_to_none=True)
+        return list(test_fp8._step(ours, x))
+
+    with tpk.use_backend(backend):
+        warm = step(x)
+        tpk.reset_comm_stats()
+        with _forbidding(device_max_all_reduce=True) as seen, _capturing() as asked:
+            with _patched([(impl, "capture_unready_reason", spy)]):
+                try:
+                    captured = step(x)
+                except Forbidden:
+                    captured = []
+            fused = tpk.comm_stats().total(backend=backend)
+            try:
+                step(torch.cat([x, x], dim=1))  # a sequence twice as long: a new shape class
+                refused = "not refused"
+            except base.CaptureUnreadyError as exc:
+                refused = str(exc)
+    return {
+        "forbidden": seen,
+        "probes": asked[0],
+        "same": len(captured) == len(warm) and all(map(torch.equal, captured, warm)),
+        "fused": fused,
+        "needs": needs,
+        "refused": refused,
+        "tokens": x.shape[0] * x.shape[1],
+    }
+
+
+def test_a_captured_float8_step_does_nothing_forbidden(worlds):
+    """The fused fp8 path (tp_kernels/float8.py) under capture: its backend is the eager step's,
+    asked for the forward's and the backward's buffers (the gather of the fp8 rows, each with its
+    scale: ``K + 16`` bytes a row; the reduce-scatters of bf16 partials; the fp8 re-gathers), no
+    host synchronization or exchange (its amax all-reduces are device collectives on NCCL); a new
+    shape class is refused before anything runs. Before, a captured fp8 call asked nothing: a
+    new shape class planned on the host and a backend that could not capture ran anyway."""
+    from test_fp8 import H
+
+    for got in worlds(2).run(_float8_hygiene, "reference"):
+        assert got["forbidden"] == [] and got["probes"] >= 2 and got["same"], got
+        assert got["fused"] >= 4, got
+        m = got["tokens"]  # this rank's rows
+        assert got["needs"] == [
+            ("all_gather_matmul", m * (H + 16)),  # w1/w3's gather of x
+            ("matmul_reduce_scatter", 2 * m * H * 2),  # its dgrad: [W*m, H] bf16 partials
+            ("all_gather", m * H),  # x's fp8 bytes for the weight grads
+            ("matmul_reduce_scatter", 2 * m * H * 2),  # w2: [W*m, H] bf16 partials
+            ("all_gather_matmul", m * (H + 16)),  # its dgrad's gather of dY
+            ("all_gather", m * H),  # dY's fp8 bytes for its weight grad
+        ], got["needs"]
+        assert "new shape class" in got["refused"] and "nothing was launched" in got["refused"]

@@ -76,7 +76,8 @@ from torchao.float8.float8_training_tensor import (
 from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax
 
 from tp_kernels import deadline
-from tp_kernels.backends.base import Backend
+from tp_kernels.backends.base import Backend, CaptureNeed
+from tp_kernels.ops.capture import requires_grad
 from tp_kernels.ops.planning import (
     as_grad,
     dtensor_specs,
@@ -87,6 +88,7 @@ from tp_kernels.ops.planning import (
     unflatten_rows,
 )
 from tp_kernels.ops.scaled import gather_scaled, reduce_scatter_scaled, scaled_backend
+from tp_kernels.tiling import ROW_SCALE_BYTES
 
 __all__ = ["Float8ColwiseLinears", "Float8RowwiseLinear", "unfusable_reason"]
 
@@ -417,5 +419,51 @@ def call_for(
     ns = [local_tensor(mod.weight).shape[0] for mod in modules]
     out_dtype = x.dtype
     op = "scaled_all_gather_matmul" if colwise else "scaled_matmul_reduce_scatter"
-    impl = scaled_backend(backend, group, op, m, k, ns, out_dtype, x.device)
+
+    def needs() -> list[CaptureNeed]:
+        grad_x = requires_grad([x])
+        grad_w = requires_grad([mod.weight for mod in modules])
+        return _capture_needs(first.config, colwise, m, k, max(ns), out_dtype, group.size(),
+                              grad_x=grad_x, grad_w=grad_w)  # fmt: skip
+
+    impl = scaled_backend(backend, group, op, m, k, ns, out_dtype, x.device, needs)
     return _Call(impl, group, dim, first.config, first.linear_mm_config, len(modules))
+
+
+def _capture_needs(
+    c: Float8LinearConfig, colwise: bool, m: int, k: int, n: int, out_dtype: torch.dtype,
+    world: int, *, grad_x: bool, grad_w: bool,
+) -> list[CaptureNeed]:  # fmt: skip
+    """What a fused fp8 call and the backward parts autograd will run for it need of a backend
+    under CUDA graph capture (``m`` local rows, ``K`` the input's features, ``n`` the widest
+    output): the gather of fp8 rows (``+16`` bytes a row where each carries its scale), the
+    reduce-scatter of ``[W*m, .]`` ``out_dtype`` partials, and the wgrad operand's re-gather
+    (fp8 bytes, or high precision where the recipe disables that cast)."""
+
+    def row_bytes(width: int, cc) -> int:
+        rowwise = cc.scaling_granularity is ScalingGranularity.AXISWISE
+        return width + ROW_SCALE_BYTES if rowwise else width
+
+    def wgrad_bytes(width: int, cc) -> int:
+        hp = cc.scaling_type is ScalingType.DISABLED
+        return m * width * (out_dtype.itemsize if hp else 1)
+
+    fp8 = c.cast_config_input.target_dtype
+    product = world * m * out_dtype.itemsize
+    if colwise:  # forward gather of x [m, K]; dgrad scatter of [W*m, K]; x re-gathered
+        needs = [CaptureNeed("all_gather_matmul", m * row_bytes(k, c.cast_config_input), fp8)]
+        if grad_x:
+            needs.append(CaptureNeed("matmul_reduce_scatter", product * k, fp8))
+        if grad_w:
+            wgrad = wgrad_bytes(k, c.cast_config_input_for_grad_weight)
+            needs.append(CaptureNeed("all_gather", wgrad, fp8))
+        return needs
+    # forward scatter of [W*m, N]; dgrad gather of dY [m, N]; dY re-gathered
+    needs = [CaptureNeed("matmul_reduce_scatter", product * n, fp8)]
+    if grad_x:
+        dy_rows = m * row_bytes(n, c.cast_config_grad_output)
+        needs.append(CaptureNeed("all_gather_matmul", dy_rows, fp8))
+    if grad_w:
+        wgrad = wgrad_bytes(n, c.cast_config_grad_output_for_grad_weight)
+        needs.append(CaptureNeed("all_gather", wgrad, fp8))
+    return needs

@@ -19,16 +19,17 @@ which quantizes high-precision activations and gradients where torchao does and 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from tp_kernels import config, deadline
-from tp_kernels.backends import get_backend, resolve
+from tp_kernels.backends import base, get_backend, resolve
 from tp_kernels.backends.auto import Shape
-from tp_kernels.backends.base import Backend
+from tp_kernels.backends.base import Backend, CaptureNeed
 from tp_kernels.backends.scaled import FP8_DTYPES, Scaling, pack_rows
+from tp_kernels.ops import capture
 from tp_kernels.ops._checks import GroupLike
 from tp_kernels.ops.planning import (
     flatten_rows,
@@ -58,13 +59,24 @@ _MAX_CHOSEN_PER_GROUP = 1024
 def scaled_backend(
     backend: str | None, group: dist.ProcessGroup, op: str, m: int, k: int, ns: Sequence[int],
     out_dtype: torch.dtype, device: torch.device,
+    capture_needs: Callable[[], Sequence[CaptureNeed]] = tuple,
 ) -> Backend:  # fmt: skip
     """The backend a scaled call runs on: the one named (or in force), ``auto``'s choice for the
     unscaled call of the same shape and output dtype (it times no fp8 call), raising where the
-    named one cannot run. Kept per call key and settings (``use_backend`` included)."""
+    named one cannot run. Kept per call key and settings (``use_backend`` included).
+
+    Under CUDA graph capture (as the unscaled ops' plans, ``ops/capture.py``): a call key no eager
+    call chose for is refused, and the kept backend must be able to capture ``capture_needs()``
+    (the call's and its backward's buffers), else ``CaptureUnreadyError``, before anything runs."""
     key = (backend, op, m, k, tuple(ns), out_dtype, device, config.settings_key())
     chosen = _chosen.setdefault(group, {})
     impl = chosen.get(key)
+    if base.capturing(device):
+        if impl is None:
+            what = f"a scaled call of a new shape class (m={m}, K={k}, N={list(ns)})"
+            capture.refuse_new_plan(op, group, what)
+        needs = capture_needs()
+        return capture.capture_backend(op, group, device, needs, impl.name, impl, None, False)[1]
     if impl is not None:
         return impl
     op_name = "all_gather_matmul" if op == _AG else "matmul_reduce_scatter"
