@@ -3,8 +3,11 @@
 Usage::
 
     python -m tp_kernels.bench [ag_matmul|matmul_rs|all ...] [--world-size 2] [--M 4096 --K 2048
-        --N 2048] [--dtype fp32|fp16|bf16] [--rounds R] [--warmup N] [--providers P ...]
-        [--threads T] [--out PATH]
+        --N 2048] [--dtype fp32|fp16|bf16|fp8-rowwise|fp8-tensorwise] [--rounds R] [--warmup N]
+        [--providers P ...] [--threads T] [--out PATH]
+    (the fp8 dtypes: ag_matmul and matmul_rs against torchao's Float8Linear under PyTorch's
+    styles and the _scaled_mm roof, K and N multiples of 16, torchao installed; see
+    tp_kernels.bench.ops_fp8)
     python -m tp_kernels.bench model [--gpu h100] [--tp 8] [--tokens 2048 8192]
         [--model llama3-70b | --fp8] [--param NAME=VALUE]   (the cost model's schedules for
         Llama-3's fused ops, with --model its plan of a whole model, with --fp8 fused fp8

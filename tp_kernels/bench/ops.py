@@ -14,6 +14,11 @@ first call, which the warmup covers) and ``roof``: the same ``[M, K] @ [K, N]`` 
 communication, the compute-only limit. Every provider does ``2*M*N*K`` flops per rank. Beside each
 the cost model's prediction for this device (:func:`tp_kernels.cost.device_spec`): a backend's
 expected time, ``auto``'s the best of the runnable backends', ``roof``'s the compute alone.
+
+``--dtype fp8-rowwise`` / ``fp8-tensorwise``: the same two products with e4m3 operands and
+torchao's scales on tp_kernels' public scaled ops, against torchao's ``Float8Linear`` under
+PyTorch's styles (``torchao``), ``auto`` with its casts from bf16 (``auto+cast``) and the
+``_scaled_mm`` roof: :mod:`tp_kernels.bench.ops_fp8`.
 """
 
 from __future__ import annotations

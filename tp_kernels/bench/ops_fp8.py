@@ -71,8 +71,9 @@ _AG, _RS = "all_gather_matmul", "matmul_reduce_scatter"
 def fp8_tolerance(k: int, roundings: int) -> float:
     """``rtol`` = ``atol`` for two providers' bf16 outputs of the same fp8 operands: the reference's
     path rounds to bf16 ``roundings`` times (the all-gather-matmul's output once; the
-    reduce-scatter's ``W`` partials and their sum), and torchao's row-wise GEMM without fast
-    accumulation may round once more (an unscaled bf16 product, then scaled): hence
+    reduce-scatter's ``W`` partials and their sum), and another provider's GEMM may round once
+    more (torchao's row-wise rule without fast accumulation: an unscaled bf16 product, then
+    scaled; symm's Triton kernels agree with ``_scaled_mm`` within a rounding): hence
     :func:`tp_kernels.bench.ops.matmul_tolerance` of bf16 with ``roundings + 1``. The products
     themselves add no error (e4m3 has 4 significant bits: a product of two fits fp32 exactly), and
     the dequantized operands are O(1) as the bf16 benchmarks' are, so outputs are O(1)."""
@@ -125,8 +126,9 @@ def _cast(
 class _Casts:
     """The forward casts of a recipe on this rank: :meth:`input` ``[rows, K] -> (data, scale
     [rows, 1] or [])`` (amax over ``K``) and :meth:`weight` ``[K, N] -> (data, scale [1, N] or [])``
-    (amax over ``K``), each all-reduced over the group where ``spans`` says the amax crosses the
-    shards (:attr:`tensorwise`: every cast of a sharded tensor)."""
+    (amax over ``K``), the amax all-reduced over ``mesh`` where ``input_spans`` / ``weight_spans``
+    say it crosses the shards, and always when :attr:`tensorwise` (one scale of a sharded
+    tensor)."""
 
     def __init__(self, recipe: str, mesh: Any, *, input_spans: bool, weight_spans: bool) -> None:
         from torchao.float8.config import ScalingGranularity
