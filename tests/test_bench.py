@@ -472,3 +472,26 @@ def test_cli_fp8_rejects_bad_arguments(capsys):
     # "all" means the benchmarks that take the dtype
     assert parse_args(["--dtype", "fp8-rowwise"]).benchmarks == ["ag_matmul", "matmul_rs"]
     assert parse_args([*argv, "--providers", "torchao,roof"]).providers == ["torchao", "roof"]
+
+
+def test_fp8_predictions_on_a_gpu_the_model_knows(monkeypatch):
+    """On an H100 the fp8 rows get the cost model's times as ``bench model --fp8`` computes
+    them: the fused fp8 schedules, torchao's unfused call (bf16 gather) plus the cast of all
+    ``W*m`` rows, ``auto+cast`` the best schedule plus the cast of the rank's own ``m`` rows."""
+    from tp_kernels import cost
+    from tp_kernels.bench.ops_fp8 import fp8_predictions_ms
+
+    h100 = cost.DEVICES["h100"]
+    monkeypatch.setattr(cost, "device_spec", lambda device: h100)
+    m, k, n, w = 1024, 4096, 3584, 8
+    runnable = ["reference", "pipelined", "symm", "torch_symm_mem"]
+    times, note = fp8_predictions_ms("all_gather_matmul", m, k, n, w, CPU, runnable)
+    fused = cost.op_cost("all_gather_matmul", m, k, n, w, "fp8", h100)
+    unfused = cost.op_cost("all_gather_matmul", m, k, n, w, "fp8", h100, wire="bf16")
+    best = min(fused.backends_s.values()) * 1e3
+    assert times["auto"] == pytest.approx(best)
+    assert times["auto+cast"] == pytest.approx(best + cost.quantize_s(m, k, h100) * 1e3)
+    want = (unfused.backends_s["reference"] + cost.quantize_s(w * m, k, h100)) * 1e3
+    assert times["torchao"] == pytest.approx(want)
+    assert times["roof"] == pytest.approx(fused.compute_s * 1e3) and "H100" in note
+    assert times["torchao"] > times["auto+cast"]  # a bf16 gather and 8x the rows to cast
