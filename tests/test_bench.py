@@ -387,3 +387,111 @@ def test_table_with_baseline_rate_and_probe_columns():
     assert lines[3].split()[6:] == ["512000", "2.00x", "-", "1.5"]
     assert lines[2].split()[6:] == ["256000", "1.00x", "-", "-"]
     assert "!!! MISMATCH: symm differs from torch" in lines[-1]
+
+
+# --- fp8 (issue 27) -------------------------------------------------------------------------
+
+FP8_ARGV = ["ag_matmul", "matmul_rs", "--M", "32", "--K", "32", "--N", "16", "--rounds", "2",
+            "--warmup", "1"]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", ["fp8-rowwise", "fp8-tensorwise"])
+def test_cli_fp8_every_provider_runs_and_passes_its_check(dtype, worlds, tmp_path, capsys):
+    """Both fp8 dtypes, W=2 on gloo: every provider (tp_kernels' backends on the public scaled
+    ops, auto with its casts, torchao's Float8Linear under PyTorch's styles, the roof) runs,
+    is checked against the reference within the fp8 tolerance and is timed; no prediction on a
+    CPU (the cost model has no fp8 rate for it)."""
+    pytest.importorskip("torchao.float8")
+    from tp_kernels.bench.ops_fp8 import fp8_tolerance
+
+    path = tmp_path / f"{dtype}.json"
+    assert main([*FP8_ARGV, "--dtype", dtype, "--out", str(path)], world=worlds(2)) == 0
+    printed = capsys.readouterr().out
+    assert f"== ag_matmul  a_shard[16,32]  b[32,16]  out[32,16]  {dtype}  world=2" in printed
+    assert f"== matmul_rs  a[32,32]  b[32,16]  out[16,16]  {dtype}  world=2" in printed
+    report = json.loads(path.read_text())
+    assert report["dtype"] == dtype
+    symm_ok = tp_kernels.available_backends()["symm"] == "ok"
+    expected = ["reference", "pipelined", *(["symm"] if symm_ok else []), "auto", "auto+cast",
+                "torchao", "roof"]  # fmt: skip
+    for bench, roundings in zip(report["benchmarks"], (1, 2 + 1)):
+        assert bench["mismatches"] == {}, bench["name"]
+        assert list(bench["providers"]) == expected
+        assert bench["tolerance"] == pytest.approx(fp8_tolerance(32, roundings))
+        assert "no fp8 rate" in bench["model_note"]
+        for name, rec in bench["providers"].items():
+            assert rec["checked"] is (name != "roof")
+            assert rec["max_abs_err"] <= bench["tolerance"]
+            assert len(rec["times_ms"]) == 2 and all(t > 0 for t in rec["times_ms"])
+            assert rec["model_ms"] is None
+
+
+def _fp8_outputs(dtype: str) -> dict[str, list[torch.Tensor]]:
+    """Every fp8 ag_matmul provider's output on this rank (one call each)."""
+    from tp_kernels.bench import ops
+
+    case = ops.ag_matmul(BenchConfig(M=32, K=32, N=16, dtype=dtype), dist.group.WORLD, CPU)
+    return {name: case.providers[name]() for name in case.providers}
+
+
+@pytest.mark.parametrize("dtype", ["fp8-rowwise", "fp8-tensorwise"])
+def test_fp8_outputs_are_the_scaled_product_of_the_bf16_inputs(dtype, worlds):
+    """The check above compares providers with one another; this one ties them to the inputs:
+    the reference's fp8 all-gather-matmul is within fp8's quantization error of the bf16
+    product it stands for (e4m3 keeps 3 mantissa bits: each operand within 2^-4 relative;
+    the products' errors add up like a random walk, so 2^-3 of the output's rms bounds it), and
+    torchao's Float8Linear under PyTorch's styles gives the reference's output bit for bit (the
+    same casts, the same _scaled_mm rows)."""
+    pytest.importorskip("torchao.float8")
+    outs = worlds(2).run(_fp8_outputs, dtype)[0]
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(32, 32, generator=gen).bfloat16().float()
+    b = (torch.randn(16, 32, generator=torch.Generator().manual_seed(1)) / math.sqrt(32)).t()
+    want = a @ b.bfloat16().float()
+    got = outs["reference"][0].float()
+    assert got.shape == (32, 16) and got.dtype == torch.float32
+    assert ((got - want).norm() / want.norm()).item() < 2**-3
+    assert torch.equal(outs["torchao"][0], outs["reference"][0])
+
+
+def test_cli_fp8_rejects_bad_arguments(capsys):
+    argv = ["ag_matmul", "--dtype", "fp8-rowwise"]
+    for flag in ("--K", "--N"):
+        with pytest.raises(SystemExit):
+            parse_args([*argv, flag, "24"])
+        err = capsys.readouterr().err
+        assert f"{flag} 24: --dtype fp8-rowwise needs a multiple of 16" in err
+    with pytest.raises(SystemExit):
+        parse_args(["llama_block", "--dtype", "fp8-tensorwise"])
+    assert "['llama_block'] take no fp8 dtype; only ['ag_matmul', 'matmul_rs'] do" in (
+        capsys.readouterr().err
+    )
+    with pytest.raises(SystemExit):  # torchao's provider exists under fp8 dtypes only
+        parse_args(["ag_matmul", "--dtype", "bf16", "--providers", "torchao"])
+    assert "--providers: ['torchao'] unknown" in capsys.readouterr().err
+    # "all" means the benchmarks that take the dtype
+    assert parse_args(["--dtype", "fp8-rowwise"]).benchmarks == ["ag_matmul", "matmul_rs"]
+    assert parse_args([*argv, "--providers", "torchao,roof"]).providers == ["torchao", "roof"]
+
+
+def test_fp8_predictions_on_a_gpu_the_model_knows(monkeypatch):
+    """On an H100 the fp8 rows get the cost model's times as ``bench model --fp8`` computes
+    them: the fused fp8 schedules, torchao's unfused call (bf16 gather) plus the cast of all
+    ``W*m`` rows, ``auto+cast`` the best schedule plus the cast of the rank's own ``m`` rows."""
+    from tp_kernels import cost
+    from tp_kernels.bench.ops_fp8 import fp8_predictions_ms
+
+    h100 = cost.DEVICES["h100"]
+    monkeypatch.setattr(cost, "device_spec", lambda device: h100)
+    m, k, n, w = 1024, 4096, 3584, 8
+    runnable = ["reference", "pipelined", "symm", "torch_symm_mem"]
+    times, note = fp8_predictions_ms("all_gather_matmul", m, k, n, w, CPU, runnable)
+    fused = cost.op_cost("all_gather_matmul", m, k, n, w, "fp8", h100)
+    unfused = cost.op_cost("all_gather_matmul", m, k, n, w, "fp8", h100, wire="bf16")
+    best = min(fused.backends_s.values()) * 1e3
+    assert times["auto"] == pytest.approx(best)
+    assert times["auto+cast"] == pytest.approx(best + cost.quantize_s(m, k, h100) * 1e3)
+    want = (unfused.backends_s["reference"] + cost.quantize_s(w * m, k, h100)) * 1e3
+    assert times["torchao"] == pytest.approx(want)
+    assert times["roof"] == pytest.approx(fused.compute_s * 1e3) and "H100" in note
+    assert times["torchao"] > times["auto+cast"]  # a bf16 gather and 8x the rows to cast

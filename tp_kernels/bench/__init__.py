@@ -3,8 +3,11 @@
 Usage::
 
     python -m tp_kernels.bench [ag_matmul|matmul_rs|all ...] [--world-size 2] [--M 4096 --K 2048
-        --N 2048] [--dtype fp32|fp16|bf16] [--rounds R] [--warmup N] [--providers P ...]
-        [--threads T] [--out PATH]
+        --N 2048] [--dtype fp32|fp16|bf16|fp8-rowwise|fp8-tensorwise] [--rounds R] [--warmup N]
+        [--providers P ...] [--threads T] [--out PATH]
+    (the fp8 dtypes: ag_matmul and matmul_rs against torchao's Float8Linear under PyTorch's
+    styles and the _scaled_mm roof, K and N multiples of 16, torchao installed; see
+    tp_kernels.bench.ops_fp8)
     python -m tp_kernels.bench model [--gpu h100] [--tp 8] [--tokens 2048 8192]
         [--model llama3-70b | --fp8] [--param NAME=VALUE]   (the cost model's schedules for
         Llama-3's fused ops, with --model its plan of a whole model, with --fp8 fused fp8
@@ -26,6 +29,7 @@ A new benchmark is one function: decorate a builder ``(cfg, group, device) -> Be
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -43,6 +47,7 @@ from tp_kernels.bench import ops as _ops  # noqa: F401  (registers the op benchm
 from tp_kernels.bench.protocol import (
     BENCHMARKS,
     DTYPES,
+    FP8_DTYPES,
     BenchConfig,
     format_table,
     machine_info,
@@ -89,7 +94,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--M", type=positive_int, default=DEFAULT_M, help="rows, sharded over ranks")
     p.add_argument("--K", type=positive_int, default=DEFAULT_K, help="reduction dim")
     p.add_argument("--N", type=positive_int, default=DEFAULT_N, help="columns")
-    p.add_argument("--dtype", choices=list(DTYPES), default="fp32")
+    p.add_argument(
+        "--dtype",
+        choices=[*DTYPES, *FP8_DTYPES],
+        default="fp32",
+        help="the tensors' dtype (default fp32); fp8-rowwise and fp8-tensorwise (ag_matmul and "
+        "matmul_rs only; need torchao): e4m3 operands with torchao's row-wise or tensor-wise "
+        "scales, bf16 inputs before the cast and bf16 outputs",
+    )
     p.add_argument("--rounds", type=positive_int, default=10, help="timed rounds (default 10)")
     p.add_argument(
         "--warmup", type=non_negative_int, default=3, help="untimed iterations (default 3)"
@@ -134,15 +146,35 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             names.append(name)
         else:
             parser.error(f"benchmark {name!r} is unknown; expected one of {[*BENCHMARKS, 'all']}")
+    fp8 = args.dtype in FP8_DTYPES
+    if fp8:
+        # "all" means every benchmark that takes the dtype; one named explicitly must take it.
+        explicit = set(args.benchmarks) - {"all"}
+        refused = [n for n in names if n in explicit and BENCHMARKS[n].fp8_providers is None]
+        if refused:
+            takers = [n for n, b in BENCHMARKS.items() if b.fp8_providers is not None]
+            parser.error(f"--dtype {args.dtype}: {refused} take no fp8 dtype; only {takers} do")
+        names = [n for n in names if BENCHMARKS[n].fp8_providers is not None]
+        if importlib.util.find_spec("torchao") is None:
+            parser.error(f"--dtype {args.dtype} needs torchao: pip install 'tp_kernels[fp8]'")
+        # torch._scaled_mm (every fp8 provider's GEMM) takes K and N in multiples of 16 only.
+        for flag, value in (("--K", args.K), ("--N", args.N)):
+            if value % 16:
+                parser.error(
+                    f"{flag} {value}: --dtype {args.dtype} needs a multiple of 16 "
+                    "(torch._scaled_mm's fp8 GEMM requires it)"
+                )
     args.benchmarks = list(dict.fromkeys(names))
     if args.providers is not None:
         requested = [p for item in args.providers for p in item.split(",") if p]
-        known = {p for name in args.benchmarks for p in BENCHMARKS[name].providers}
+        known = {
+            p for name in args.benchmarks for p in BENCHMARKS[name].providers_for(args.dtype) or ()
+        }
         unknown = [p for p in requested if p not in known]
         if unknown:
             parser.error(
-                f"--providers: {unknown} unknown to {args.benchmarks}; expected names from "
-                f"{sorted(known)}"
+                f"--providers: {unknown} unknown to {args.benchmarks} at --dtype {args.dtype}; "
+                f"expected names from {sorted(known)}"
             )
         args.providers = requested
     return args

@@ -14,6 +14,11 @@ first call, which the warmup covers) and ``roof``: the same ``[M, K] @ [K, N]`` 
 communication, the compute-only limit. Every provider does ``2*M*N*K`` flops per rank. Beside each
 the cost model's prediction for this device (:func:`tp_kernels.cost.device_spec`): a backend's
 expected time, ``auto``'s the best of the runnable backends', ``roof``'s the compute alone.
+
+``--dtype fp8-rowwise`` / ``fp8-tensorwise``: the same two products with e4m3 operands and
+torchao's scales on tp_kernels' public scaled ops, against torchao's ``Float8Linear`` under
+PyTorch's styles (``torchao``), ``auto`` with its casts from bf16 (``auto+cast``) and the
+``_scaled_mm`` roof: :mod:`tp_kernels.bench.ops_fp8`.
 """
 
 from __future__ import annotations
@@ -31,6 +36,10 @@ from tp_kernels.bench.protocol import REFERENCE, ROOF, BenchCase, BenchConfig, P
 
 FUSED_BACKENDS = (REFERENCE, "pipelined", "symm", "torch_symm_mem")
 OP_PROVIDERS = (*FUSED_BACKENDS, "auto", ROOF)
+# Under an fp8 --dtype (tp_kernels.bench.ops_fp8, which says what each one times): also the
+# auto call with its casts from bf16, and torchao's Float8Linear under PyTorch's styles.
+CAST, TORCHAO = "auto+cast", "torchao"
+FP8_OP_PROVIDERS = (*FUSED_BACKENDS, "auto", CAST, TORCHAO, ROOF)
 
 
 def matmul_tolerance(dtype: torch.dtype, k: int, roundings: int) -> float:
@@ -122,9 +131,14 @@ def _op_case(
     )
 
 
-@register("ag_matmul", providers=OP_PROVIDERS)
+@register("ag_matmul", providers=OP_PROVIDERS, fp8_providers=FP8_OP_PROVIDERS)
 def ag_matmul(cfg: BenchConfig, group: dist.ProcessGroup, device: torch.device) -> BenchCase:
-    """``out [M, N] = all_gather(a_shard [M/W, K], dim 0) @ b [K, N]`` on every rank."""
+    """``out [M, N] = all_gather(a_shard [M/W, K], dim 0) @ b [K, N]`` on every rank (an fp8
+    ``--dtype``: :func:`tp_kernels.bench.ops_fp8.ag_matmul_fp8`)."""
+    if cfg.fp8_recipe is not None:
+        from tp_kernels.bench.ops_fp8 import ag_matmul_fp8
+
+        return ag_matmul_fp8(cfg, group, device)
     world, rank = group.size(), group.rank()
     # a is the same full matrix on every rank (the roof needs it); b ~ 1/sqrt(K) keeps out O(1).
     a_full = _randn((cfg.M, cfg.K), cfg.seed, 1.0, cfg, device)
@@ -145,9 +159,14 @@ def ag_matmul(cfg: BenchConfig, group: dist.ProcessGroup, device: torch.device) 
     )
 
 
-@register("matmul_rs", providers=OP_PROVIDERS)
+@register("matmul_rs", providers=OP_PROVIDERS, fp8_providers=FP8_OP_PROVIDERS)
 def matmul_rs(cfg: BenchConfig, group: dist.ProcessGroup, device: torch.device) -> BenchCase:
-    """``out [M/W, N] = reduce_scatter(a [M, K] @ b [K, N], dim 0, sum)`` on every rank."""
+    """``out [M/W, N] = reduce_scatter(a [M, K] @ b [K, N], dim 0, sum)`` on every rank (an fp8
+    ``--dtype``: :func:`tp_kernels.bench.ops_fp8.matmul_rs_fp8`)."""
+    if cfg.fp8_recipe is not None:
+        from tp_kernels.bench.ops_fp8 import matmul_rs_fp8
+
+        return matmul_rs_fp8(cfg, group, device)
     world, rank = group.size(), group.rank()
     # Seeds differ per rank (each rank holds its own K-shard's product); the 1/sqrt(K*W) scale
     # keeps the sum over W ranks O(1).

@@ -45,6 +45,8 @@ __all__ = [
     "BenchCase",
     "BenchConfig",
     "Benchmark",
+    "FP8_DTYPES",
+    "FP8_HIGH_PRECISION",
     "check_outputs",
     "format_table",
     "machine_info",
@@ -72,6 +74,14 @@ DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
 }
 
+FP8_DTYPES: dict[str, str] = {"fp8-rowwise": "rowwise", "fp8-tensorwise": "tensorwise"}
+"""``--dtype`` names of the fp8 benchmarks -> torchao's recipe name (its forward casts): e4m3
+operands with one fp32 scale per row of ``A`` and per column of ``B`` (``rowwise``) or one each
+(``tensorwise``); the high-precision tensors (inputs before their cast, outputs) are
+:data:`FP8_HIGH_PRECISION`. Kept apart from :data:`DTYPES`, whose names the GPU tools take too."""
+
+FP8_HIGH_PRECISION = torch.bfloat16
+
 
 @dataclass(frozen=True)
 class BenchConfig:
@@ -94,7 +104,16 @@ class BenchConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        """The dtype of the benchmark's tensors; for an fp8 ``dtype`` the high-precision one
+        (inputs before their cast to fp8, and outputs)."""
+        if self.dtype in FP8_DTYPES:
+            return FP8_HIGH_PRECISION
         return DTYPES[self.dtype]
+
+    @property
+    def fp8_recipe(self) -> str | None:
+        """torchao's recipe of an fp8 ``dtype`` (:data:`FP8_DTYPES`), else None."""
+        return FP8_DTYPES.get(self.dtype)
 
 
 @dataclass
@@ -144,25 +163,36 @@ Builder = Callable[[BenchConfig, dist.ProcessGroup, torch.device], BenchCase]
 @dataclass(frozen=True)
 class Benchmark:
     """A registered benchmark: ``build(cfg, group, device)`` returns this rank's :class:`BenchCase`;
-    ``providers`` names every provider it may offer (to validate ``--providers`` up front)."""
+    ``providers`` names every provider it may offer (to validate ``--providers`` up front) and
+    ``fp8_providers`` those it offers under an fp8 ``--dtype`` (None: it takes no fp8 dtype)."""
 
     name: str
     build: Builder
     providers: tuple[str, ...]
+    fp8_providers: tuple[str, ...] | None = None
+
+    def providers_for(self, dtype: str) -> tuple[str, ...] | None:
+        """The providers offered under ``dtype``; None when the benchmark does not take it."""
+        return self.fp8_providers if dtype in FP8_DTYPES else self.providers
 
 
 BENCHMARKS: dict[str, Benchmark] = {}
 
 
-def register(name: str, providers: Sequence[str]) -> Callable[[Builder], Builder]:
-    """Decorator that adds a benchmark builder to :data:`BENCHMARKS` under ``name``."""
-    if REFERENCE not in providers:
-        raise ValueError(f"benchmark {name!r}: providers {list(providers)} lack {REFERENCE!r}")
+def register(
+    name: str, providers: Sequence[str], *, fp8_providers: Sequence[str] | None = None
+) -> Callable[[Builder], Builder]:
+    """Decorator that adds a benchmark builder to :data:`BENCHMARKS` under ``name``;
+    ``fp8_providers``: its providers under an fp8 ``--dtype`` (None: it takes none)."""
+    for offered in (providers, fp8_providers or [REFERENCE]):
+        if REFERENCE not in offered:
+            raise ValueError(f"benchmark {name!r}: providers {list(offered)} lack {REFERENCE!r}")
 
     def add(build: Builder) -> Builder:
         if name in BENCHMARKS:
             raise ValueError(f"benchmark {name!r} is registered twice")
-        BENCHMARKS[name] = Benchmark(name, build, tuple(providers))
+        fp8 = None if fp8_providers is None else tuple(fp8_providers)
+        BENCHMARKS[name] = Benchmark(name, build, tuple(providers), fp8)
         return build
 
     return add
