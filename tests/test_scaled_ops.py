@@ -95,3 +95,6 @@ def _bad_calls() -> None:
         tpk.all_gather_scaled_matmul(a[:, :24], [b[:24]], one, [one], 0, None)
     with pytest.raises(ValueError, match="both tensor-wise or both row-wise"):
         tpk.scaled_matmul_reduce_scatter(a, b, one, torch.ones(1, 16), 0, None)
+    # A scale on another device (meta stands for a CUDA one here): said before any communication.
+    with pytest.raises(ValueError, match=r"b_scales\[0\] is on meta; expected a's device, cpu"):
+        tpk.all_gather_scaled_matmul(a, [b], one, [torch.tensor(1.0, device="meta")], 0, None)

@@ -187,6 +187,11 @@ def _check_operands(
             raise ValueError(
                 f"{op}: a_scale and b_scales[{j}] must be both tensor-wise or both row-wise"
             )
+    named = {"a_scale": a_scale, **{f"b[{j}]": b for j, b in enumerate(bs)}}
+    named.update({f"b_scales[{j}]": scale for j, scale in enumerate(b_scales)})
+    for name, t in named.items():
+        if t.device != a.device:
+            raise ValueError(f"{op}: {name} is on {t.device}; expected a's device, {a.device}")
     return dim % a.ndim
 
 
