@@ -8,12 +8,14 @@ ships it, then trained side by side and checkpointed across:
   ``apply_fsdp`` on ``dp``;
 * ``titan03``: torchtitan 0.3.x's Llama3 through ``parallelize_llama`` (TP + sequence parallel and
   FSDP), ``tp_gemm_backend="dist_gemm"`` under ``patched()``, against its stock unfused path;
+* ``titan02-fp8``: ``titan02`` with torchtitan's float8 converter (torchao's rowwise
+  Float8Linear) before ``apply_tp``;
 * ``hf``: a transformers Llama on :func:`tp_kernels.integrations.hf.sequence_parallel_plan`
   (tp_kernels' styles, or the same plan from PyTorch's) with ``fully_shard`` per decoder layer and
   at the root.
 
 Each variant takes ``STEPS`` SGD steps on one batch (each dp rank its own half); the losses
-and the final parameters of the two must agree. Then a ``torch.distributed.checkpoint`` save of
+and the final parameters of the two must agree, and tp_kernels' steps count no fallback. Then a ``torch.distributed.checkpoint`` save of
 each trained model is loaded into a freshly built model of the other variant (other weights):
 the loaded parameters must equal the saved ones exactly, and one more step on each gives the same
 loss.
@@ -105,6 +107,9 @@ class _Layout:
 
 
 class Titan02(_Layout):
+    # torchao's recipe its Linears are converted with (torchtitan's float8 converter), or None
+    float8_recipe: str | None = None
+
     def __init__(self) -> None:
         self.mesh = _mesh()
 
@@ -122,6 +127,10 @@ class Titan02(_Layout):
         model = Transformer(args)
         with torch.no_grad():
             model.init_weights()
+        if self.float8_recipe is not None:
+            from test_torchtitan import convert_with_torchtitan_s_float8_converter
+
+            convert_with_torchtitan_s_float8_converter(model, self.float8_recipe)
         with titan.patched() if variant == "tp_kernels" else contextlib.nullcontext():
             llama3.apply_tp(
                 model, self.mesh["tp"], loss_parallel=False, enable_float8_tensorwise_tp=False
@@ -204,7 +213,11 @@ class HF(_Layout):
         return _mean_over_dp(loss, self.mesh)
 
 
-LAYOUTS = {"titan02": Titan02, "titan03": Titan03, "hf": HF}
+class Titan02Float8(Titan02):
+    float8_recipe = "rowwise"
+
+
+LAYOUTS = {"titan02": Titan02, "titan02-fp8": Titan02Float8, "titan03": Titan03, "hf": HF}
 
 
 def _full_params(model) -> dict[str, torch.Tensor]:
@@ -216,17 +229,19 @@ def _train_and_cross_load(layout: str, checkpoint_dir: str) -> dict:
     the other. Returns ``{"losses": {variant: [...]}, "param_errors": {name: rel diff},
     "cross": {"src->dst": (max |loaded - saved|, rel diff of the next losses)}}``."""
     setup = LAYOUTS[layout]()
-    trained, losses = {}, {}
+    trained, losses, calls = {}, {}, {}
     with tp_kernels.use_backend(BACKEND):
         for variant in VARIANTS:
             model = setup.make(variant, seed=0)
             optimizer = torch.optim.SGD(model.parameters(), lr=LR)
             losses[variant] = []
+            tp_kernels.reset_comm_stats()
             for _ in range(STEPS):
                 optimizer.zero_grad(set_to_none=True)
                 losses[variant].append(setup.step(model, variant))
                 optimizer.step()
             trained[variant] = model
+            calls[variant] = {kind: n for (_, kind, _), n in tp_kernels.comm_stats().items()}
         params = {variant: _full_params(model) for variant, model in trained.items()}
         ours, theirs = params["tp_kernels"], params["reference"]
         assert ours.keys() == theirs.keys()
@@ -234,6 +249,7 @@ def _train_and_cross_load(layout: str, checkpoint_dir: str) -> dict:
             "losses": {v: [float(x) for x in ls] for v, ls in losses.items()},
             "loss_errors": [relative_error(a, b) for a, b in zip(*losses.values())],
             "param_errors": {n: relative_error(ours[n], theirs[n]) for n in ours},
+            "calls": calls["tp_kernels"],  # the fused calls and fallbacks of its training steps
             "cross": {},
         }
         for src, dst in (VARIANTS, VARIANTS[::-1]):
@@ -251,6 +267,7 @@ def _train_and_cross_load(layout: str, checkpoint_dir: str) -> dict:
 
 def _check(result: dict) -> None:
     losses = result["losses"]
+    assert "fallback" not in result["calls"], result["calls"]
     assert all(len(ls) == STEPS for ls in losses.values()), losses
     assert losses["tp_kernels"][-1] < losses["tp_kernels"][0], f"not training: {losses}"
     bad = [e for e in result["loss_errors"] if e > REL_TOL]
@@ -282,6 +299,20 @@ def test_torchtitan_02_apply_tp_with_fsdp(worlds, tmp_path):
     per_rank = worlds(4).run(_train_and_cross_load, "titan02", str(tmp_path))
     assert all(r == per_rank[0] for r in per_rank), "ranks disagree"
     _check(per_rank[0])
+
+
+@pytest.mark.skipif(_titan_generation() != "0.2", reason="needs torchtitan 0.2.x (apply_tp)")
+def test_torchtitan_02_float8_apply_tp_with_fsdp(worlds, tmp_path):
+    """The titan02 layout with torchtitan's float8 converter (rowwise) before ``apply_tp``: every
+    Linear fused in fp8 (none falls back), the same tolerance. At 2 TP ranks on ``pipelined`` the
+    fp8 path's outputs and input grads are torchao's bit for bit (tests/test_fp8.py), so its
+    weight grads differ by fp32 accumulation order only, as the bf16 layouts' do."""
+    pytest.importorskip("torchao.float8")
+    per_rank = worlds(4).run(_train_and_cross_load, "titan02-fp8", str(tmp_path))
+    assert all(r == per_rank[0] for r in per_rank), "ranks disagree"
+    _check(per_rank[0])
+    calls = per_rank[0]["calls"]
+    assert calls.get("scaled_all_gather_matmul") and calls.get("scaled_matmul_reduce_scatter")
 
 
 @pytest.mark.skipif(_titan_generation() != "0.3", reason="needs torchtitan 0.3.x (dist_gemm)")

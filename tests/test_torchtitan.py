@@ -297,7 +297,14 @@ def test_patched_takes_the_dist_gemm_path_by_version(monkeypatch):
 
 
 def _float8_model(world: int, recipe: str) -> Transformer:
-    """The tiny model converted by torchtitan 0.2.2's own float8 converter with ``recipe``
+    """The tiny model converted by torchtitan's float8 converter with ``recipe``."""
+    model = _base_model(world)
+    convert_with_torchtitan_s_float8_converter(model, recipe)
+    return model
+
+
+def convert_with_torchtitan_s_float8_converter(model: torch.nn.Module, recipe: str) -> None:
+    """Convert ``model`` with torchtitan 0.2.2's own float8 converter and ``recipe``
     (``tensorwise``: no recipe name, the converter's default config). The converter refuses
     without an sm_89 GPU unless asked to emulate, and an emulated Float8Linear never fuses (its
     GEMMs are not ``_scaled_mm``); ``torch._scaled_mm`` runs on the CPU here, so its hardware
@@ -313,9 +320,7 @@ def _float8_model(world: int, recipe: str) -> Transformer:
     parallel_dims = mock.Mock(dp_shard_enabled=False)
     with mock.patch.object(titan_float8, "has_cuda_capability", return_value=True):
         converter = titan_float8.Float8LinearConverter(job, parallel_dims)
-    model = _base_model(world)
     converter.convert(model)
-    return model
 
 
 def _float8_step(recipe: str, backend: str) -> dict:
