@@ -29,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import tp_kernels as tpk
 
@@ -232,10 +233,11 @@ def _fused_step(recipe: str, dtype_name: str, backend: str, plans: str = "plain"
 _GRAD_TOL = {"rowwise": 2**-5, "rowwise_with_gw_hp": 2**-5, "tensorwise": 2**-4}
 
 
-def _check_fused(result: dict, recipe: str, dtype: str, world: int, backend: str) -> list[str]:
-    """What the module docstring says must hold of one rank's :func:`_fused_step`, and the
-    counts: zero fallbacks, one fused fp8 call each way per Linear boundary, the gather's bytes
-    fp8 (with each row's scale beside it when row-wise)."""
+def _numerics_failures(
+    result: dict, recipe: str, dtype: str, world: int, backend: str
+) -> list[str]:
+    """The results of a block's :func:`_fused_step` (or any step of it reporting ``exact`` and
+    ``error`` per result) outside the module docstring's tolerances."""
     failures = []
     for name, error in result["error"].items():
         weight = name.endswith("weight grad")
@@ -249,6 +251,14 @@ def _check_fused(result: dict, recipe: str, dtype: str, world: int, backend: str
             ok = error <= _GRAD_TOL[recipe]
         if not ok:
             failures.append(f"{name}: error {error:.2e}")
+    return failures
+
+
+def _check_fused(result: dict, recipe: str, dtype: str, world: int, backend: str) -> list[str]:
+    """What the module docstring says must hold of one rank's :func:`_fused_step`, and the
+    counts: zero fallbacks, one fused fp8 call each way per Linear boundary, the gather's bytes
+    fp8 (with each row's scale beside it when row-wise)."""
+    failures = _numerics_failures(result, recipe, dtype, world, backend)
     counts, sent = result["counts"], result["sent"]
     if any(kind == "fallback" for _, kind, _ in counts):
         failures.append(f"fallbacks counted: {counts}")
@@ -369,3 +379,204 @@ def test_the_float8_tp_styles_check_their_modules_as_torchao_s_do():
     for styles in (torchao_tp, tpk_float8_tp):
         with pytest.raises(ValueError, match="Expecting module to be Float8Linear"):
             styles.Float8ColwiseParallel()._apply(nn.Linear(16, 16), None)
+
+
+class _PassThrough(TorchDispatchMode):
+    """A dispatch mode that changes nothing: under it a Float8Linear takes PyTorch's path."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _colwise_under_a_dispatch_mode(recipe: str) -> list[str]:
+    """A Float8Linear under ``ColwiseParallel(input_layouts=Shard(1))`` (its own gather, no
+    PrepareModuleInput) called under a dispatch mode, which the fused fp8 path does not take:
+    PyTorch's path, counted, equal to PyTorch's styles bit for bit."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    warnings.filterwarnings("ignore", module="torchao")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(H, 32 * world, bias=False)).to(torch.bfloat16)
+    convert_to_float8_training(base, config=Float8LinearConfig.from_recipe_name(recipe))
+    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+    ours, theirs = (
+        styles.parallelize_module(
+            copy.deepcopy(base), mesh, {"0": styles.ColwiseParallel(input_layouts=Shard(1))}
+        )
+        for styles in (tpk, torch_tp)
+    )
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(B, 8 * world, H, generator=g).to(torch.bfloat16).chunk(world, dim=1)[rank]
+    tpk.reset_comm_stats()
+    with _PassThrough():
+        got = _step(ours, x)
+    counts = dict(tpk.comm_stats())
+    want = _step(theirs, x)
+    names = ("output", "input grad", "weight grad")
+    failures = [f"{n} differs" for n, a, b in zip(names, got, want) if not torch.equal(a, b)]
+    if counts != {("forward", "fallback", "torch"): 1}:
+        failures.append(f"counts {counts}: expected one fallback")
+    return failures
+
+
+def test_a_colwise_float8_linear_falls_back_under_a_dispatch_mode(worlds):
+    """Before, the fallback handed the Float8Linear its input still sequence-sharded; torchao's
+    GEMM then redistributed an fp8 tensor and failed (no ``index_select`` for a
+    Float8TrainingTensor). PyTorch's style gathers the input first, and so does the fallback."""
+    for failures in worlds(2).run(_colwise_under_a_dispatch_mode, "rowwise"):
+        assert failures == []
+
+
+# The project's Llama (tp_kernels/models), converted with each recipe.
+
+LLAMA_LAYERS = 2
+
+
+def _llama_config(world: int):
+    """A Llama whose every local GEMM dim is a multiple of 16 on ``world`` ranks (the head counts
+    must divide by ``world``, so the sizes grow with it): head dim 16, per rank 2 query heads
+    and 1 key/value head (grouped-query attention), 64 ffn and 48 vocabulary columns, and 8
+    tokens of the sequence."""
+    from tp_kernels.models import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=48 * world,
+        dim=32 * world,
+        n_layers=LLAMA_LAYERS,
+        n_heads=2 * world,
+        n_kv_heads=world,
+        ffn_hidden_dim=64 * world,
+        max_seq_len=8 * world,
+    )
+
+
+def _llama_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """The next-token cross entropy (fp32) of ``model`` on ``tokens [B, S+1]``, backward run."""
+    logits = model(tokens[:, :-1])
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+    loss.backward()
+    return loss.detach()
+
+
+def _llama_steps(recipe: str, dtype_name: str) -> dict:
+    """One training step of the Llama converted with ``recipe`` under PyTorch's styles and under
+    tp_kernels' on each backend: per backend, each result's ``exact`` and ``error`` against
+    PyTorch's (the loss and every parameter's whole gradient) and the counters; and which
+    Linears torchao converted."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8.float8_linear import Float8Linear
+
+    from tp_kernels.models import Llama
+    from tp_kernels.models.plans import llama_tp_plan
+
+    warnings.filterwarnings("ignore", module="torchao")
+    world = dist.get_world_size()
+    config = _llama_config(world)
+    base = Llama(config, seed=3, dtype=getattr(torch, dtype_name))
+    linears = sorted(n for n, m in base.named_modules() if isinstance(m, nn.Linear))
+    convert_to_float8_training(base, config=Float8LinearConfig.from_recipe_name(recipe))
+    fp8 = sorted(n for n, m in base.named_modules() if isinstance(m, Float8Linear))
+    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+    g = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, config.vocab_size, (B, config.max_seq_len + 1), generator=g)
+    names = ["loss", *(f"{n} grad" for n, _ in base.named_parameters())]
+
+    def results(model: nn.Module, loss: torch.Tensor) -> list[torch.Tensor]:
+        return [loss, *(p.grad.full_tensor() for p in model.parameters())]
+
+    theirs = torch_tp.parallelize_module(
+        copy.deepcopy(base), mesh, llama_tp_plan(base, styles="torch")
+    )
+    want = results(theirs, _llama_loss(theirs, tokens))
+    steps = {}
+    for backend in ("reference", "pipelined", "symm"):
+        plan = llama_tp_plan(base, backend=backend)
+        ours = tpk.parallelize_module(copy.deepcopy(base), mesh, plan)
+        tpk.reset_comm_stats()
+        loss = _llama_loss(ours, tokens)
+        counts = dict(tpk.comm_stats())
+        got = results(ours, loss)
+        steps[backend] = {
+            "exact": {n: torch.equal(a, b) for n, a, b in zip(names, got, want)},
+            "error": {n: _norm_error(a, b) for n, a, b in zip(names, got, want)},
+            "counts": counts,
+        }
+    return {"linears": linears, "fp8": fp8, "steps": steps}
+
+
+def _check_llama(step: dict, fp8: list[str], dtype: str, backend: str) -> list[str]:
+    """What :func:`test_the_llama_converted_with_each_recipe_fuses_every_boundary`'s docstring
+    says must hold of one backend's step."""
+    failures = []
+    weight_grads = {f"{name}.weight grad" for name in fp8}
+    for name, error in step["error"].items():
+        if dtype == "float32":
+            ok = error <= 2**-20  # fp32 reassociation
+        elif name in weight_grads:
+            ok = error <= 2**-8  # the rows' order in the reduction, then one bf16 rounding
+        else:
+            ok = step["exact"][name]
+        if not ok:
+            failures.append(f"{name}: error {error:.2e}")
+    counts = step["counts"]
+    fallbacks = {k: n for k, n in counts.items() if k[1] == "fallback"}
+    if fallbacks:
+        failures.append(f"fallbacks counted: {fallbacks}")
+    per_boundary = {k: n for k, n in counts.items() if k[1] != "amax_all_reduce"}
+    blocks = LLAMA_LAYERS
+    expected = {
+        # attention's and feed_forward's grouped gathers, and the output Linear's
+        ("forward", "scaled_all_gather_matmul", backend): 2 * blocks + 1,
+        ("forward", "scaled_matmul_reduce_scatter", backend): 2 * blocks,  # wo, w2
+        # the input grad of each gathered input, and each rowwise Linear's output grad gathered
+        ("backward", "scaled_matmul_reduce_scatter", backend): 2 * blocks + 1,
+        ("backward", "scaled_all_gather_matmul", backend): 2 * blocks,
+        # the weight grads' operands: each gathered input's cast shard, each wo/w2 output grad's
+        ("backward", "all_gather", backend): 4 * blocks + 1,
+    }
+    if per_boundary != expected:
+        failures.append(f"fused calls {per_boundary}, expected {expected}")
+    for phase in ("forward", "backward"):  # the casts whose scales span ranks
+        if not counts.get((phase, "amax_all_reduce", backend)):
+            failures.append(f"no {phase} amax all-reduce on {backend}")
+    return failures
+
+
+@pytest.mark.parametrize(("world_size", "dtype"), [(2, "bfloat16"), (3, "float32")])
+def test_the_llama_converted_with_each_recipe_fuses_every_boundary(worlds, world_size, dtype):
+    """tp_kernels' Llama (``LLAMA_LAYERS`` blocks, :func:`_llama_config`) converted with each
+    recipe by ``convert_to_float8_training`` without a module filter: every ``nn.Linear`` is a
+    Float8Linear (``wq``, ``wk``, ``wv``, ``wo``, ``w1``, ``w2``, ``w3`` of each block and the
+    vocabulary ``output``; torchao's automatic filter, which skips dims that are not multiples
+    of 16, is applied only when asked for, and every dim here is one anyway). It is
+    parallelized by ``llama_tp_plan`` with tp_kernels' styles on each backend and with
+    PyTorch's (the same plan from torch's classes), and one step (cross entropy, backward)
+    runs both ways: zero fallbacks, and each boundary's fused fp8 call once each way.
+
+    Tolerances against PyTorch's styles. At W=2 in bf16 the loss and every gradient but the fp8
+    Linears' weight grads are bit-exact on every backend: the casts are torchao's with the same
+    scales (amaxes all-reduced where DTensor's span ranks), each fused GEMM is the same
+    ``_scaled_mm`` on the same rows (on CPU, symm's GEMMs are torch's too), and a sum of two
+    bf16 partials rounds once either way. A weight grad reduces over the rows, gathered-dim
+    first here and batch first in DTensor's GEMM: fp32 accumulation order, then one bf16
+    rounding that may land the other way (2^-8 norm-relative at most; 4e-6 measured).
+
+    At W=3 in bf16 nothing is compared: DTensor's reduce-scatter rounds its running sum to bf16
+    after each partial where tp_kernels sums them in fp32, and a block output one bf16 step
+    apart moves elements across fp8 rounding edges in the next casts; over two blocks the
+    gradients drift 3-13% apart (norm-relative) -- measured as far as torchao's unsharded model
+    is from torchao under PyTorch's styles, with all three equally far from an unquantized
+    float64 run, so no tolerance would tell a defect from it. W=3 runs with fp32 master
+    weights instead, where the partials are fp32 (tensorwise) or bf16-valued (row-wise: torchao
+    makes row-wise products in bf16) and summed in fp32 both ways: 2^-20 norm-relative for the
+    reassociation (measured: row-wise recipes bit-exact, tensorwise 3e-7). One fp32 ulp could
+    still flip an fp8 cast of an element sitting on a rounding edge, which would show as a
+    larger error; none does with these seeds, and a wrong scale, amax or row shows at 2^-8 or
+    more."""
+    for recipe in RECIPES:
+        for result in worlds(world_size).run(_llama_steps, recipe, dtype):
+            assert result["fp8"] == result["linears"], result
+            assert len(result["fp8"]) == 7 * LLAMA_LAYERS + 1
+            for backend, step in result["steps"].items():
+                assert _check_llama(step, result["fp8"], dtype, backend) == [], (recipe, backend)

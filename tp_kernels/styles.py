@@ -315,7 +315,10 @@ def _colwise_forward(self: nn.Linear, x: Any) -> Any:
         x = DTensor.from_local(x, fused.mesh, fused.input_layouts, run_check=False)
     if dim is not None and fused.float8:
         _fall_back(f"ColwiseParallel on {type(self).__qualname__}", _NOT_EAGER)
-        return type(self).forward(self, x)
+        # PyTorch's style gathers the input before the forward (desired_input_layouts): a
+        # Float8Linear casts a sharded input itself and its GEMM's redistribute of the fp8
+        # tensor fails in torchao (no index_select for a Float8TrainingTensor).
+        return type(self).forward(self, x.redistribute(fused.mesh, (Replicate(),)))
     if dim is not None:
         _, (y,) = all_gather_matmul(
             x.to_local(), [self.weight.to_local().t()], dim, fused.mesh, backend=fused.backend
