@@ -580,3 +580,112 @@ def test_the_llama_converted_with_each_recipe_fuses_every_boundary(worlds, world
             assert len(result["fp8"]) == 7 * LLAMA_LAYERS + 1
             for backend, step in result["steps"].items():
                 assert _check_llama(step, result["fp8"], dtype, backend) == [], (recipe, backend)
+
+
+# Frozen weights and an input without grad: backward skips their work (as
+# tests/test_backward_work.py checks of the bf16 path). What needs a grad: (the block's input,
+# the frozen Linears).
+FROZEN_CASES = {
+    "all": (True, ()),
+    "frozen_weights": (True, ("w1", "w2", "w3")),  # LoRA-style: only the input grad
+    "input_no_grad": (False, ()),
+    "w1_frozen": (True, ("w1",)),
+    "w2_frozen": (True, ("w2",)),
+}
+_MATMULS = ("aten::mm", "aten::addmm", "aten::_scaled_mm")
+
+
+def _runs_a_matmul(event) -> bool:
+    return any(c.name in _MATMULS or _runs_a_matmul(c) for c in event.cpu_children)
+
+
+def _matmul_flops(prof) -> int:
+    """2*M*K*N summed over the innermost matmul events (torchao's ``mm`` of its fp8 tensors
+    runs a ``_scaled_mm`` inside; the fused ops' GEMMs are ``_scaled_mm``s too)."""
+    total = 0
+    for event in prof.events():
+        if event.name not in _MATMULS or _runs_a_matmul(event):
+            continue
+        shapes = event.input_shapes[1:] if event.name == "aten::addmm" else event.input_shapes
+        (m, k), (_, n) = shapes[0], shapes[1]
+        total += 2 * m * k * n
+    return total
+
+
+def _frozen_steps(recipe: str, case: str) -> dict:
+    """The SwiGLU block converted with ``recipe``, the Linears of ``case`` frozen: its backward
+    under tp_kernels' styles on each backend (the GEMMs it ran, in units of one Linear's GEMM,
+    and its counted calls) and every result against PyTorch's styles with the same frozen
+    Linears (:func:`_fused_step`'s ``exact`` and ``error``)."""
+    # Imported in the ranks: the profiler imports Triton, after conftest set TRITON_INTERPRET.
+    from torch.profiler import ProfilerActivity, profile
+
+    input_grad, frozen = FROZEN_CASES[case]
+    ours, theirs, x, _ = _block_pair(recipe, torch.bfloat16)
+    for model in (ours, theirs):
+        for name, p in model.named_parameters():
+            p.requires_grad_(name.split(".")[0] not in frozen)
+
+    def step(model: nn.Module) -> tuple:
+        """Forward, then backward profiled and counted: the profile and every result."""
+        model.zero_grad(set_to_none=True)
+        xin = x.clone().requires_grad_(input_grad)
+        y = model(xin)
+        y = y.to_local() if isinstance(y, DTensor) else y
+        loss = y.float().pow(2).sum()
+        tpk.reset_comm_stats()  # the backward's calls only
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            loss.backward()
+        got = {"output": y.detach(), "input grad": xin.grad}
+        got.update((f"{n} grad", p.grad) for n, p in model.named_parameters())
+        return prof, {n: t.to_local() if isinstance(t, DTensor) else t
+                      for n, t in got.items() if t is not None}  # fmt: skip
+
+    want = step(theirs)[1]
+    world = dist.get_world_size()
+    gemm = 2 * (B * 8 * world) * H * 64  # every GEMM of this block: [W*m rows] x H x 64
+    results = {}
+    for backend in ("reference", "pipelined", "symm"):
+        with tpk.use_backend(backend):
+            prof, got = step(ours)
+        counts = dict(tpk.comm_stats())
+        results[backend] = {
+            "gemms": _matmul_flops(prof) / gemm,
+            "counts": counts,
+            "grads": sorted(got),
+            "exact": {n: torch.equal(got[n], want[n]) for n in want if n in got},
+            "error": {n: _norm_error(got[n], want[n]) for n in want if n in got},
+        }
+    return {"want": sorted(want), "backends": results}
+
+
+@pytest.mark.parametrize("case", list(FROZEN_CASES))
+def test_frozen_weights_and_an_input_without_grad_skip_their_backward_work(worlds, case):
+    """The fused fp8 block's backward runs a Linear's weight-grad GEMM (and the gather of its
+    cast operand: the colwise input's, w2's output grad's) only for a weight that needs its
+    grad, the input-grad GEMMs of w1/w3 and their reduce-scatter only when the block's input
+    needs one, and w2's input-grad GEMM with its gather only when anything upstream does. The
+    GEMMs that ran are counted by the profiler (every GEMM of this block is one size, so the
+    FLOPs count them), the calls by ``comm_stats``: exactly what is needed, on every backend
+    (torchao's own backward runs both GEMMs of every Linear, so PyTorch's styles are no gauge
+    of the work). The grads that remain are those of torchao under PyTorch's styles with the
+    same frozen Linears, within the module docstring's tolerances (W=2)."""
+    input_grad, frozen = FROZEN_CASES[case]
+    trains = {w: w not in frozen for w in ("w1", "w2", "w3")}
+    upstream = input_grad or trains["w1"] or trains["w3"]  # w2's input needs its grad
+    gemms = int(upstream) + 2 * int(input_grad) + sum(trains.values())
+    expected = {
+        ("backward", "scaled_all_gather_matmul"): int(upstream),  # w2's dgrad
+        ("backward", "scaled_matmul_reduce_scatter"): int(input_grad),  # w1/w3's dgrad
+        # the gathered input's cast for w1/w3's wgrad, w2's output grad's for its wgrad
+        ("backward", "all_gather"): int(trains["w1"] or trains["w3"]) + int(trains["w2"]),
+    }
+    for recipe in RECIPES:
+        for result in worlds(2).run(_frozen_steps, recipe, case):
+            for backend, got in result["backends"].items():
+                where = (recipe, case, backend)
+                assert got["gemms"] == gemms, where
+                calls = {k[:2]: n for k, n in got["counts"].items() if k[1] != "amax_all_reduce"}
+                assert calls == {k: n for k, n in expected.items() if n}, where
+                assert got["grads"] == result["want"], where
+                assert _numerics_failures(got, recipe, "bfloat16", 2, backend) == [], where
