@@ -422,8 +422,9 @@ def _colwise_under_a_dispatch_mode(recipe: str) -> list[str]:
 
 def test_a_colwise_float8_linear_falls_back_under_a_dispatch_mode(worlds):
     """Before, the fallback handed the Float8Linear its input still sequence-sharded; torchao's
-    GEMM then redistributed an fp8 tensor and failed (no ``index_select`` for a
-    Float8TrainingTensor). PyTorch's style gathers the input first, and so does the fallback."""
+    GEMM then redistributed an fp8 tensor and failed ("all_gather_into_tensor with axiswise
+    scaling is not supported yet"). PyTorch's style gathers the input first, and so does the
+    fallback."""
     for failures in worlds(2).run(_colwise_under_a_dispatch_mode, "rowwise"):
         assert failures == []
 

@@ -316,8 +316,9 @@ def _colwise_forward(self: nn.Linear, x: Any) -> Any:
     if dim is not None and fused.float8:
         _fall_back(f"ColwiseParallel on {type(self).__qualname__}", _NOT_EAGER)
         # PyTorch's style gathers the input before the forward (desired_input_layouts): a
-        # Float8Linear casts a sharded input itself and its GEMM's redistribute of the fp8
-        # tensor fails in torchao (no index_select for a Float8TrainingTensor).
+        # Float8Linear casts a sharded input itself, and its GEMM's redistribute of the fp8
+        # tensor fails in torchao (no all-gather of a row-wise-scaled Float8TrainingTensor;
+        # eagerly, no index_select of one).
         return type(self).forward(self, x.redistribute(fused.mesh, (Replicate(),)))
     if dim is not None:
         _, (y,) = all_gather_matmul(
