@@ -15,10 +15,10 @@ ships it, then trained side by side and checkpointed across:
   at the root.
 
 Each variant takes ``STEPS`` SGD steps on one batch (each dp rank its own half); the losses
-and the final parameters of the two must agree, and tp_kernels' steps count no fallback. Then a ``torch.distributed.checkpoint`` save of
-each trained model is loaded into a freshly built model of the other variant (other weights):
-the loaded parameters must equal the saved ones exactly, and one more step on each gives the same
-loss.
+and the final parameters of the two must agree, and tp_kernels' steps count no fallback. Then a
+``torch.distributed.checkpoint`` save of each trained model is loaded into a freshly built model
+of the other variant (other weights): the loaded parameters must equal the saved ones exactly,
+and one more step on each gives the same loss.
 
 Tolerance: ``REL_TOL = 8 * eps(float32)`` (~1e-6) on the relative difference, per quantity (each
 loss, each parameter's full tensor). A step's gradients agree to a few eps relative (sharding and
