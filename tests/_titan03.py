@@ -82,9 +82,37 @@ def _parallelism(tp: int, dp: int):
     )
 
 
-def build(tp_gemm_backend: str, tp: int = 1, dp: int = 1, state: dict | None = None, seed: int = 0):
+def float8_converter(recipe: str, filter_fqns: tuple[str, ...] = ()):
+    """torchtitan 0.3's own float8 converter for torchao's ``recipe``. The converter refuses
+    without an sm_89 GPU unless asked to emulate, and an emulated Float8Linear is not what a
+    training run uses (its GEMMs are not ``_scaled_mm``); ``torch._scaled_mm`` runs on the CPU
+    here, so its hardware check is answered yes. ``"tensorwise"`` is outside the converter's
+    declared recipes (``"rowwise"``, ``"rowwise_with_gw_hp"``) but torchao's recipe lookup takes
+    it, and nothing else in the converter depends on the name."""
+    from unittest import mock
+
+    from torchtitan.components.quantization import float8 as titan_float8
+
+    config = titan_float8.Float8LinearConverter.Config(
+        recipe_name=recipe, filter_fqns=list(filter_fqns)
+    )
+    with mock.patch.object(titan_float8, "has_cuda_capability", return_value=True):
+        return config.build()
+
+
+def build(
+    tp_gemm_backend: str,
+    tp: int = 1,
+    dp: int = 1,
+    state: dict | None = None,
+    seed: int = 0,
+    float8: str | None = None,
+    float8_filter: tuple[str, ...] = (),
+):
     """The Llama3 model (on CPU, fp32), weights from ``state`` or drawn from ``seed``; its
-    sharding config set for ``tp`` x ``dp``."""
+    sharding config set for ``tp`` x ``dp``. ``float8``: a torchao recipe, the model config
+    converted by torchtitan's float8 converter (:func:`float8_converter`) first, where its
+    ``model_registry`` converts it: before the trainer sets the sharding configs."""
     from torchtitan.models import llama3
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
 
@@ -110,6 +138,8 @@ def build(tp_gemm_backend: str, tp: int = 1, dp: int = 1, state: dict | None = N
             tp_gemm_backend=tp_gemm_backend,
         ),
     )
+    if float8 is not None:
+        config = float8_converter(float8, float8_filter).convert(config)
     config.update_from_config(config=SimpleNamespace(parallelism=_parallelism(tp, dp)))
     torch.manual_seed(seed)
     model = config.build()

@@ -46,15 +46,23 @@ collectives inside would get the wrong (local) rule. Importing this module needs
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextvars
+import functools
+import logging
+import sys
+from collections.abc import Callable, Sequence
 
 import spmd_types as spmd
 import torch
+import torch.nn as nn
 
 from tp_kernels.backends import current_backend
 from tp_kernels.ops import all_gather_matmul, matmul_reduce_scatter
+from tp_kernels.ops.planning import record
 
 __all__ = ["AllGatherLinear", "AllGatherLinearMulti", "LinearReduceScatter"]
+
+logger = logging.getLogger("tp_kernels")
 
 
 def _gather_forward(ctx, x, weights, group) -> list[torch.Tensor]:
@@ -204,3 +212,162 @@ class LinearReduceScatter(torch.autograd.Function):
         return _typechecked(
             LinearReduceScatter, args, [(x, spmd.S(1)), (w, spmd.S(1)), (bias, spmd.R)], spmd.S(0)
         )
+
+
+# ---- torchao Float8Linear children: the fused fp8 path -------------------------------------------
+#
+# torchtitan 0.3's fused modules pass their children's ``.weight`` to the three Functions, so a
+# child that torchtitan's float8 converter made a Float8Linear would be multiplied in high
+# precision (its fp8 casts never run). Under patched() the modules' forwards run inside
+# :func:`owned_forward`, which makes the module known here; the names the modules call are
+# :class:`Routed` objects, which send a call whose weights all belong to fusable Float8Linear
+# children to tp_kernels/float8.py's fused fp8 Functions and any other call to the Functions
+# above. torchtitan's own forwards (their reshaping, their fallbacks) run unchanged.
+
+_owner: contextvars.ContextVar[nn.Module | None] = contextvars.ContextVar(
+    "tp_kernels_dist_gemm_owner", default=None
+)
+_reported: set[tuple[str, str]] = set()
+
+
+def owned_forward(forward: Callable) -> Callable:
+    """``forward`` of a dist_gemm module class, run with the module made known to the
+    :class:`Routed` names its calls reach."""
+
+    @functools.wraps(forward)
+    def wrapper(self, *args, **kwargs):
+        token = _owner.set(self)
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            _owner.reset(token)
+
+    wrapper.tp_kernels_wraps = forward  # what unpatch() puts back (and tests check)
+    return wrapper
+
+
+def _float8_children(weights: Sequence[torch.Tensor]) -> tuple[list[nn.Module] | None, str]:
+    """``(the Float8Linear children of the running module owning weights, "")`` when the call
+    may take the fused fp8 path; ``(None, why)`` when some weight is a Float8Linear's but the
+    call cannot; ``(None, "")`` when none is (the high-precision path, nothing ignored)."""
+    float8_linear = sys.modules.get("torchao.float8.float8_linear")
+    owner = _owner.get()
+    if float8_linear is None or owner is None:
+        return None, ""
+    by_weight = {id(c.weight): c for c in owner.children() if isinstance(c, nn.Linear)}
+    mods = [by_weight.get(id(w)) for w in weights]
+    fp8 = [isinstance(m, float8_linear.Float8Linear) for m in mods]
+    if not any(fp8):
+        return None, ""
+    if not all(fp8):
+        return None, "its weights mix Float8Linear and high-precision Linears"
+    from tp_kernels import float8
+
+    for m in mods:
+        why = float8.unfusable_reason(m)
+        if why is not None:
+            return None, why
+    if any(m.config != mods[0].config for m in mods[1:]):
+        return None, "its Float8Linears differ in torchao config"
+    if torch.compiler.is_compiling():
+        return None, "a Float8Linear fuses on the eager path only (not compiled)"
+    return mods, ""
+
+
+def _fp8_ignored(name: str, why: str) -> None:
+    """Count a call whose Float8Linear weights are multiplied in high precision (what
+    torchtitan's own Functions do with every one); log each reason once."""
+    record("forward", "fallback", "torch")
+    owner = type(_owner.get()).__qualname__
+    if (owner, why) not in _reported:
+        _reported.add((owner, why))
+        logger.warning(
+            "%s: %s runs in high precision, its Float8Linear's fp8 casts not applied: %s",
+            owner,
+            name,
+            why,
+        )
+
+
+def _types_in(x, inputs, group) -> dict:
+    """Assert ``inputs`` ((tensor, type on the TP axis)); the types of an output (``x``'s, the
+    TP axis to be set)."""
+    for tensor, tp_type in inputs:
+        if tensor is not None:
+            spmd.assert_type(tensor, {group: tp_type})
+    return spmd.get_local_type(x)
+
+
+@functools.cache
+def _float8_functions() -> tuple[type, type]:
+    """tp_kernels/float8.py's fused fp8 Functions, registered with spmd_types' checker under
+    the types of the Functions above (imported on first use: torchao is optional)."""
+    from tp_kernels import float8
+
+    @spmd.register_autograd_function
+    class Float8Gather(float8.Float8ColwiseLinears):
+        """:class:`AllGatherLinear` / :class:`AllGatherLinearMulti`'s contract, fp8."""
+
+        @staticmethod
+        def typecheck_forward(call, x, *params):
+            n = call.num_linears
+            want = _types_in(x, [(x, spmd.S(0)), *((p, spmd.S(0)) for p in params)], call.group)
+            outs = Float8Gather.apply(call, x, *params)
+            for out in outs:
+                spmd.assert_type(out, {**want, call.group: spmd.S(1)})
+            assert len(outs) == n
+            return outs
+
+    @spmd.register_autograd_function
+    class Float8Scatter(float8.Float8RowwiseLinear):
+        """:class:`LinearReduceScatter`'s contract (no bias), fp8."""
+
+        @staticmethod
+        def typecheck_forward(call, x, weight):
+            want = _types_in(x, [(x, spmd.S(1)), (weight, spmd.S(1))], call.group)
+            out = Float8Scatter.apply(call, x, weight)
+            spmd.assert_type(out, {**want, call.group: spmd.S(0)})
+            return out
+
+    return Float8Gather, Float8Scatter
+
+
+def _float8_gather(mods, x, weights, biases, group) -> tuple[torch.Tensor, ...]:
+    from tp_kernels import float8
+
+    call = float8.call_for(mods, x, 0, group, current_backend(), colwise=True)
+    return _float8_functions()[0].apply(call, x, *weights, *biases)
+
+
+class Routed:
+    """What patched() binds a dist_gemm name to: ``apply`` with the Function's arguments runs
+    the fused fp8 path when the weights are fusable Float8Linears' (see above), else
+    ``function`` (tp_kernels' Function of that name)."""
+
+    def __init__(self, function: type[torch.autograd.Function]) -> None:
+        self.function = function
+        self.__name__ = self.__qualname__ = function.__name__
+
+    def __repr__(self) -> str:
+        return f"<tp_kernels {self.__name__}, fp8 for Float8Linear weights>"
+
+    def apply(self, x, *args):
+        group = args[-2]
+        weights = args[:2] if self.function is AllGatherLinearMulti else args[:1]
+        mods, why = _float8_children(weights)
+        if mods is None:
+            if why:
+                _fp8_ignored(self.__name__, why)
+            return self.function.apply(x, *args)
+        if self.function is AllGatherLinearMulti:
+            return _float8_gather(mods, x, weights, (None, None), group)
+        bias = args[1]
+        if self.function is AllGatherLinear:
+            (y,) = _float8_gather(mods, x, weights, (bias,), group)
+            return y
+        from tp_kernels import float8
+
+        call = float8.call_for(mods, x, 0, group, current_backend(), colwise=False)
+        y = _float8_functions()[1].apply(call, x, weights[0])
+        # the replicated bias added once, after the scatter (as LinearReduceScatter adds it)
+        return y if bias is None else y + bias.to(y.dtype)

@@ -44,6 +44,18 @@ call torchtitan's own Functions); a training script simply calls :func:`patch` o
     with tpk_titan.patched():   # or around each step
         loss_fn(model(tokens), labels).backward()
 
+FP8 on 0.3: torchtitan's float8 converter makes the fused modules' children (``wqkv``, ``w1``,
+``w3``, ``w2``) Float8Linears, whose ``.weight`` torchtitan's fused forwards multiply in high
+precision (fp8 silently not applied). :func:`patched` therefore binds the three names to routers
+(:class:`tp_kernels.integrations._torchtitan_linear.Routed`) and wraps the forwards of
+``AllGatherFusedQKVLinear`` and ``AllGatherFusedFeedForward``: a call whose weights all belong to
+fusable Float8Linear children runs :mod:`tp_kernels.float8`'s fused fp8 ops, any other the bf16
+Functions (a Float8Linear that cannot fuse counted as a fallback and logged). The converter also
+turns ``RowParallelLinear`` (attention's ``wo``) into a plain Float8Linear, after which torchtitan
+declares the stock attention contract around the still-fused QKV, which gathers its input twice:
+that run fails patched or not; convert with ``filter_fqns=["attention.wo"]`` (``wo`` then runs
+the bf16 fused op). See docs/torchtitan.md.
+
 The version (``torchtitan.__version__``) picks the path; a checkout without one (``0.0.0``) is
 taken as 0.3 when it has ``dist_gemm``.
 
@@ -88,6 +100,9 @@ TORCHAO_FLOAT8_TP_MODULE = "torchao.float8.float8_tensor_parallel"
 # torchtitan 0.3: the module whose fused linears call these Functions, rebound to tp_kernels'.
 DIST_GEMM_MODULE = "torchtitan.models.common.dist_gemm"
 DIST_GEMM_FUNCTIONS = ("AllGatherLinear", "AllGatherLinearMulti", "LinearReduceScatter")
+# torchtitan 0.3: the fused modules whose children torchtitan's float8 converter may make
+# Float8Linears; their forwards are wrapped so the calls above can find those children.
+DIST_GEMM_OWNERS = ("AllGatherFusedQKVLinear", "AllGatherFusedFeedForward")
 
 
 def _is_torch_style(value: object) -> bool:
@@ -123,9 +138,10 @@ def _uses_dist_gemm(torchtitan: ModuleType) -> bool:
         return False
 
 
-def _dist_gemm_targets() -> list[tuple[ModuleType, str, object]]:
-    """``(dist_gemm module, name, tp_kernels' Function)`` for each Function torchtitan 0.3's
-    fused linears call."""
+def _dist_gemm_targets() -> list[tuple[object, str, object]]:
+    """``(dist_gemm module, name, tp_kernels' router to its Function)`` for each Function
+    torchtitan 0.3's fused linears call, and ``(class, "forward", wrapped forward)`` for each
+    fused module whose children may be Float8Linears."""
     try:
         module = importlib.import_module(DIST_GEMM_MODULE)
     except ImportError as e:
@@ -133,16 +149,23 @@ def _dist_gemm_targets() -> list[tuple[ModuleType, str, object]]:
             f"{_version(_torchtitan())}: cannot import {DIST_GEMM_MODULE}, whose fused linears "
             f"patched() rebinds on torchtitan 0.3+ ({type(e).__name__}: {e})"
         ) from e
-    missing = [name for name in DIST_GEMM_FUNCTIONS if not hasattr(module, name)]
+    missing = [name for name in DIST_GEMM_FUNCTIONS + DIST_GEMM_OWNERS if not hasattr(module, name)]
     if missing:
         raise RuntimeError(
             f"{_version(_torchtitan())}: {DIST_GEMM_MODULE} has no {missing}; patched() "
             f"rebinds {list(DIST_GEMM_FUNCTIONS)}, the Functions of torchtitan 0.3.0's "
-            f"distributed/linear.py that its fused linears call"
+            f"distributed/linear.py that its fused linears call, and wraps the forwards of "
+            f"{list(DIST_GEMM_OWNERS)}"
         )
     from tp_kernels.integrations import _torchtitan_linear
 
-    return [(module, name, getattr(_torchtitan_linear, name)) for name in DIST_GEMM_FUNCTIONS]
+    routed = _torchtitan_linear.Routed
+    return [
+        (module, name, routed(getattr(_torchtitan_linear, name))) for name in DIST_GEMM_FUNCTIONS
+    ] + [
+        (cls, "forward", _torchtitan_linear.owned_forward(cls.__dict__["forward"]))
+        for cls in (getattr(module, name) for name in DIST_GEMM_OWNERS)
+    ]
 
 
 def _style_modules() -> tuple[list[ModuleType], dict[str, str]]:
@@ -170,7 +193,7 @@ def _style_modules() -> tuple[list[ModuleType], dict[str, str]]:
 _lock = threading.Lock()
 _depth = 0
 # (module, global name, PyTorch's object) for every name rebound by the outermost patch()
-_rebound: list[tuple[ModuleType, str, object]] = []
+_rebound: list[tuple[object, str, object]] = []
 
 
 def _style_targets() -> list[tuple[ModuleType, str, object]]:
@@ -228,7 +251,7 @@ def patch() -> list[str]:
                 _rebound.append((module, attr, getattr(module, attr)))
                 setattr(module, attr, ours)
         _depth += 1
-        return sorted({module.__name__ for module, _, _ in _rebound})
+        return sorted({t.__name__ for t, _, _ in _rebound if isinstance(t, ModuleType)})
 
 
 def unpatch() -> None:
