@@ -109,8 +109,9 @@ import torch.distributed as dist
 
 from tp_kernels import config
 from tp_kernels.bench import calibration, capture_check
-from tp_kernels.bench.protocol import DTYPES, render_table
-from tp_kernels.testing import LocalWorld, RankError
+from tp_kernels.bench.protocol import DTYPES, FP8_DTYPES, render_table
+from tp_kernels.testing import LocalWorld, RankError, fp8_cases
+from tp_kernels.testing.fp8_cases import ScaledAGCase, ScaledRSCase, run_scaled_case
 from tp_kernels.testing.fused_cases import AGCase, RSCase, run_case
 from tp_kernels.testing.numerics import FLOOR, floors_for
 
@@ -135,6 +136,12 @@ NO_CUDA_MESSAGE = (
     "interpreter, with tiny shapes) and skips the cuBLAS timing."
 )
 TIMING_ARGV = ["--M", "8192", "--N", "3584", "--K", "8192", "--dtype", "bf16"]
+# The same Llama shape with e4m3 operands and row-wise scales, against torch._scaled_mm.
+FP8_TIMING_ARGV = [*TIMING_ARGV[:-1], "fp8-rowwise"]
+# The fp8 rows' dtype labels (fp8_cases.SCALINGS) and the op counters' names of their calls.
+FP8_ROWS = tuple(FP8_DTYPES)
+SCALED_KINDS = {"all_gather_matmul": "scaled_all_gather_matmul",
+                "matmul_reduce_scatter": "scaled_matmul_reduce_scatter"}  # fmt: skip
 
 MAX_WORLD = 4
 
@@ -171,6 +178,28 @@ CPU_CASES = {
     ),
 }
 QUICK_CASES = {"cuda": 3, "cpu": 2}
+# The fp8 rows' calls (forward only: fp8 tensors carry no gradient). K and N are multiples of 16
+# (fp8 GEMMs, cuBLASLt's included, need it) but not of a tile (K=1008, 528; N=48, 80, 208), rows
+# are not (M=2*40 per rank, 3*24, ...); a batch dim, several bs, and one reduce-scatter whose K
+# differs by rank; the last case is tile-aligned.
+GPU_FP8_CASES = {
+    AG: (
+        ScaledAGCase((2, 40, 1008), 1, (48, 208)),
+        ScaledAGCase((96, 528), 0, (80,)),
+        ScaledAGCase((3, 24, 1024), 1, (144, 48, 16)),
+        ScaledAGCase((256, 1024), 0, (256,)),
+    ),
+    RS: (
+        ScaledRSCase((2, 40), 1, 1008, 80, k_step=16),
+        ScaledRSCase((96,), 0, 528, 208),
+        ScaledRSCase((3, 24), 1, 1024, 48),
+        ScaledRSCase((256,), 0, 1024, 256),
+    ),
+}
+CPU_FP8_CASES = {
+    AG: (ScaledAGCase((2, 3, 32), 1, (16, 48)), ScaledAGCase((5, 16), 0, (32,))),
+    RS: (ScaledRSCase((2, 3), 1, 32, 16, k_step=16), ScaledRSCase((5,), 0, 48, 32)),
+}
 
 
 # ---------------------------------------------------------------- the comparison
@@ -201,6 +230,7 @@ class RankRow:
     worst: str
     calls: int
     problems: list[str]
+    unavailable: str = ""  # why this row cannot run here (an fp8 row without _scaled_mm), if so
 
 
 def _rank_device(kind: str) -> torch.device:
@@ -247,6 +277,8 @@ def rank_row(task: RowTask) -> RankRow:
     """Run one row's calls on this rank and compare every result (see the module docstring)."""
     import tp_kernels
 
+    if task.dtype in FP8_ROWS:
+        return rank_fp8_row(task)
     device = _rank_device(task.device)
     dist_rank = dist.get_rank()
     dtype = DTYPES[task.dtype]
@@ -281,6 +313,46 @@ def rank_row(task: RowTask) -> RankRow:
             torch.cuda.synchronize(device)
         stats = tp_kernels.comm_stats()
     calls = sum(stats.total(kind=op, backend=task.backend) for op in OPS)
+    return RankRow(ratio, worst, calls, problems)
+
+
+def rank_fp8_row(task: RowTask) -> RankRow:
+    """An fp8 row on this rank: each case's scaled call against ``torch._scaled_mm`` of the
+    gathered or summed operands (:mod:`tp_kernels.testing.fp8_cases`, whose docstring argues the
+    tolerance); forward only, one fused call per case."""
+    import tp_kernels
+
+    device = _rank_device(task.device)
+    rowwise = fp8_cases.SCALINGS[task.dtype]
+    why = fp8_cases.unavailable_reason(device, rowwise)
+    if why is not None:
+        return RankRow(-1.0, "-", 0, [], unavailable=why)
+    ratio, worst, problems = -1.0, "-", []
+    with _symm_triton(task.label == TRITON_LABEL):
+        tp_kernels.reset_comm_stats()
+        for i, case in enumerate(task.cases):
+            seed = task.seed + 100 * i + (0 if task.op == AG else 50) + (7 if rowwise else 0)
+            found = run_scaled_case(
+                case,
+                rowwise=rowwise,
+                device=device,
+                group=dist.group.WORLD,
+                seed=seed,
+                backend=task.backend,
+            )
+            for name, g, r in zip(found.names, found.got, found.reference, strict=True):
+                if g.shape != r.shape or g.dtype != fp8_cases.OUT_DTYPE:
+                    problems.append(
+                        f"call {i + 1} {name}: {tuple(g.shape)} {g.dtype}, expected "
+                        f"{tuple(r.shape)} {fp8_cases.OUT_DTYPE}"
+                    )
+            value, name = found.worst()
+            if value > ratio:
+                ratio, worst = value, f"call {i + 1} {name}, rank {dist.get_rank()}"
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        stats = tp_kernels.comm_stats()
+    calls = stats.total(kind=SCALED_KINDS[task.op], backend=task.backend)
     return RankRow(ratio, worst, calls, problems)
 
 
@@ -350,7 +422,11 @@ def _tail(text: str, lines: int = 14) -> str:
 
 
 def _verdict(task: RowTask, results: list[RankRow], seconds: float) -> Row:
-    expected = 2 * len(task.cases)  # forward, then the other fused op in backward
+    unavailable = sorted({r.unavailable for r in results if r.unavailable})
+    if unavailable:  # this device cannot make the reference: nothing to check, said why
+        return Row(task.label, task.op, task.dtype, "n/a", detail="; ".join(unavailable))
+    # Forward, then the other fused op in backward; an fp8 call is forward only.
+    expected = (1 if task.dtype in FP8_ROWS else 2) * len(task.cases)
     worst = max(results, key=lambda r: r.ratio)
     problems = [p for r in results for p in r.problems]
     calls = sorted({r.calls for r in results})
@@ -417,8 +493,14 @@ def check_world(world_size: int, args: argparse.Namespace) -> list[Row]:
     """Every row of one world (see the module docstring)."""
     device = args.device
     cases = GPU_CASES if device == "cuda" else CPU_CASES
+    fp8 = GPU_FP8_CASES if device == "cuda" else CPU_FP8_CASES
     if args.quick:
         cases = {op: c[: QUICK_CASES[device]] for op, c in cases.items()}
+        fp8 = {op: c[: QUICK_CASES[device]] for op, c in fp8.items()}
+    cases = {
+        **{(op, False): c for op, c in cases.items()},
+        **{(op, True): c for op, c in fp8.items()},
+    }
     env = _rank_env(device, args.symm_timeout_s, args.cuda_max_connections)
     if device == "cuda":
         # Every rank on cuda:0, however many GPUs the machine has: each persistent GEMM takes
@@ -469,7 +551,8 @@ def _backend_rows(world: LocalWorld, label: str, cases: dict, args: argparse.Nam
             if broken:
                 rows.append(Row(label, op, dtype, "skipped", detail=broken))
                 continue
-            task = RowTask(label, backend, op, dtype, cases[op], args.device, seed=1234)
+            op_cases = cases[(op, dtype in FP8_ROWS)]
+            task = RowTask(label, backend, op, dtype, op_cases, args.device, seed=1234)
             started = time.perf_counter()
             try:
                 results = world.run(rank_row, task)
@@ -524,10 +607,11 @@ def check_capture_rows(args: argparse.Namespace) -> list[str]:
     return [f"capture: {row.label}: {row.detail}" for row in rows if row.failed]
 
 
-def time_gemms(quick: bool) -> bool:
-    """The tile GEMMs against cuBLAS, by :func:`tp_kernels.bench.gpu_kernels.main`; True if its
-    checks passed."""
-    argv = TIMING_ARGV + (["--warmup", "2", "--reps", "10"] if quick else [])
+def time_gemms(quick: bool, argv: Sequence[str] = TIMING_ARGV) -> bool:
+    """The tile GEMMs against cuBLAS, by :func:`tp_kernels.bench.gpu_kernels.main` with ``argv``
+    (:data:`TIMING_ARGV`, or :data:`FP8_TIMING_ARGV`: the fp8 GEMMs against
+    ``torch._scaled_mm``); True if its checks passed."""
+    argv = [*argv, *(["--warmup", "2", "--reps", "10"] if quick else [])]
     print(f"\n== tile GEMMs vs cuBLAS: python -m tp_kernels.bench.gpu_kernels {' '.join(argv)}")
     try:
         from tp_kernels.bench import gpu_kernels
@@ -607,7 +691,15 @@ def _parser() -> argparse.ArgumentParser:
         metavar="W",
         help=f"world sizes to run, in order (2..{MAX_WORLD}; default: 2 4)",
     )
-    p.add_argument("--dtypes", choices=list(DTYPES), nargs="+", default=list(DTYPES))
+    p.add_argument(
+        "--dtypes",
+        choices=[*DTYPES, *FP8_ROWS],
+        nargs="+",
+        default=[*DTYPES, *FP8_ROWS],
+        help="the rows' dtypes (default: all): fp32, fp16, bf16 check both ops forward and "
+        "backward against float64; fp8-rowwise and fp8-tensorwise check the scaled ops "
+        "(e4m3, bf16 out) against torch._scaled_mm, and fp8-rowwise adds the fp8 GEMM timing",
+    )
     p.add_argument(
         "--backends",
         nargs="+",
@@ -711,12 +803,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args.device == "cpu":
         print(
             "\ncuBLAS timing skipped: --device cpu has no cuBLAS and no GPU to time the "
-            "tile GEMMs on"
+            "tile GEMMs on (bf16, and fp8 against torch._scaled_mm)"
         )
     elif args.skip_timing:
         print("\ncuBLAS timing skipped (--skip-timing)")
-    elif not time_gemms(args.quick):
-        failed.append("tile GEMM timing (gpu_kernels)")
+    else:
+        if not time_gemms(args.quick):
+            failed.append("tile GEMM timing (gpu_kernels)")
+        if "fp8-rowwise" not in args.dtypes:
+            print("\nfp8 GEMM timing skipped: --dtypes has no fp8-rowwise")
+        elif not time_gemms(args.quick, FP8_TIMING_ARGV):
+            failed.append("fp8 GEMM timing (gpu_kernels --dtype fp8-rowwise)")
     timing = args.device == "cuda" and not (args.skip_timing or args.capture_only)
     if timing and not calibration.run(args.quick):
         failed.append("cost-model calibration")
