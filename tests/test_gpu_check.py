@@ -1,6 +1,7 @@
-"""``python -m tp_kernels.bench.gpu_check`` on a CPU: its CPU mode end to end, a wrong result
-reported as FAIL, a path that cannot run reported as FAIL, its arguments and its capture rows (its
-calibration: tests/test_calibration.py).
+"""``python -m tp_kernels.bench.gpu_check`` on a CPU: its CPU mode end to end (the fp8 rows
+included), a wrong result reported as FAIL (an fp8 row's by a scale 5% off), a path that cannot
+run reported as FAIL, its arguments and its capture rows (its calibration:
+tests/test_calibration.py; its fp8 GEMM timing: tests/gpu/test_gpu_kernels_script.py).
 
 The end-to-end runs use worlds of 2 ranks and ``--quick`` (2 calls per row, tiny shapes); each
 starts its own gloo ranks (~10 s on 2 cores). A wrong result comes from a world whose ranks run a

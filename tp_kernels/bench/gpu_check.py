@@ -28,6 +28,18 @@ What runs (``--device cuda``, the default, on a machine with one GPU):
    ``reduce_op="avg"``. Shapes shrink and grow again, so symm's workspace grows between calls;
    each call is 2 fused calls (forward, then the other op in backward), so symm runs 60
    consecutive calls per world (36 with ``--quick``), alternating its two buffer halves.
+2b. The fp8 rows (dtype ``fp8-rowwise`` and ``fp8-tensorwise``; ``--dtypes`` without them leaves
+   them out), per backend and op: calls of the public scaled ops
+   (:func:`tp_kernels.all_gather_scaled_matmul`, :func:`tp_kernels.scaled_matmul_reduce_scatter`),
+   forward only (fp8 tensors carry no gradient): e4m3 operands, row-wise (``a_scale`` per row,
+   ``b_scale [1, N]``) or tensor-wise scales, bf16 out, ``use_fast_accum=False``; K and N
+   multiples of 16 (fp8 GEMMs need it) but not of a tile (K=1008, 528; N=48, 80, 208), a batch
+   dim, several ``bs``, a reduce-scatter whose K differs by rank, and one tile-aligned case. Each
+   result is compared with ``torch._scaled_mm`` of the gathered (summed) operands computed on the
+   rank, within two bf16 roundings plus the fp32 accumulation bound for the all-gather, three for
+   the reduce-scatter (:mod:`tp_kernels.testing.fp8_cases` argues it); one fused call per call.
+   A device whose ``torch._scaled_mm`` refuses a scaling (no fp8 GEMMs; no row-wise ones) gets
+   n/a rows saying so.
 3. The capture rows (:mod:`tp_kernels.bench.capture_check`; ``--skip-capture`` leaves them out,
    ``--capture-only`` runs nothing else): with 2 ranks, a TP MLP step per backend captured in a
    CUDA graph after three eager steps, replayed 20 times with new inputs against eager steps on
@@ -35,7 +47,11 @@ What runs (``--device cuda``, the default, on a machine with one GPU):
    row times the step's matmuls alone; ``--host-profile`` prints rank 0's cProfile of each
    row's eager steps. On ``--device cpu`` an eager stand-in takes the graph's place.
 4. The tile-GEMM timing: :func:`tp_kernels.bench.gpu_kernels.main` at M=8192 N=3584 K=8192 bf16,
-   in this process once the worlds are gone (``--skip-timing`` leaves it out).
+   in this process once the worlds are gone (``--skip-timing`` leaves it out); then, when
+   ``--dtypes`` has ``fp8-rowwise``, ``gpu_kernels --dtype fp8-rowwise`` at the same shape: the
+   consumer and producer GEMMs in fp8 (e4m3, row-wise scales, bf16 out) against
+   ``torch._scaled_mm`` (cuBLASLt), ``_scaled_mm`` first checked against the fp32 product and
+   each kernel against ``_scaled_mm``.
 5. The cost model's calibration (:func:`tp_kernels.bench.calibration.run`; ``--skip-timing``
    leaves it out too), timed on the device by events: device-to-device copies of chunk sizes,
    and at the Llama shapes the all-gather's consumer kernel launched as rank 0 of 8 with every
@@ -44,7 +60,7 @@ What runs (``--device cuda``, the default, on a machine with one GPU):
    ``tile_overhead_s`` and ``copy_latency_s`` fitted from them are printed beside the assumed
    figures and cuBLAS's fit, with the ``bench model`` command that uses them.
 
-What is checked, on every rank, for every call: the results and gradients of
+What is checked, on every rank, for every call (the fp8 rows: 2b above): the results and gradients of
 :func:`tp_kernels.testing.fused_cases.run_case` (its docstring has each formula), whose whole
 problem is drawn from a seed so that each rank rebuilds every rank's shards.
 
@@ -54,7 +70,7 @@ the fused-op tests (:mod:`tp_kernels.testing.numerics`, which argues each dtype'
 in the dtype). The table shows, per row, the largest ``max|got - truth| / tolerance`` over every
 result, call and rank; a row passes when it is at most 1, nothing had the wrong shape or dtype,
 and the op counters (:func:`tp_kernels.comm_stats`) saw exactly 2 fused calls per call on that
-backend.
+backend (fp8 rows: 1, counted as the scaled op's).
 
 Nothing waits forever: every row has a deadline (``--timeout-s``, 120 s: the first symm row of
 a world compiles and autotunes the Triton kernels); a rank that raises, crashes or misses it
@@ -68,7 +84,8 @@ tensors, every backend that is available there, and symm twice: on its default t
 ``symm[triton]`` on its Triton path in Triton's interpreter (the ranks' environment has
 ``TRITON_INTERPRET=1`` from the start, before Triton is imported, and
 ``config.SYMM_TRITON`` is overridden for those rows: a row of a path that cannot run says why and
-fails); tiny shapes, the interpreter is slow. The cuBLAS timing is skipped with a
+fails), the fp8 rows included (oneDNN's ``_scaled_mm`` is their reference there); tiny shapes,
+the interpreter is slow. The cuBLAS timing (bf16 and fp8) is skipped with a
 line saying why. Without CUDA and without ``--device cpu`` it says there is no CUDA device and
 exits 0.
 
@@ -76,12 +93,14 @@ Expected time. On one H200 (measured 2026-12-04, benchmarks/README.md): the 2-ra
 ``--quick --dtypes bf16 fp32`` took 195 s, of which symm's first bf16 row 48 s (compiling and
 autotuning) and its fp32 row its whole 120 s deadline (fp32 autotuning alone takes ~35 s per key);
 other rows under 10 s; the capture rows about a minute; the bf16 tile-GEMM check 6 s. Not measured
-yet: the 4-rank world, the calibration, a full run (estimate: 5-10 minutes, plus up to one deadline
+yet: the 4-rank world, the calibration, the fp8 rows and the fp8 GEMM timing (no GPU has run
+them), a full run (estimate: 5-10 minutes, plus up to one deadline
 per world for each backend that hangs). ``--quick`` runs 3 calls per row instead of 5, 10 timed GEMM
 calls instead of 50 and 5 timed calibration runs instead of 20; ``--worlds 2`` and ``--dtypes`` trim
 further. ``--device cpu`` on 2 cores (measured, on a shared machine): 1.3-2.3 min in all, of which
 the 2-rank world 24-39 s and the 4-rank world 52-95 s (starting it ~17 s; each interpreted Triton
-row 2-8 s); ``--quick --worlds 2`` 30-40 s.
+row 2-8 s); ``--quick --worlds 2`` 30-40 s; the fp8 rows alone (``--quick --worlds 2 --dtypes fp8-rowwise
+fp8-tensorwise --skip-capture``) 25 s, start-up included.
 
 ``--cuda-max-connections 1`` (worth a second run on first contact, ``--backends symm --worlds
 2 --skip-timing``, about a minute) gives the ranks ``CUDA_DEVICE_MAX_CONNECTIONS=1``, as
