@@ -60,8 +60,8 @@ What runs (``--device cuda``, the default, on a machine with one GPU):
    ``tile_overhead_s`` and ``copy_latency_s`` fitted from them are printed beside the assumed
    figures and cuBLAS's fit, with the ``bench model`` command that uses them.
 
-What is checked, on every rank, for every call (the fp8 rows: 2b above): the results and gradients of
-:func:`tp_kernels.testing.fused_cases.run_case` (its docstring has each formula), whose whole
+What is checked, on every rank, for every call (the fp8 rows: 2b above): the results and gradients
+of :func:`tp_kernels.testing.fused_cases.run_case` (its docstring has each formula), whose whole
 problem is drawn from a seed so that each rank rebuilds every rank's shards.
 
 Each result is compared with the same formula in float64 on the rank (the truth), by the rule of
@@ -97,9 +97,9 @@ yet: the 4-rank world, the calibration, the fp8 rows and the fp8 GEMM timing (no
 them), a full run (estimate: 5-10 minutes, plus up to one deadline
 per world for each backend that hangs). ``--quick`` runs 3 calls per row instead of 5, 10 timed GEMM
 calls instead of 50 and 5 timed calibration runs instead of 20; ``--worlds 2`` and ``--dtypes`` trim
-further. ``--device cpu`` on 2 cores (measured, on a shared machine): 1.3-2.3 min in all, of which
-the 2-rank world 24-39 s and the 4-rank world 52-95 s (starting it ~17 s; each interpreted Triton
-row 2-8 s); ``--quick --worlds 2`` 30-40 s; the fp8 rows alone (``--quick --worlds 2 --dtypes fp8-rowwise
+further. ``--device cpu`` on 2 cores (measured, on a shared machine): 1.3-2.3 min in all, of
+which the 2-rank world 24-39 s and the 4-rank world 52-95 s (starting it ~17 s; each
+interpreted Triton row 2-8 s); ``--quick --worlds 2`` 30-40 s; the fp8 rows alone (``--quick --worlds 2 --dtypes fp8-rowwise
 fp8-tensorwise --skip-capture``) 25 s, start-up included.
 
 ``--cuda-max-connections 1`` (worth a second run on first contact, ``--backends symm --worlds
