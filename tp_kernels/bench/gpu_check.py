@@ -99,8 +99,8 @@ per world for each backend that hangs). ``--quick`` runs 3 calls per row instead
 calls instead of 50 and 5 timed calibration runs instead of 20; ``--worlds 2`` and ``--dtypes`` trim
 further. ``--device cpu`` on 2 cores (measured, on a shared machine): 1.3-2.3 min in all, of
 which the 2-rank world 24-39 s and the 4-rank world 52-95 s (starting it ~17 s; each
-interpreted Triton row 2-8 s); ``--quick --worlds 2`` 30-40 s; the fp8 rows alone (``--quick --worlds 2 --dtypes fp8-rowwise
-fp8-tensorwise --skip-capture``) 25 s, start-up included.
+interpreted Triton row 2-8 s); ``--quick --worlds 2`` 30-40 s; the fp8 rows alone (``--quick
+--worlds 2 --dtypes fp8-rowwise fp8-tensorwise --skip-capture``) 25 s, start-up included.
 
 ``--cuda-max-connections 1`` (worth a second run on first contact, ``--backends symm --worlds
 2 --skip-timing``, about a minute) gives the ranks ``CUDA_DEVICE_MAX_CONNECTIONS=1``, as
