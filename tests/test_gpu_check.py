@@ -1,6 +1,7 @@
-"""``python -m tp_kernels.bench.gpu_check`` on a CPU: its CPU mode end to end, a wrong result
-reported as FAIL, a path that cannot run reported as FAIL, its arguments and its capture rows (its
-calibration: tests/test_calibration.py).
+"""``python -m tp_kernels.bench.gpu_check`` on a CPU: its CPU mode end to end (the fp8 rows
+included), a wrong result reported as FAIL (an fp8 row's by a scale 5% off), a path that cannot
+run reported as FAIL, its arguments and its capture rows (its calibration:
+tests/test_calibration.py; its fp8 GEMM timing: tests/gpu/test_gpu_kernels_script.py).
 
 The end-to-end runs use worlds of 2 ranks and ``--quick`` (2 calls per row, tiny shapes); each
 starts its own gloo ranks (~10 s on 2 cores). A wrong result comes from a world whose ranks run a
@@ -43,11 +44,13 @@ def test_cpu_mode_passes_every_check(capsys):
     assert status == 0, out
     rows = _table_rows(out)
     calls = str(2 * gc.QUICK_CASES["cpu"])  # forward and backward of each call
+    fp8_calls = str(gc.QUICK_CASES["cpu"])  # forward only
     for label in ("pipelined", "symm", gc.TRITON_LABEL):
         for op in gc.OPS:
-            for dtype in ("fp32", "fp16", "bf16"):
+            for dtype in ("fp32", "fp16", "bf16", "fp8-rowwise", "fp8-tensorwise"):
                 cells = rows[(label, op, dtype)]
-                assert cells[3] == calls and cells[5] == "ok", cells
+                expected = fp8_calls if dtype.startswith("fp8") else calls
+                assert cells[3] == expected and cells[5] == "ok", cells
                 assert float(cells[4]) <= 1.0
     # A backend that cannot run on a CPU gets a row saying why, and does not fail the run.
     assert any(line.startswith("torch_symm_mem") and " n/a " in line for line in out.splitlines())
@@ -113,6 +116,81 @@ def test_a_wrong_result_is_reported_as_fail(monkeypatch, capsys):
         assert float(rows[("pipelined", op, "bf16")][4]) > 1.0
         assert rows[("symm", op, "bf16")][5] == "ok", rows
     assert "FAIL: 2 failed or skipped" in out
+
+
+def _rank_row_with_wrong_scales(task: gc.RowTask) -> gc.RankRow:
+    """``gc.rank_row``, with two scales 5% off as the public scaled ops hand them on: row 0's
+    row-wise scale in the all-gather's packed rows, and the reduce-scatter's tensor-wise
+    ``b_scale``. The other two fp8 kinds of row are untouched."""
+    from tp_kernels.ops import scaled
+
+    pack_rows, reduce_scatter_scaled = scaled.pack_rows, scaled.reduce_scatter_scaled
+
+    def wrong_pack(data, scale):
+        scale = scale.clone()
+        scale[0] *= 1.05
+        return pack_rows(data, scale)
+
+    def wrong_reduce_scatter(impl, group, a, a_scale, b, b_scale, **kwargs):
+        if b_scale.dim() == 0:
+            b_scale = b_scale * 1.05
+        return reduce_scatter_scaled(impl, group, a, a_scale, b, b_scale, **kwargs)
+
+    scaled.pack_rows, scaled.reduce_scatter_scaled = wrong_pack, wrong_reduce_scatter
+    try:
+        return gc.rank_row(task)
+    finally:
+        scaled.pack_rows, scaled.reduce_scatter_scaled = pack_rows, reduce_scatter_scaled
+
+
+class _WorldWithWrongScales(LocalWorld):
+    def run(self, fn, *args, **kwargs):
+        wrong = _rank_row_with_wrong_scales if fn is gc.rank_row else fn
+        return super().run(wrong, *args, **kwargs)
+
+
+def test_an_fp8_row_with_a_wrong_scale_fails(monkeypatch, capsys):
+    """The fp8 rows can fail: a scale 5% off (the rows allow two bf16 roundings, 0.8%, plus an
+    fp32 accumulation bound that is tiny at K <= 64) fails exactly the rows whose calls it
+    touches, on the torch path and through the Triton kernels' epilogues."""
+    monkeypatch.setattr(gc, "LocalWorld", _WorldWithWrongScales)
+    argv = [*QUICK_CPU, "--backends", "pipelined", gc.TRITON_LABEL, "--skip-capture"]
+    assert gc.main([*argv, "--dtypes", "fp8-rowwise", "fp8-tensorwise"]) == 1
+    rows = _table_rows(capsys.readouterr().out)
+    for label in ("pipelined", gc.TRITON_LABEL):
+        broken = {(gc.AG, "fp8-rowwise"), (gc.RS, "fp8-tensorwise")}
+        for op in gc.OPS:
+            for dtype in ("fp8-rowwise", "fp8-tensorwise"):
+                cells = rows[(label, op, dtype)]
+                if (op, dtype) in broken:
+                    assert cells[5] == "FAIL" and float(cells[4]) > 1.0, cells
+                else:
+                    assert cells[5] == "ok" and float(cells[4]) <= 1.0, cells
+
+
+def test_fp8_rows_say_why_where_scaled_mm_cannot_run():
+    """A device whose ``torch._scaled_mm`` refuses the scaling (a GPU without fp8 GEMMs): the
+    row reads n/a with torch's reason, not a failure and not a pass."""
+    task = gc.RowTask("symm", "symm", gc.AG, "fp8-rowwise", (), "cpu", seed=0)
+    why = "torch._scaled_mm cannot run row-wise on cuda:0: RuntimeError: needs sm_89"
+    row = gc._verdict(task, [gc.RankRow(-1.0, "-", 0, [], unavailable=why)] * 2, 0.1)
+    assert (row.result, row.detail, row.failed) == ("n/a", why, False)
+    # On this CPU both scalings run.
+    from tp_kernels.testing import fp8_cases
+
+    assert fp8_cases.unavailable_reason(torch.device("cpu"), rowwise=True) is None
+    assert fp8_cases.unavailable_reason(torch.device("cpu"), rowwise=False) is None
+
+
+def test_fp8_cases_are_valid_scaled_shapes():
+    """K (and N, for cuBLASLt) multiples of 16, and some not multiples of a 64-wide tile."""
+    for cases in (gc.GPU_FP8_CASES, gc.CPU_FP8_CASES):
+        ks = [c.shard[-1] for c in cases[gc.AG]] + [c.k for c in cases[gc.RS]]
+        ns = [n for c in cases[gc.AG] for n in c.ns] + [c.n for c in cases[gc.RS]]
+        assert all(k % 16 == 0 for k in ks) and all(n % 16 == 0 for n in ns), (ks, ns)
+        assert all(c.k_step % 16 == 0 for c in cases[gc.RS])
+    assert any(k % 64 for k in ks) and any(n % 64 for n in ns)
+    assert len(gc.GPU_FP8_CASES[gc.AG]) >= gc.QUICK_CASES["cuda"]
 
 
 def test_it_runs_as_a_module():

@@ -174,3 +174,48 @@ def test_interpreted_run_checks_every_real_launcher():
         row = next((line for line in lines if line.startswith(name + " ")), None)
         assert row is not None and " ok, " in row, (name, proc.stdout)
     assert "MISMATCH" not in proc.stdout and "FAILED" not in proc.stdout
+
+
+def test_fp8_check_flags_a_wrong_scale():
+    """``--dtype fp8-rowwise``'s checks can fail: launchers done with torch, the consumer with
+    row 0's scale 5% off (the tolerance is about 2 bf16 roundings, 0.8%)."""
+    p = gk.Fp8Problem(8, 16, 32, seed=0, device=CPU)
+    tol = gk.matmul_tolerance(torch.bfloat16, 32, roundings=1)
+    wrong_scale = p.a_scale.clone()
+    wrong_scale[0] *= 1.05
+
+    def consumer() -> None:
+        torch._scaled_mm(
+            p.a_data, p.b, scale_a=wrong_scale, scale_b=p.b_scale, out_dtype=torch.bfloat16,
+            out=p.c,
+        )  # fmt: skip
+
+    run = {
+        gk.FP8_BASELINE: lambda: p.scaled_mm(out=p.c),
+        "ag_matmul_consumer": consumer,
+        "matmul_rs_producer": lambda: p.scaled_mm(out=p.slots[0]),
+    }
+    verdicts = {r.name: r for r in gk.check_fp8(p, run, tol)}
+    assert list(verdicts) == [gk.FP8_BASELINE, "ag_matmul_consumer", "matmul_rs_producer"]
+    assert verdicts[gk.FP8_BASELINE].ok, verdicts[gk.FP8_BASELINE].check
+    assert verdicts["matmul_rs_producer"].ok, verdicts["matmul_rs_producer"].check
+    assert not verdicts["ag_matmul_consumer"].ok
+    assert verdicts["ag_matmul_consumer"].check.startswith("MISMATCH, max err")
+
+
+def test_interpreted_fp8_run_checks_both_gemms_against_scaled_mm():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "tp_kernels.bench.gpu_kernels", "--device", "cpu"]
+    cmd += ["--M", "40", "--N", "48", "--K", "64", "--dtype", "fp8-rowwise"]
+    cmd += ["--warmup", "0", "--reps", "1"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert any(line.startswith("kernel ") and "vs torch._scaled_mm" in line for line in lines)
+    for name, against in [
+        (gk.FP8_BASELINE, "fp32"),
+        ("ag_matmul_consumer", gk.FP8_BASELINE),
+        ("matmul_rs_producer", gk.FP8_BASELINE),
+    ]:
+        row = next((line for line in lines if line.startswith(name + " ")), None)
+        assert row is not None and " ok, " in row and row.endswith(f"vs {against}"), proc.stdout

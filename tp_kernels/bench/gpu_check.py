@@ -28,6 +28,18 @@ What runs (``--device cuda``, the default, on a machine with one GPU):
    ``reduce_op="avg"``. Shapes shrink and grow again, so symm's workspace grows between calls;
    each call is 2 fused calls (forward, then the other op in backward), so symm runs 60
    consecutive calls per world (36 with ``--quick``), alternating its two buffer halves.
+2b. The fp8 rows (dtype ``fp8-rowwise`` and ``fp8-tensorwise``; ``--dtypes`` without them leaves
+   them out), per backend and op: calls of the public scaled ops
+   (:func:`tp_kernels.all_gather_scaled_matmul`, :func:`tp_kernels.scaled_matmul_reduce_scatter`),
+   forward only (fp8 tensors carry no gradient): e4m3 operands, row-wise (``a_scale`` per row,
+   ``b_scale [1, N]``) or tensor-wise scales, bf16 out, ``use_fast_accum=False``; K and N
+   multiples of 16 (fp8 GEMMs need it) but not of a tile (K=1008, 528; N=48, 80, 208), a batch
+   dim, several ``bs``, a reduce-scatter whose K differs by rank, and one tile-aligned case. Each
+   result is compared with ``torch._scaled_mm`` of the gathered (summed) operands computed on the
+   rank, within two bf16 roundings plus the fp32 accumulation bound for the all-gather, three for
+   the reduce-scatter (:mod:`tp_kernels.testing.fp8_cases` argues it); one fused call per call.
+   A device whose ``torch._scaled_mm`` refuses a scaling (no fp8 GEMMs; no row-wise ones) gets
+   n/a rows saying so.
 3. The capture rows (:mod:`tp_kernels.bench.capture_check`; ``--skip-capture`` leaves them out,
    ``--capture-only`` runs nothing else): with 2 ranks, a TP MLP step per backend captured in a
    CUDA graph after three eager steps, replayed 20 times with new inputs against eager steps on
@@ -35,7 +47,11 @@ What runs (``--device cuda``, the default, on a machine with one GPU):
    row times the step's matmuls alone; ``--host-profile`` prints rank 0's cProfile of each
    row's eager steps. On ``--device cpu`` an eager stand-in takes the graph's place.
 4. The tile-GEMM timing: :func:`tp_kernels.bench.gpu_kernels.main` at M=8192 N=3584 K=8192 bf16,
-   in this process once the worlds are gone (``--skip-timing`` leaves it out).
+   in this process once the worlds are gone (``--skip-timing`` leaves it out); then, when
+   ``--dtypes`` has ``fp8-rowwise``, ``gpu_kernels --dtype fp8-rowwise`` at the same shape: the
+   consumer and producer GEMMs in fp8 (e4m3, row-wise scales, bf16 out) against
+   ``torch._scaled_mm`` (cuBLASLt), ``_scaled_mm`` first checked against the fp32 product and
+   each kernel against ``_scaled_mm``.
 5. The cost model's calibration (:func:`tp_kernels.bench.calibration.run`; ``--skip-timing``
    leaves it out too), timed on the device by events: device-to-device copies of chunk sizes,
    and at the Llama shapes the all-gather's consumer kernel launched as rank 0 of 8 with every
@@ -44,8 +60,8 @@ What runs (``--device cuda``, the default, on a machine with one GPU):
    ``tile_overhead_s`` and ``copy_latency_s`` fitted from them are printed beside the assumed
    figures and cuBLAS's fit, with the ``bench model`` command that uses them.
 
-What is checked, on every rank, for every call: the results and gradients of
-:func:`tp_kernels.testing.fused_cases.run_case` (its docstring has each formula), whose whole
+What is checked, on every rank, for every call (the fp8 rows: 2b above): the results and gradients
+of :func:`tp_kernels.testing.fused_cases.run_case` (its docstring has each formula), whose whole
 problem is drawn from a seed so that each rank rebuilds every rank's shards.
 
 Each result is compared with the same formula in float64 on the rank (the truth), by the rule of
@@ -54,7 +70,7 @@ the fused-op tests (:mod:`tp_kernels.testing.numerics`, which argues each dtype'
 in the dtype). The table shows, per row, the largest ``max|got - truth| / tolerance`` over every
 result, call and rank; a row passes when it is at most 1, nothing had the wrong shape or dtype,
 and the op counters (:func:`tp_kernels.comm_stats`) saw exactly 2 fused calls per call on that
-backend.
+backend (fp8 rows: 1, counted as the scaled op's).
 
 Nothing waits forever: every row has a deadline (``--timeout-s``, 120 s: the first symm row of
 a world compiles and autotunes the Triton kernels); a rank that raises, crashes or misses it
@@ -68,7 +84,8 @@ tensors, every backend that is available there, and symm twice: on its default t
 ``symm[triton]`` on its Triton path in Triton's interpreter (the ranks' environment has
 ``TRITON_INTERPRET=1`` from the start, before Triton is imported, and
 ``config.SYMM_TRITON`` is overridden for those rows: a row of a path that cannot run says why and
-fails); tiny shapes, the interpreter is slow. The cuBLAS timing is skipped with a
+fails), the fp8 rows included (oneDNN's ``_scaled_mm`` is their reference there); tiny shapes,
+the interpreter is slow. The cuBLAS timing (bf16 and fp8) is skipped with a
 line saying why. Without CUDA and without ``--device cpu`` it says there is no CUDA device and
 exits 0.
 
@@ -76,12 +93,14 @@ Expected time. On one H200 (measured 2026-12-04, benchmarks/README.md): the 2-ra
 ``--quick --dtypes bf16 fp32`` took 195 s, of which symm's first bf16 row 48 s (compiling and
 autotuning) and its fp32 row its whole 120 s deadline (fp32 autotuning alone takes ~35 s per key);
 other rows under 10 s; the capture rows about a minute; the bf16 tile-GEMM check 6 s. Not measured
-yet: the 4-rank world, the calibration, a full run (estimate: 5-10 minutes, plus up to one deadline
+yet: the 4-rank world, the calibration, the fp8 rows and the fp8 GEMM timing (no GPU has run
+them), a full run (estimate: 5-10 minutes, plus up to one deadline
 per world for each backend that hangs). ``--quick`` runs 3 calls per row instead of 5, 10 timed GEMM
 calls instead of 50 and 5 timed calibration runs instead of 20; ``--worlds 2`` and ``--dtypes`` trim
-further. ``--device cpu`` on 2 cores (measured, on a shared machine): 1.3-2.3 min in all, of which
-the 2-rank world 24-39 s and the 4-rank world 52-95 s (starting it ~17 s; each interpreted Triton
-row 2-8 s); ``--quick --worlds 2`` 30-40 s.
+further. ``--device cpu`` on 2 cores (measured, on a shared machine): 1.3-2.3 min in all, of
+which the 2-rank world 24-39 s and the 4-rank world 52-95 s (starting it ~17 s; each
+interpreted Triton row 2-8 s); ``--quick --worlds 2`` 30-40 s; the fp8 rows alone (``--quick
+--worlds 2 --dtypes fp8-rowwise fp8-tensorwise --skip-capture``) 25 s, start-up included.
 
 ``--cuda-max-connections 1`` (worth a second run on first contact, ``--backends symm --worlds
 2 --skip-timing``, about a minute) gives the ranks ``CUDA_DEVICE_MAX_CONNECTIONS=1``, as
@@ -109,8 +128,9 @@ import torch.distributed as dist
 
 from tp_kernels import config
 from tp_kernels.bench import calibration, capture_check
-from tp_kernels.bench.protocol import DTYPES, render_table
-from tp_kernels.testing import LocalWorld, RankError
+from tp_kernels.bench.protocol import DTYPES, FP8_DTYPES, render_table
+from tp_kernels.testing import LocalWorld, RankError, fp8_cases
+from tp_kernels.testing.fp8_cases import ScaledAGCase, ScaledRSCase, run_scaled_case
 from tp_kernels.testing.fused_cases import AGCase, RSCase, run_case
 from tp_kernels.testing.numerics import FLOOR, floors_for
 
@@ -135,6 +155,12 @@ NO_CUDA_MESSAGE = (
     "interpreter, with tiny shapes) and skips the cuBLAS timing."
 )
 TIMING_ARGV = ["--M", "8192", "--N", "3584", "--K", "8192", "--dtype", "bf16"]
+# The same Llama shape with e4m3 operands and row-wise scales, against torch._scaled_mm.
+FP8_TIMING_ARGV = [*TIMING_ARGV[:-1], "fp8-rowwise"]
+# The fp8 rows' dtype labels (fp8_cases.SCALINGS) and the op counters' names of their calls.
+FP8_ROWS = tuple(FP8_DTYPES)
+SCALED_KINDS = {"all_gather_matmul": "scaled_all_gather_matmul",
+                "matmul_reduce_scatter": "scaled_matmul_reduce_scatter"}  # fmt: skip
 
 MAX_WORLD = 4
 
@@ -171,6 +197,28 @@ CPU_CASES = {
     ),
 }
 QUICK_CASES = {"cuda": 3, "cpu": 2}
+# The fp8 rows' calls (forward only: fp8 tensors carry no gradient). K and N are multiples of 16
+# (fp8 GEMMs, cuBLASLt's included, need it) but not of a tile (K=1008, 528; N=48, 80, 208), rows
+# are not (M=2*40 per rank, 3*24, ...); a batch dim, several bs, and one reduce-scatter whose K
+# differs by rank; the last case is tile-aligned.
+GPU_FP8_CASES = {
+    AG: (
+        ScaledAGCase((2, 40, 1008), 1, (48, 208)),
+        ScaledAGCase((96, 528), 0, (80,)),
+        ScaledAGCase((3, 24, 1024), 1, (144, 48, 16)),
+        ScaledAGCase((256, 1024), 0, (256,)),
+    ),
+    RS: (
+        ScaledRSCase((2, 40), 1, 1008, 80, k_step=16),
+        ScaledRSCase((96,), 0, 528, 208),
+        ScaledRSCase((3, 24), 1, 1024, 48),
+        ScaledRSCase((256,), 0, 1024, 256),
+    ),
+}
+CPU_FP8_CASES = {
+    AG: (ScaledAGCase((2, 3, 32), 1, (16, 48)), ScaledAGCase((5, 16), 0, (32,))),
+    RS: (ScaledRSCase((2, 3), 1, 32, 16, k_step=16), ScaledRSCase((5,), 0, 48, 32)),
+}
 
 
 # ---------------------------------------------------------------- the comparison
@@ -201,6 +249,7 @@ class RankRow:
     worst: str
     calls: int
     problems: list[str]
+    unavailable: str = ""  # why this row cannot run here (an fp8 row without _scaled_mm), if so
 
 
 def _rank_device(kind: str) -> torch.device:
@@ -247,6 +296,8 @@ def rank_row(task: RowTask) -> RankRow:
     """Run one row's calls on this rank and compare every result (see the module docstring)."""
     import tp_kernels
 
+    if task.dtype in FP8_ROWS:
+        return rank_fp8_row(task)
     device = _rank_device(task.device)
     dist_rank = dist.get_rank()
     dtype = DTYPES[task.dtype]
@@ -281,6 +332,46 @@ def rank_row(task: RowTask) -> RankRow:
             torch.cuda.synchronize(device)
         stats = tp_kernels.comm_stats()
     calls = sum(stats.total(kind=op, backend=task.backend) for op in OPS)
+    return RankRow(ratio, worst, calls, problems)
+
+
+def rank_fp8_row(task: RowTask) -> RankRow:
+    """An fp8 row on this rank: each case's scaled call against ``torch._scaled_mm`` of the
+    gathered or summed operands (:mod:`tp_kernels.testing.fp8_cases`, whose docstring argues the
+    tolerance); forward only, one fused call per case."""
+    import tp_kernels
+
+    device = _rank_device(task.device)
+    rowwise = fp8_cases.SCALINGS[task.dtype]
+    why = fp8_cases.unavailable_reason(device, rowwise)
+    if why is not None:
+        return RankRow(-1.0, "-", 0, [], unavailable=why)
+    ratio, worst, problems = -1.0, "-", []
+    with _symm_triton(task.label == TRITON_LABEL):
+        tp_kernels.reset_comm_stats()
+        for i, case in enumerate(task.cases):
+            seed = task.seed + 100 * i + (0 if task.op == AG else 50) + (7 if rowwise else 0)
+            found = run_scaled_case(
+                case,
+                rowwise=rowwise,
+                device=device,
+                group=dist.group.WORLD,
+                seed=seed,
+                backend=task.backend,
+            )
+            for name, g, r in zip(found.names, found.got, found.reference, strict=True):
+                if g.shape != r.shape or g.dtype != fp8_cases.OUT_DTYPE:
+                    problems.append(
+                        f"call {i + 1} {name}: {tuple(g.shape)} {g.dtype}, expected "
+                        f"{tuple(r.shape)} {fp8_cases.OUT_DTYPE}"
+                    )
+            value, name = found.worst()
+            if value > ratio:
+                ratio, worst = value, f"call {i + 1} {name}, rank {dist.get_rank()}"
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        stats = tp_kernels.comm_stats()
+    calls = stats.total(kind=SCALED_KINDS[task.op], backend=task.backend)
     return RankRow(ratio, worst, calls, problems)
 
 
@@ -350,7 +441,11 @@ def _tail(text: str, lines: int = 14) -> str:
 
 
 def _verdict(task: RowTask, results: list[RankRow], seconds: float) -> Row:
-    expected = 2 * len(task.cases)  # forward, then the other fused op in backward
+    unavailable = sorted({r.unavailable for r in results if r.unavailable})
+    if unavailable:  # this device cannot make the reference: nothing to check, said why
+        return Row(task.label, task.op, task.dtype, "n/a", detail="; ".join(unavailable))
+    # Forward, then the other fused op in backward; an fp8 call is forward only.
+    expected = (1 if task.dtype in FP8_ROWS else 2) * len(task.cases)
     worst = max(results, key=lambda r: r.ratio)
     problems = [p for r in results for p in r.problems]
     calls = sorted({r.calls for r in results})
@@ -417,8 +512,14 @@ def check_world(world_size: int, args: argparse.Namespace) -> list[Row]:
     """Every row of one world (see the module docstring)."""
     device = args.device
     cases = GPU_CASES if device == "cuda" else CPU_CASES
+    fp8 = GPU_FP8_CASES if device == "cuda" else CPU_FP8_CASES
     if args.quick:
         cases = {op: c[: QUICK_CASES[device]] for op, c in cases.items()}
+        fp8 = {op: c[: QUICK_CASES[device]] for op, c in fp8.items()}
+    cases = {
+        **{(op, False): c for op, c in cases.items()},
+        **{(op, True): c for op, c in fp8.items()},
+    }
     env = _rank_env(device, args.symm_timeout_s, args.cuda_max_connections)
     if device == "cuda":
         # Every rank on cuda:0, however many GPUs the machine has: each persistent GEMM takes
@@ -469,7 +570,8 @@ def _backend_rows(world: LocalWorld, label: str, cases: dict, args: argparse.Nam
             if broken:
                 rows.append(Row(label, op, dtype, "skipped", detail=broken))
                 continue
-            task = RowTask(label, backend, op, dtype, cases[op], args.device, seed=1234)
+            op_cases = cases[(op, dtype in FP8_ROWS)]
+            task = RowTask(label, backend, op, dtype, op_cases, args.device, seed=1234)
             started = time.perf_counter()
             try:
                 results = world.run(rank_row, task)
@@ -524,10 +626,11 @@ def check_capture_rows(args: argparse.Namespace) -> list[str]:
     return [f"capture: {row.label}: {row.detail}" for row in rows if row.failed]
 
 
-def time_gemms(quick: bool) -> bool:
-    """The tile GEMMs against cuBLAS, by :func:`tp_kernels.bench.gpu_kernels.main`; True if its
-    checks passed."""
-    argv = TIMING_ARGV + (["--warmup", "2", "--reps", "10"] if quick else [])
+def time_gemms(quick: bool, argv: Sequence[str] = TIMING_ARGV) -> bool:
+    """The tile GEMMs against cuBLAS, by :func:`tp_kernels.bench.gpu_kernels.main` with ``argv``
+    (:data:`TIMING_ARGV`, or :data:`FP8_TIMING_ARGV`: the fp8 GEMMs against
+    ``torch._scaled_mm``); True if its checks passed."""
+    argv = [*argv, *(["--warmup", "2", "--reps", "10"] if quick else [])]
     print(f"\n== tile GEMMs vs cuBLAS: python -m tp_kernels.bench.gpu_kernels {' '.join(argv)}")
     try:
         from tp_kernels.bench import gpu_kernels
@@ -607,7 +710,15 @@ def _parser() -> argparse.ArgumentParser:
         metavar="W",
         help=f"world sizes to run, in order (2..{MAX_WORLD}; default: 2 4)",
     )
-    p.add_argument("--dtypes", choices=list(DTYPES), nargs="+", default=list(DTYPES))
+    p.add_argument(
+        "--dtypes",
+        choices=[*DTYPES, *FP8_ROWS],
+        nargs="+",
+        default=[*DTYPES, *FP8_ROWS],
+        help="the rows' dtypes (default: all): fp32, fp16, bf16 check both ops forward and "
+        "backward against float64; fp8-rowwise and fp8-tensorwise check the scaled ops "
+        "(e4m3, bf16 out) against torch._scaled_mm, and fp8-rowwise adds the fp8 GEMM timing",
+    )
     p.add_argument(
         "--backends",
         nargs="+",
@@ -711,12 +822,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args.device == "cpu":
         print(
             "\ncuBLAS timing skipped: --device cpu has no cuBLAS and no GPU to time the "
-            "tile GEMMs on"
+            "tile GEMMs on (bf16, and fp8 against torch._scaled_mm)"
         )
     elif args.skip_timing:
         print("\ncuBLAS timing skipped (--skip-timing)")
-    elif not time_gemms(args.quick):
-        failed.append("tile GEMM timing (gpu_kernels)")
+    else:
+        if not time_gemms(args.quick):
+            failed.append("tile GEMM timing (gpu_kernels)")
+        if "fp8-rowwise" not in args.dtypes:
+            print("\nfp8 GEMM timing skipped: --dtypes has no fp8-rowwise")
+        elif not time_gemms(args.quick, FP8_TIMING_ARGV):
+            failed.append("fp8 GEMM timing (gpu_kernels --dtype fp8-rowwise)")
     timing = args.device == "cuda" and not (args.skip_timing or args.capture_only)
     if timing and not calibration.run(args.quick):
         failed.append("cost-model calibration")

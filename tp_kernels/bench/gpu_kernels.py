@@ -28,6 +28,27 @@ backend makes them (address tables, timeout status and tile counters made once; 
 host memory, is read once at the end), so a launcher's host work and launch latency are part of
 its time, as they are of every call in training (without CUDA graphs).
 
+``--dtype fp8-rowwise``: the two GEMM launchers in fp8 against ``torch._scaled_mm`` (cuBLASLt
+on a GPU), the barrier and the reduction left out (nothing in them depends on the dtype). ``A``
+is e4m3 ``[M, K]`` with fp32 row-wise dequant scales ``[M, 1]``, ``B`` e4m3 ``[K, N]``
+column-major (a Linear's weight, as ``_scaled_mm`` takes it) with scales ``[1, N]`` that carry
+the ``1/sqrt(K)`` (e4m3 holds ``randn / sqrt(K)`` poorly: many such values are subnormal), so
+that outputs are O(1); bf16 out, ``use_fast_accum=False``:
+
+* ``torch._scaled_mm``: the baseline, checked against the fp32 product of the dequantized
+  operands (``torch.mm`` of ``A * a_scale`` and ``B * b_scale`` in fp32);
+* ``ag_matmul_consumer``: reads ``A`` as the gathered packed rows (each row's fp8 bytes, then its
+  scale: :func:`tp_kernels.backends.scaled.pack_rows`), as a row-wise scaled all-gather leaves
+  them; checked against ``torch._scaled_mm``;
+* ``matmul_rs_producer``: ``a_scale``/``b_scale`` in its epilogue; checked against
+  ``torch._scaled_mm``.
+
+Each within :func:`tp_kernels.bench.ops.matmul_tolerance` with one rounding to bf16: the fp8
+products are exact in fp32 and every side sums them in fp32 and rounds once to bf16 (the
+kernels scale the accumulator in the epilogue; ``_scaled_mm``'s epilogue too), as the bf16
+GEMMs do. An accumulator with fewer bits than fp32 across ``K`` (Hopper's fp8 tensor cores
+without promotion, Triton's default ``max_num_imprecise_acc`` on sm_90) is not allowed for.
+
 Exit status: 0 when every check passes, 1 when one fails, 2 for bad arguments. Without a CUDA
 device it prints ``no CUDA device: nothing to measure`` and exits 0. ``--device cpu`` runs the
 same checks and table on CPU tensors in Triton's interpreter (``TRITON_INTERPRET=1`` must be set
@@ -48,6 +69,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tp_kernels import signals
+from tp_kernels.backends.scaled import pack_rows
 from tp_kernels.bench.ops import matmul_tolerance
 from tp_kernels.bench.protocol import (
     DTYPES,
@@ -79,6 +101,9 @@ WAIT_TIMEOUT_S = 30.0
 UNIT_SCALE = {"TFLOP/s": 1e12, "GB/s": 1e9}
 BASELINE = "torch.mm"
 HEADER = ("kernel", "median ms", "p20 ms", "p80 ms", "rate", "vs torch.mm", "check")
+FP8 = "fp8-rowwise"
+FP8_BASELINE = "torch._scaled_mm"
+FP8_HEADER = (*HEADER[:5], f"vs {FP8_BASELINE}", HEADER[6])
 
 
 def error_ratio(got: torch.Tensor, want: torch.Tensor, tol: float) -> float:
@@ -119,10 +144,10 @@ class Result:
     times_ms: list[float] = field(default_factory=list)
 
 
-def result_rows(results: Sequence[Result]) -> list[tuple[str, ...]]:
-    """The cells of :data:`HEADER` for each result; ``vs torch.mm`` is torch.mm's median over
-    this one's, for results in torch.mm's unit (flops)."""
-    base = next((r for r in results if r.name == BASELINE and r.times_ms), None)
+def result_rows(results: Sequence[Result], baseline: str = BASELINE) -> list[tuple[str, ...]]:
+    """The cells of :data:`HEADER` for each result; ``vs torch.mm`` is the baseline's median
+    over this one's, for results in the baseline's unit (flops)."""
+    base = next((r for r in results if r.name == baseline and r.times_ms), None)
     base_ms = summarize(base.times_ms)["median_ms"] if base else None
     rows = []
     for r in results:
@@ -156,7 +181,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--M", type=positive_int, default=8192, help="rows of A and C")
     p.add_argument("--N", type=positive_int, default=3584, help="columns of B and C")
     p.add_argument("--K", type=positive_int, default=8192, help="reduction dim")
-    p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    p.add_argument(
+        "--dtype",
+        choices=[*DTYPES, FP8],
+        default="bf16",
+        help=f"the GEMMs' dtype; {FP8}: e4m3 operands with row-wise scales, bf16 out, against "
+        f"{FP8_BASELINE}",
+    )
     p.add_argument("--warmup", type=non_negative_int, default=5, help="untimed calls per kernel")
     p.add_argument(
         "--reps", type=positive_int, default=50, help="timed rounds (one call per kernel each)"
@@ -247,6 +278,104 @@ def launchers(p: Problem) -> dict[str, Callable[[], None]]:
     }
 
 
+class Fp8Problem:
+    """The fp8 tensors of a world_size=1 run on ``device`` (see the module docstring): ``a_data
+    [m, k]`` e4m3 with ``a_scale [m, 1]``, packed into ``a [m, k + 16]`` bytes; ``b [k, n]`` e4m3
+    column-major with ``b_scale [1, n]``; ``want``: ``torch._scaled_mm``'s bf16 product, ``fp32``:
+    the fp32 product of the dequantized operands; outputs ``c`` and ``slots [1, m, n]``."""
+
+    def __init__(self, m: int, n: int, k: int, seed: int, device: torch.device):
+        gen = torch.Generator(device=device).manual_seed(seed)
+        e4m3 = torch.float8_e4m3fn
+
+        def scales(shape: tuple[int, int]) -> torch.Tensor:
+            # Not powers of two, so that the epilogue's products round.
+            return torch.rand(shape, generator=gen, device=device) * 1.75 + 0.25
+
+        self.a_data = torch.randn(m, k, generator=gen, device=device).to(e4m3)
+        self.a_scale = scales((m, 1))
+        self.a = pack_rows(self.a_data, self.a_scale)
+        self.b = torch.randn(n, k, generator=gen, device=device).to(e4m3).t()
+        self.b_scale = scales((1, n)) / math.sqrt(k)
+        self.want = self.scaled_mm()
+        left = self.a_data.float() * self.a_scale
+        self.fp32 = torch.mm(left, self.b.float() * self.b_scale)
+        self.c = torch.empty_like(self.want)
+        self.slots = torch.empty((1, m, n), dtype=self.want.dtype, device=device)
+        self.pad = torch.zeros(2, dtype=torch.int32, device=device)
+        self.pad_ptrs = Problem._table(self.pad)
+        self.status = kernels_module().new_status(1, device)
+        self.counters = kernels_module().new_counters(1, device)
+        self.progress = torch.zeros(1, dtype=torch.int32, device=device)
+        self.flops = 2.0 * m * n * k
+
+    def scaled_mm(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``torch._scaled_mm`` of the operands, bf16, without fast accumulation."""
+        return torch._scaled_mm(
+            self.a_data, self.b, scale_a=self.a_scale, scale_b=self.b_scale,
+            out_dtype=torch.bfloat16, use_fast_accum=False, out=out,
+        )  # fmt: skip
+
+    def timed_out(self) -> bool:
+        """Whether any wait of any call so far ran past its deadline (host memory: no sync)."""
+        return bool(self.status.any())
+
+
+def fp8_launchers(p: Fp8Problem) -> dict[str, Callable[[], None]]:
+    """Zero-argument calls of the two GEMM launchers in fp8 on ``p`` (and of
+    ``torch._scaled_mm``), by kernel name."""
+    kernels = kernels_module()
+    one = {"rank": 0, "world_size": 1}
+    return {
+        "ag_matmul_consumer": lambda: kernels.ag_matmul_consumer(
+            p.a,
+            [p.b],
+            [p.c],
+            progress=p.progress,
+            chunk_rows=p.a.shape[0],
+            timeout_s=WAIT_TIMEOUT_S,
+            status=p.status,
+            a_dtype=p.a_data.dtype,
+            b_scales=[p.b_scale],
+            **one,
+        ),  # fmt: skip
+        "matmul_rs_producer": lambda: kernels.matmul_rs_producer(
+            p.a_data,
+            p.b,
+            p.slots,
+            p.slots,
+            p.progress,
+            p.pad_ptrs,
+            counters=p.counters,
+            channel=RS_CHANNEL,
+            a_scale=p.a_scale,
+            b_scale=p.b_scale,
+            **one,
+        ),  # fmt: skip
+        FP8_BASELINE: lambda: p.scaled_mm(out=p.c),
+    }
+
+
+def check_fp8(p: Fp8Problem, run: dict[str, Callable[[], None]], tol: float) -> list[Result]:
+    """Run each launcher of ``run`` once and check it: ``torch._scaled_mm`` against the fp32
+    product, the kernels against ``torch._scaled_mm``, each within ``tol`` (:func:`error_ratio`)."""
+
+    def gemm(name: str, got: torch.Tensor, want: torch.Tensor, against: str) -> Result:
+        got.fill_(math.nan)
+        run[name]()
+        ratio = error_ratio(got, want, tol)
+        ok = ratio <= 1.0 and not p.timed_out()
+        what = f"max err {ratio:.3g} x tol {tol:.2g} vs {against}"
+        what += "" if not p.timed_out() else ", timed out"
+        return Result(name, ("ok, " if ok else "MISMATCH, ") + what, ok, p.flops)
+
+    return [
+        gemm(FP8_BASELINE, p.c, p.fp32, "fp32"),
+        gemm("ag_matmul_consumer", p.c, p.want, FP8_BASELINE),
+        gemm("matmul_rs_producer", p.slots[0], p.want, FP8_BASELINE),
+    ]
+
+
 def check_all(p: Problem, run: dict[str, Callable[[], None]], tol: float) -> list[Result]:
     """Run each launcher of ``run`` once, in protocol order (a signal before its waiter), and
     check it (GEMMs within ``tol`` of ``p.want``, see :func:`error_ratio`)."""
@@ -309,7 +438,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if device is None:
         print(NO_CUDA_MESSAGE)
         return 0
-    dtype = DTYPES[args.dtype]
+    fp8 = args.dtype == FP8
+    dtype = torch.bfloat16 if fp8 else DTYPES[args.dtype]
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)"
     v = versions()
     print(
@@ -318,10 +448,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{args.warmup} warmup + {args.reps} timed rounds",
         flush=True,
     )
-    problem = Problem(args.M, args.N, args.K, dtype, args.seed, device)
-    run = launchers(problem)
+    tol = matmul_tolerance(dtype, args.K, roundings=1)
+    if fp8:
+        problem = Fp8Problem(args.M, args.N, args.K, args.seed, device)
+        run, check, baseline, header = fp8_launchers(problem), check_fp8, FP8_BASELINE, FP8_HEADER
+    else:
+        problem = Problem(args.M, args.N, args.K, dtype, args.seed, device)
+        run, check, baseline, header = launchers(problem), check_all, BASELINE, HEADER
     started = time.perf_counter()
-    results = check_all(problem, run, matmul_tolerance(dtype, args.K, roundings=1))
+    results = check(problem, run, tol)
     print(f"checked (compiling and autotuning included) in {time.perf_counter() - started:.1f} s")
     timed = [r for r in results if r.ok and r.name in run]
     times = time_providers(
@@ -336,7 +471,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if problem.timed_out():
         failed = Result("timed calls", "FAILED, a wait timed out", False)
         results.append(failed)
-    print(render_table(HEADER, result_rows(results)))
+    print(render_table(header, result_rows(results, baseline)))
     bad = [r.name for r in results if not r.ok]
     if bad:
         print(f"ERROR: checks failed for {bad}; see the table above", file=sys.stderr)
