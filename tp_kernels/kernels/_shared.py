@@ -544,11 +544,22 @@ def _accumulate(
 ):  # fmt: skip
     """One step of a GEMM's K-loop, shared by both GEMMs: ``acc += a_blk @ b[k0:k0+BLOCK_K,
     col0:col0+BLOCK_N]`` (``b`` read by :func:`_load_block`; under the interpreter bf16 blocks are
-    upcast first, see the package docstring)."""
+    upcast first, see the package docstring).
+
+    An fp8 product is added into the fp32 ``acc`` once per K block (``max_num_imprecise_acc``
+    of ``BLOCK_K``): on sm_90 Triton's default (2^30) keeps the tensor cores' reduced-precision
+    fp8 accumulator across all of K, which is ``_scaled_mm``'s ``use_fast_accum=True``, and 0
+    makes it leave wgmma for fp16 ``mma.sync`` (read in 3.7.1's PTX). The scaled GEMMs promise
+    fp32 accumulation whatever ``fast_accum`` asks (docs/DESIGN.md); sm_100 accumulates in fp32
+    anyway."""
     b_blk = _load_block(b, k0, col0, K, N, stride_bk, stride_bn, B_LAYOUT, BLOCK_K, BLOCK_N)
     if BF16_BY_HAND:
         a_blk = a_blk.to(tl.float32)
         b_blk = b_blk.to(tl.float32)
+    if a_blk.dtype.is_fp8():
+        return tl.dot(
+            a_blk, b_blk, acc, input_precision=INPUT_PRECISION, max_num_imprecise_acc=BLOCK_K
+        )
     return tl.dot(a_blk, b_blk, acc, input_precision=INPUT_PRECISION)
 
 
