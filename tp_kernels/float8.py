@@ -49,7 +49,16 @@ order where DTensor's collective sums in the dtype: within a tolerance there).
 What fuses (:func:`unfusable_reason`): a Float8Linear whose forward casts are both row-wise or
 both tensor-wise and whose input-grad casts are enabled, not emulated, without inner-dim padding
 and without FSDP's float8 all-gather of weights; anything else takes PyTorch's path, counted as a
-fallback. Eager only (not under torch.compile or a dispatch mode: those fall back too).
+fallback.
+
+Under torch.compile the same Functions run, traced by dynamo (forward and backward, torchao's
+casts on its Float8TrainingTensor included): :func:`call_for` chooses nothing while tracing, and
+each communicating step (the fused gather and reduce-scatter, the amax all-reduces, the wgrad
+re-gather) is a custom op of :mod:`tp_kernels.ops.scaled_compiled` that resolves its backend when
+the graph runs, by the call's key, as the eager call does, and counts itself there. The styles
+pass the Functions plain local tensors there (``to_local()``), so the graph holds no DTensor
+inside them. Under a dispatch mode (``CommDebugMode``, fake tensors) the fused fp8 path is not
+taken: PyTorch's path runs, counted as a fallback.
 """
 
 from __future__ import annotations
@@ -76,7 +85,9 @@ from torchao.float8.float8_training_tensor import (
 from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax
 
 from tp_kernels import deadline
+from tp_kernels.backends import check_backend_name
 from tp_kernels.backends.base import Backend, CaptureNeed
+from tp_kernels.ops import scaled_compiled
 from tp_kernels.ops.capture import requires_grad
 from tp_kernels.ops.planning import (
     as_grad,
@@ -118,14 +129,27 @@ def unfusable_reason(module: nn.Module) -> str | None:
 class _Call(NamedTuple):
     """One fused fp8 call: the backend and group, the gathered (colwise) or scattered (rowwise)
     ``dim`` of ``x``, the modules' torchao config and GEMM configs (the same for every module of
-    a group), and how many Linears share the gathered input (colwise)."""
+    a group), and how many Linears share the gathered input (colwise).
 
-    impl: Backend
+    ``impl`` is None while torch.compile traces: then every communicating step is a custom op of
+    ``ops/scaled_compiled.py``, given the group by ``group_name``, the backend by the name asked
+    for (``backend``, ``""`` for the default) and the call's key (``key``: op, ``[m, K, *N_j]``,
+    out dtype), by which the op resolves its backend when it runs. ``world``: the group's size."""
+
+    impl: Backend | None
     group: dist.ProcessGroup
     dim: int
     config: Float8LinearConfig
     mm: LinearMMConfig
     num_linears: int
+    world: int
+    group_name: str = ""
+    backend: str = ""
+    key: tuple = ()
+
+    def op_args(self, phase: str) -> tuple:
+        """The trailing arguments of every custom op of ``ops/scaled_compiled.py``."""
+        return (self.group_name, self.backend, *self.key, phase)
 
 
 def _cast(
@@ -150,7 +174,7 @@ def _cast(
         granularity is ScalingGranularity.TENSORWISE or dim % t.ndim == sharded_dim
     )
     round_pow2 = call.config.round_scales_to_power_of_2
-    if not spans or call.group.size() == 1:
+    if not spans or call.world == 1:
         return hp_tensor_to_float8_dynamic(
             t,
             cc.target_dtype,
@@ -161,13 +185,16 @@ def _cast(
             round_scales_to_power_of_2=round_pow2,
         )
     amax = tensor_to_amax(t, scaling_granularity=granularity, axiswise_dim=dim)
-    record(phase, "amax_all_reduce", call.impl.name, sent_bytes=amax.nbytes)
-    deadline.complete(
-        lambda: dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=call.group, async_op=True),
-        call.group,
-        "amax all-reduce",
-        amax.device,
-    )
+    if call.impl is None:  # traced: the op counts itself when the graph runs
+        amax = scaled_compiled.amax_all_reduce(amax, *call.op_args(phase))
+    else:
+        record(phase, "amax_all_reduce", call.impl.name, sent_bytes=amax.nbytes)
+        deadline.complete(
+            lambda: dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=call.group, async_op=True),
+            call.group,
+            "amax all-reduce",
+            amax.device,
+        )
     scale = amax_to_scale(amax, cc.target_dtype, round_scales_to_power_of_2=round_pow2)
     return hp_tensor_and_scale_to_float8(t, scale, cc.target_dtype, call.mm, role, dim)
 
@@ -211,8 +238,47 @@ def _gather_cast(
     cast = _cast(shard, cc, 0, role, call, sharded_dim=0, phase=phase)
     data = cast._data.view(torch.uint8) if isinstance(cast, Float8TrainingTensor) else cast
     data = data.contiguous()
+    if call.impl is None:  # traced: gathered at once (a custom op returns a finished tensor)
+        return _PendingCast(
+            _Gathered(scaled_compiled.scaled_all_gather(data, *call.op_args(phase))), cast
+        )
     record(phase, "all_gather", call.impl.name, sent_bytes=gather_bytes(data, call.group))
     return _PendingCast(call.impl.all_gather_async(data, call.group), cast)
+
+
+class _Gathered(NamedTuple):
+    """A gather already done (the traced path's), waited on as a pending one."""
+
+    out: torch.Tensor
+
+    def wait(self) -> torch.Tensor:
+        return self.out
+
+
+def _gather_scaled(call: _Call, a, a_scale, bs, b_scales, *, fast_accum: bool, out_dtype,
+                   phase: str) -> list[torch.Tensor]:  # fmt: skip
+    """:func:`gather_scaled` with torchao's block product, on ``call``'s backend (traced: its
+    custom op)."""
+    if call.impl is None:
+        return scaled_compiled.scaled_all_gather_matmul(
+            a, a_scale, list(bs), list(b_scales), out_dtype, fast_accum, True,
+            *call.op_args(phase),
+        )  # fmt: skip
+    return gather_scaled(call.impl, call.group, a, a_scale, bs, b_scales, out_dtype=out_dtype,
+                         fast_accum=fast_accum, phase=phase, post_scale=True)  # fmt: skip
+
+
+def _reduce_scatter_scaled(call: _Call, a, a_scale, b, b_scale, *, fast_accum: bool, out_dtype,
+                           phase: str, addend=None) -> torch.Tensor:  # fmt: skip
+    """:func:`reduce_scatter_scaled` with torchao's block product, on ``call``'s backend
+    (traced: its custom op)."""
+    if call.impl is None:
+        return scaled_compiled.scaled_matmul_reduce_scatter(
+            a, a_scale, b, b_scale, addend, out_dtype, fast_accum, True, *call.op_args(phase)
+        )
+    return reduce_scatter_scaled(call.impl, call.group, a, a_scale, b, b_scale,
+                                 out_dtype=out_dtype, fast_accum=fast_accum, phase=phase,
+                                 addend=addend, post_scale=True)  # fmt: skip
 
 
 class Float8ColwiseLinears(torch.autograd.Function):
@@ -245,9 +311,8 @@ class Float8ColwiseLinears(torch.autograd.Function):
         ]
         operands = [_operands(x8, w8) for w8 in w8s]
         a, a_scale = operands[0][:2]
-        outs = gather_scaled(
-            call.impl,
-            call.group,
+        outs = _gather_scaled(
+            call,
             a,
             a_scale,
             [b for _, _, b, _ in operands],
@@ -255,7 +320,6 @@ class Float8ColwiseLinears(torch.autograd.Function):
             out_dtype=rows.dtype,
             fast_accum=call.mm.output.use_fast_accum,
             phase="forward",
-            post_scale=True,
         )
         outs = [out if b is None else out + local_tensor(b).to(out.dtype)
                 for out, b in zip(outs, biases)]  # fmt: skip
@@ -265,7 +329,7 @@ class Float8ColwiseLinears(torch.autograd.Function):
         ctx.save_for_backward(rows if any(ctx.need_w) else None,
                               *(weights if ctx.need_x else ()))  # fmt: skip
         ctx.set_materialize_grads(False)
-        gathered_lead = (call.group.size() * lead[0], *lead[1:])
+        gathered_lead = (call.world * lead[0], *lead[1:])
         return tuple(unflatten_rows(out, gathered_lead, call.dim) for out in outs)
 
     @staticmethod
@@ -315,9 +379,8 @@ def _colwise_dgrad(
         addend = product if addend is None else addend + product
     g8, w8_t = products[0]
     a, a_scale, b, b_scale = _operands(g8, w8_t)
-    return reduce_scatter_scaled(
-        call.impl,
-        call.group,
+    return _reduce_scatter_scaled(
+        call,
         a,
         a_scale,
         b,
@@ -326,7 +389,6 @@ def _colwise_dgrad(
         fast_accum=call.mm.grad_input.use_fast_accum,
         phase="backward",
         addend=addend,
-        post_scale=True,
     )
 
 
@@ -347,9 +409,8 @@ class Float8RowwiseLinear(torch.autograd.Function):
         w8 = _cast(w.t(), c.cast_config_weight, 0, GemmInputRole.WEIGHT, call,
                    sharded_dim=0, phase="forward")  # fmt: skip
         a, a_scale, b, b_scale = _operands(x8, w8)
-        out = reduce_scatter_scaled(
-            call.impl,
-            call.group,
+        out = _reduce_scatter_scaled(
+            call,
             a,
             a_scale,
             b,
@@ -357,14 +418,12 @@ class Float8RowwiseLinear(torch.autograd.Function):
             out_dtype=rows.dtype,
             fast_accum=call.mm.output.use_fast_accum,
             phase="forward",
-            post_scale=True,
         )
         need = ctx.needs_input_grad
         ctx.call, ctx.lead, ctx.specs = call, lead, dtensor_specs(x, weight)
         ctx.need_x, ctx.need_w = need[1], need[2]
         ctx.save_for_backward(rows if ctx.need_w else None, w if ctx.need_x else None)
-        world = call.group.size()
-        return unflatten_rows(out, (lead[0] // world, *lead[1:]), call.dim)
+        return unflatten_rows(out, (lead[0] // call.world, *lead[1:]), call.dim)
 
     @staticmethod
     def backward(ctx, grad):
@@ -382,9 +441,8 @@ class Float8RowwiseLinear(torch.autograd.Function):
             w8 = _cast(w.t(), c.cast_config_weight_for_grad_input, -1, GemmInputRole.WEIGHT,
                        call, sharded_dim=0, phase="backward")  # fmt: skip
             a, a_scale, b, b_scale = _operands(g8, w8.t())
-            (grad_rows,) = gather_scaled(
-                call.impl,
-                call.group,
+            (grad_rows,) = _gather_scaled(
+                call,
                 a,
                 a_scale,
                 [b],
@@ -392,7 +450,6 @@ class Float8RowwiseLinear(torch.autograd.Function):
                 out_dtype=g.dtype,
                 fast_accum=call.mm.grad_input.use_fast_accum,
                 phase="backward",
-                post_scale=True,
             )
             grad_x = unflatten_rows(grad_rows, ctx.lead, call.dim)
         if ctx.need_w:
@@ -426,8 +483,17 @@ def call_for(
         return _capture_needs(first.config, colwise, m, k, max(ns), out_dtype, group.size(),
                               grad_x=grad_x, grad_w=grad_w)  # fmt: skip
 
+    world = group.size()
+    if torch.compiler.is_compiling():
+        # Nothing is chosen while tracing (the backend registry's state is not traceable): the
+        # custom ops resolve the backend by the call's key when the graph runs.
+        name = check_backend_name(backend, argument="backend") if backend is not None else ""
+        key = (op, [m, k, *ns], out_dtype)
+        mm = first.linear_mm_config
+        return _Call(None, group, dim, first.config, mm, len(modules), world,
+                     group.group_name, name, key)  # fmt: skip
     impl = scaled_backend(backend, group, op, m, k, ns, out_dtype, x.device, needs)
-    return _Call(impl, group, dim, first.config, first.linear_mm_config, len(modules))
+    return _Call(impl, group, dim, first.config, first.linear_mm_config, len(modules), world)
 
 
 def _capture_needs(

@@ -52,7 +52,7 @@ import functools
 import logging
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -303,7 +303,7 @@ def _colwise_forward(self: nn.Linear, x: Any) -> Any:
     # input_layouts.
     layout = x.placements[0] if isinstance(x, DTensor) else fused.input_layouts[0]
     dim = _sharded_dim(layout, x.ndim)
-    if dim is not None and fused.float8 and _eager(x, [self.weight], [self.bias]):
+    if dim is not None and fused.float8 and _float8_fuses(x, [self.weight], [self.bias]):
         (y,) = _float8_colwise([self], x, dim, fused)
         return _handed_on(y, fused, (Shard(y.ndim - 1),))
     if dim is not None and _eager_linear(self, x):
@@ -344,7 +344,7 @@ def _rowwise_forward(self: nn.Linear, x: Any) -> Any:
         why = f"input placements {x.placements} are not Shard(-1)"
     if why is None and x.shape[dim] % world:
         why = f"output dim {dim} of size {x.shape[dim]} is uneven over {world} ranks"
-    if why is None and fused.float8 and _eager(x, [self.weight], [self.bias]):
+    if why is None and fused.float8 and _float8_fuses(x, [self.weight], [self.bias]):
         return _handed_on(_float8_rowwise(self, x, dim, fused), fused, fused.output_layouts)
     if why is None and _eager_linear(self, x):
         return rowwise_linear(x, self.weight, self.bias, dim, fused.process_group, fused.backend)
@@ -362,7 +362,29 @@ def _rowwise_forward(self: nn.Linear, x: Any) -> Any:
     return DTensor.from_local(y, fused.mesh, fused.output_layouts, run_check=False)
 
 
-_NOT_EAGER = "a Float8Linear fuses on the eager path only (not compiled, no dispatch mode)"
+_NOT_EAGER = "a Float8Linear does not fuse under a dispatch mode (it does eagerly and compiled)"
+
+
+def _float8_fuses(x: Any, weights: list[Any], biases: list[Any]) -> bool:
+    """Whether a fused fp8 call on these arguments may run: eagerly (:func:`_eager`) or while
+    torch.compile traces (``float8.py``'s Functions then call its custom ops)."""
+    return torch.compiler.is_compiling() or _eager(x, weights, biases)
+
+
+def _traced_group(fused: _FusedLinear) -> dist.ProcessGroup:
+    """The fused Linear's group; while torch.compile traces, from its mesh (the cached property
+    takes a lock on Python 3.11, which dynamo cannot enter: a graph break)."""
+    return fused.mesh.get_group() if torch.compiler.is_compiling() else fused.process_group
+
+
+def _traced_locals(*args: Any) -> tuple:
+    """While torch.compile traces, the local tensors of DTensor arguments by ``to_local()``
+    (differentiable: the grads come back as DTensors of each argument's spec), so the fp8
+    Functions trace plain tensors; eagerly, the arguments themselves (the Functions read the
+    local tensors and return DTensor grads, in one autograd node)."""
+    if not torch.compiler.is_compiling():
+        return args
+    return tuple(a.to_local() if isinstance(a, DTensor) else a for a in args)
 
 
 def _handed_on(y: torch.Tensor, fused: _FusedLinear, placements: tuple) -> Any:
@@ -379,10 +401,10 @@ def _float8_colwise(children: list[nn.Module], x: Any, dim: int, fused: _FusedLi
     input ``x`` (local or DTensor) gathered along ``dim``: ``float8.Float8ColwiseLinears``."""
     from tp_kernels import float8
 
-    group = fused.process_group
+    group = _traced_group(fused)
     call = float8.call_for(children, local_tensor(x), dim, group, fused.backend, colwise=True)
-    weights, biases = [c.weight for c in children], [c.bias for c in children]
-    return float8.Float8ColwiseLinears.apply(call, x, *weights, *biases)
+    args = _traced_locals(x, *[c.weight for c in children], *[c.bias for c in children])
+    return float8.Float8ColwiseLinears.apply(call, *args)
 
 
 def _float8_rowwise(module: nn.Module, x: Any, dim: int, fused: _FusedLinear) -> torch.Tensor:
@@ -390,11 +412,12 @@ def _float8_rowwise(module: nn.Module, x: Any, dim: int, fused: _FusedLinear) ->
     replicated bias added after the scatter, as :func:`rowwise_linear` adds it)."""
     from tp_kernels import float8
 
-    group = fused.process_group
+    group = _traced_group(fused)
     call = float8.call_for([module], local_tensor(x), dim, group, fused.backend, colwise=False)
-    y = float8.Float8RowwiseLinear.apply(call, x, module.weight)
-    if module.bias is not None:
-        y = y + local_tensor(module.bias).to(y.dtype)
+    x, weight, bias = _traced_locals(x, module.weight, module.bias)
+    y = float8.Float8RowwiseLinear.apply(call, x, weight)
+    if bias is not None:
+        y = y + local_tensor(bias).to(y.dtype)
     return y
 
 
@@ -576,6 +599,14 @@ def _gathered_input(style: PrepareModuleInput) -> _Gathered | None:
     return found[0] if found else None
 
 
+class _Deferred(NamedTuple):
+    """A compiled fused fp8 gather's outputs, not yet computed (see
+    :meth:`_GatherGroup._gather_float8`): the children sharing it and the gathered dim."""
+
+    children: list[nn.Module]
+    dim: int
+
+
 class _GatherGroup:
     """One grouping :class:`PrepareModuleInput` on one module: the single owner of its fused
     gather. It knows the input it gathers, finds the module's eligible children once (on the
@@ -617,7 +648,17 @@ class _GatherGroup:
         return kept is not None and kept[0] is x
 
     def claim(self, child: nn.Module, x: Any) -> DTensor | None:
-        return self._outputs.pop(id(child))[1] if self.holds(child, x) else None
+        if not self.holds(child, x):
+            return None
+        y = self._outputs.pop(id(child))[1]
+        if isinstance(y, _Deferred):  # the compiled fp8 gather, run by its first child's call
+            ys = _float8_colwise(y.children, x, y.dim, y.children[0]._tpk_fused)
+            for other, y_other in zip(y.children, ys):
+                if other is child:
+                    y = self._handed(other, y_other, True)
+                elif self.holds(other, x):
+                    self._outputs[id(other)] = (x, self._handed(other, y_other, True))
+        return y
 
     def forget(self) -> None:
         """Drop outputs no child claimed (a child called with another input, or not at all)."""
@@ -703,10 +744,14 @@ class _GatherGroup:
     def _keep(self, passed: Any, children: list[nn.Module], ys: Any, *, eager: bool) -> Any:
         """Keep each child's output for it to claim when called with ``passed``."""
         for child, y in zip(children, ys):
-            if not (eager and child._tpk_fused.local_output):  # else the output hook takes y
-                y = DTensor.from_local(y, self.mesh, (Shard(y.ndim - 1),), run_check=False)
-            self._outputs[id(child)] = (passed, y)
+            self._outputs[id(child)] = (passed, self._handed(child, y, eager))
         return passed
+
+    def _handed(self, child: nn.Module, y: Any, eager: bool) -> Any:
+        """A child's output ``y`` (local) as its forward returns it."""
+        if isinstance(y, _Deferred) or (eager and child._tpk_fused.local_output):
+            return y  # the output hook takes the local y
+        return DTensor.from_local(y, self.mesh, (Shard(y.ndim - 1),), run_check=False)
 
     def _gather_float8(self, x: Any, children: list[nn.Module], dim: int) -> DTensor:
         """The fused fp8 gather (:func:`_float8_colwise`): the gather moves fp8 bytes, so no
@@ -714,6 +759,14 @@ class _GatherGroup:
         DTensor sharded as declared: the same global tensor, which any use other than the
         children's redistributes by itself (only ``use_local_output=False`` styles group fp8
         children, see :func:`_why_not_grouped`)."""
+        if torch.compiler.is_compiling():
+            # torch.compile traces this hook and the module's forward as two graphs: an output
+            # of the first that the second does not use would get a plain zero tangent where
+            # AOTAutograd expects a DTensor (an error). So the children's outputs are computed
+            # from the DTensor passed on, by the first child that claims one (_Deferred).
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, self.mesh, (self.gathered.layout,), run_check=False)
+            return self._keep(x, children, [_Deferred(children, dim)] * len(children), eager=True)
         ys = _float8_colwise(children, x, dim, children[0]._tpk_fused)
         if not isinstance(x, DTensor):
             x = DTensor.from_local(x, self.mesh, (self.gathered.layout,), run_check=False)
@@ -756,7 +809,7 @@ def _why_not_grouped_float8(children, float8, x) -> str | None:
         return "its colwise children mix Float8Linear and nn.Linear"
     if len({(c.config, c.linear_mm_config) for c in children}) > 1:
         return "its Float8Linear children differ in their torchao config"
-    if not _eager(x, [c.weight for c in children], [c.bias for c in children]):
+    if not _float8_fuses(x, [c.weight for c in children], [c.bias for c in children]):
         return _NOT_EAGER
     return None
 
