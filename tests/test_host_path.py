@@ -199,3 +199,65 @@ def test_a_parallelized_model_copies_after_a_call(worlds):
     ``copy.deepcopy`` of a model that has run (an EMA copy, a checkpoint) must leave it out."""
     for failures in worlds(2).run(_copied_after_a_call):
         assert failures == []
+
+
+def _grouped_copy_after_a_call() -> list[str]:
+    """A block whose PrepareModuleInput groups its colwise children, run, copied, the copy's
+    weights changed: the copy must compute with its own weights (PyTorch's styles on the same
+    changed weights say what that is)."""
+    import copy
+
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import style as torch_styles
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 16))
+
+    def plan(styles) -> dict:
+        return {
+            "": styles.PrepareModuleInput(
+                input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),)
+            ),
+            "0": styles.ColwiseParallel(),
+            "1": styles.RowwiseParallel(output_layouts=Shard(0)),
+        }
+
+    model = tpk.parallelize_module(copy.deepcopy(base), mesh, plan(tpk))
+    x = torch.randn(4, 16)
+    model(x)
+    copied = copy.deepcopy(model)  # after a call: the group knows the original's children
+    with torch.no_grad():
+        copied[0].weight.mul_(2)
+        base[0].weight.mul_(2)
+    want = tpk.parallelize_module(base, mesh, plan(torch_styles))(x)
+    fused_weights = []  # the weights each fused gather of the copy's forward multiplies
+
+    def spy(x, weights, *args, **kwargs):
+        fused_weights.extend(weights)
+        return colwise_linears(x, weights, *args, **kwargs)
+
+    from tp_kernels import styles
+
+    colwise_linears = styles.colwise_linears
+    styles.colwise_linears = spy
+    try:
+        got = copied(x)
+    finally:
+        styles.colwise_linears = colwise_linears
+    failures = []
+    if len(fused_weights) != 1 or fused_weights[0] is not copied[0].weight:
+        failures.append("the copy's fused gather did not multiply the copy's weight alone")
+    if not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
+        failures.append(f"the copy differs from its weights' result by {(got - want).abs().max()}")
+    return failures
+
+
+def test_a_copy_of_a_grouping_block_computes_with_its_own_weights(worlds):
+    """Before, the grouping PrepareModuleInput's hooks closed over its group, which a deepcopy
+    shares: the copy's hook ran the original's fused gather with the original's children
+    (their weights; outputs no child of the copy claimed), and each child of the copy then ran
+    PyTorch's path on the gathered input: right values, the fused work wasted on the original's
+    weights."""
+    for failures in worlds(2).run(_grouped_copy_after_a_call):
+        assert failures == []

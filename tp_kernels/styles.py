@@ -553,15 +553,34 @@ class PrepareModuleInput(_torch_style.PrepareModuleInput):
         gathered = _gathered_input(self)
         if gathered is None:
             return super()._apply(module, device_mesh)
-        group = _GatherGroup(self, gathered, device_mesh)
-        if self.with_kwargs:
-            module.register_forward_pre_hook(
-                lambda mod, args, kwargs: group.prepare(mod, args, kwargs), with_kwargs=True
+        if hasattr(module, "_tpk_gather_group"):
+            raise ValueError(
+                f"PrepareModuleInput: {type(module).__qualname__} already has a grouping "
+                f"PrepareModuleInput; a module takes one (its Shard -> Replicate input is "
+                f"gathered once for every colwise child)"
             )
+        # The group lives on the module and the hooks look it up there, so that a copy of the
+        # module (deepcopy: an EMA copy, a checkpoint) carries its own group, linked to its own
+        # children; a hook closing over the group would run the original's.
+        module._tpk_gather_group = _GatherGroup(self, gathered, device_mesh)
+        if self.with_kwargs:
+            module.register_forward_pre_hook(_prepare_by_keyword, with_kwargs=True)
         else:
-            module.register_forward_pre_hook(lambda mod, args: group.prepare(mod, args, {})[0])
-        module.register_forward_hook(lambda mod, args, out: group.forget())
+            module.register_forward_pre_hook(_prepare_positionally)
+        module.register_forward_hook(_forget_unclaimed)
         return module
+
+
+def _prepare_positionally(mod: nn.Module, args: tuple) -> tuple:
+    return mod._tpk_gather_group.prepare(mod, args, {})[0]
+
+
+def _prepare_by_keyword(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    return mod._tpk_gather_group.prepare(mod, args, kwargs)
+
+
+def _forget_unclaimed(mod: nn.Module, args: tuple, out: Any) -> None:
+    mod._tpk_gather_group.forget()
 
 
 @dataclass(frozen=True)
