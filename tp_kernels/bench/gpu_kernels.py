@@ -47,7 +47,8 @@ Each within :func:`tp_kernels.bench.ops.matmul_tolerance` with one rounding to b
 products are exact in fp32 and every side sums them in fp32 and rounds once to bf16 (the
 kernels scale the accumulator in the epilogue; ``_scaled_mm``'s epilogue too), as the bf16
 GEMMs do. An accumulator with fewer bits than fp32 across ``K`` (Hopper's fp8 tensor cores
-without promotion, Triton's default ``max_num_imprecise_acc`` on sm_90) is not allowed for.
+without promotion, Triton's default ``max_num_imprecise_acc`` on sm_90, which the kernels
+override with ``BLOCK_K``) is not allowed for.
 
 Exit status: 0 when every check passes, 1 when one fails, 2 for bad arguments. Without a CUDA
 device it prints ``no CUDA device: nothing to measure`` and exits 0. ``--device cpu`` runs the

@@ -32,8 +32,9 @@ output (cuBLASLt's and CUTLASS's epilogues scale the fp32 accumulator, then roun
 
 Not covered, on purpose: an accumulator that keeps fewer bits than fp32 across ``K`` (Hopper's
 fp8 tensor cores without periodic promotion to fp32, what ``use_fast_accum=True`` allows and
-what Triton's ``tl.dot`` does on sm_90 by default, ``max_num_imprecise_acc``): these rows ask
-for ``use_fast_accum=False``, so a row failing by that is a finding, not noise. A wrong scale
+what Triton's ``tl.dot`` does on sm_90 by default, ``max_num_imprecise_acc``, which the
+kernels set to ``BLOCK_K``): these rows ask for ``use_fast_accum=False``, so a row failing by
+that is a finding, not noise. A wrong scale
 (another row's, a missing one, one applied twice) is off by a factor, far past ``2 u``.
 """
 
