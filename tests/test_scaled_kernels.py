@@ -28,12 +28,11 @@ import os
 # Must precede the first import of triton (in this process and in the ranks).
 os.environ["TRITON_INTERPRET"] = "1"
 
-import threading  # noqa: E402
-import time  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from test_kernels import _copy_in  # noqa: E402  (the copier as the symm backend runs it)
 
 from tp_kernels import kernels, signals  # noqa: E402
 from tp_kernels.backends import reference, symm_gather  # noqa: E402
@@ -102,24 +101,6 @@ def _check(where, got, data, a_scale, b, b_scale, out_dtype, fast_accum) -> str 
 
 
 # ---------------------------------------------------------------- one process, simulated ranks
-
-
-def _copy_in(shards, a_out, rank, rows, progress, delay_s) -> threading.Thread:
-    """The copier as the symm backend runs it (the own rows first, then each peer's bytes in
-    chunks of ``rows`` on a host thread that starts ``delay_s`` late, each chunk's word after
-    it)."""
-    world_size, m = len(shards), shards[0].shape[0]
-    a_out[rank * m : (rank + 1) * m].copy_(shards[rank])
-    peers = [(rank + k) % world_size for k in range(1, world_size)]
-    copier = symm_gather.Copier(torch.device("cpu"))
-
-    def run():
-        time.sleep(delay_s)
-        copier.start([(s, shards[s]) for s in peers], a_out, rows, progress).join()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread
 
 
 @pytest.mark.parametrize(
