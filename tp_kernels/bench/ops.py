@@ -23,6 +23,7 @@ PyTorch's styles (``torchao``), ``auto`` with its casts from bf16 (``auto+cast``
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -100,31 +101,32 @@ def predictions_ms(
     return times, f"tp_kernels.cost for {spec.name}"
 
 
-def _op_case(
+def op_case(
     name: str,
     cfg: BenchConfig,
     group: dist.ProcessGroup,
     device: torch.device,
     *,
     fused: Callable[[str], Provider],
-    roof: Provider,
+    extra: dict[str, Provider],
     shapes: dict[str, list[int]],
-    roundings: int,
-    op: str,
+    tolerance: float,
+    predict: Callable[[list[str]], tuple[dict[str, float], str]],
 ) -> BenchCase:
-    """The case of one fused op: ``fused(backend)`` is the tp_kernels provider of ``backend``."""
+    """The case of one fused op (any ``--dtype``): ``fused(backend)`` is the tp_kernels provider
+    of ``backend``, for each runnable backend and ``auto``; ``extra`` the other providers (the
+    roof among them); ``predict(runnable)`` the cost model's times and their note."""
     runnable, skipped = runnable_backends(group, device)
     providers: dict[str, Provider] = {backend: fused(backend) for backend in runnable}
     providers["auto"] = fused("auto")
-    providers[ROOF] = roof
-    world = group.size()
-    predicted, note = predictions_ms(op, cfg.M // world, cfg.K, cfg.N, world, cfg, device, runnable)
+    providers.update(extra)
+    predicted, note = predict(runnable)
     return BenchCase(
         name=name,
         flops=2.0 * cfg.M * cfg.N * cfg.K,
         shapes=shapes,
         providers=providers,
-        tolerance=matmul_tolerance(cfg.torch_dtype, cfg.K, roundings=roundings),
+        tolerance=tolerance,
         skipped=skipped,
         predicted_ms=predicted,
         model_note=note,
@@ -144,7 +146,7 @@ def ag_matmul(cfg: BenchConfig, group: dist.ProcessGroup, device: torch.device) 
     a_full = _randn((cfg.M, cfg.K), cfg.seed, 1.0, cfg, device)
     a_shard = a_full.chunk(world)[rank].contiguous()
     b = _randn((cfg.K, cfg.N), cfg.seed + 1, 1.0 / math.sqrt(cfg.K), cfg, device)
-    return _op_case(
+    return op_case(
         "ag_matmul",
         cfg,
         group,
@@ -152,10 +154,12 @@ def ag_matmul(cfg: BenchConfig, group: dist.ProcessGroup, device: torch.device) 
         fused=lambda backend: (
             lambda: tp_kernels.all_gather_matmul(a_shard, [b], 0, group, backend=backend)[1]
         ),
-        roof=lambda: [a_full @ b],
+        extra={ROOF: lambda: [a_full @ b]},
         shapes={"a_shard": list(a_shard.shape), "b": list(b.shape), "out": [cfg.M, cfg.N]},
-        roundings=1,
-        op="all_gather_matmul",
+        tolerance=matmul_tolerance(cfg.torch_dtype, cfg.K, roundings=1),
+        predict=functools.partial(
+            predictions_ms, "all_gather_matmul", cfg.M // world, cfg.K, cfg.N, world, cfg, device
+        ),
     )
 
 
@@ -173,7 +177,7 @@ def matmul_rs(cfg: BenchConfig, group: dist.ProcessGroup, device: torch.device) 
     seed = cfg.seed + 2 * (rank + 1)
     a = _randn((cfg.M, cfg.K), seed, 1.0, cfg, device)
     b = _randn((cfg.K, cfg.N), seed + 1, 1.0 / math.sqrt(cfg.K * world), cfg, device)
-    return _op_case(
+    return op_case(
         "matmul_rs",
         cfg,
         group,
@@ -181,8 +185,17 @@ def matmul_rs(cfg: BenchConfig, group: dist.ProcessGroup, device: torch.device) 
         fused=lambda backend: (
             lambda: tp_kernels.matmul_reduce_scatter(a, b, 0, group, backend=backend)
         ),
-        roof=lambda: a @ b,
+        extra={ROOF: lambda: a @ b},
         shapes={"a": list(a.shape), "b": list(b.shape), "out": [cfg.M // world, cfg.N]},
-        roundings=world + 1,
-        op="matmul_reduce_scatter",
+        tolerance=matmul_tolerance(cfg.torch_dtype, cfg.K, roundings=world + 1),
+        predict=functools.partial(
+            predictions_ms,
+            "matmul_reduce_scatter",
+            cfg.M // world,
+            cfg.K,
+            cfg.N,
+            world,
+            cfg,
+            device,
+        ),  # fmt: skip
     )

@@ -50,6 +50,7 @@ fp32, so outputs differ only by fp32 accumulation order and bf16 roundings:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -60,7 +61,7 @@ import torch.nn as nn
 
 import tp_kernels
 from tp_kernels import cost
-from tp_kernels.bench.ops import CAST, TORCHAO, matmul_tolerance, runnable_backends
+from tp_kernels.bench.ops import CAST, TORCHAO, matmul_tolerance, op_case
 from tp_kernels.bench.protocol import REFERENCE, ROOF, BenchCase, BenchConfig, Provider
 
 __all__ = ["ag_matmul_fp8", "fp8_predictions_ms", "fp8_tolerance", "matmul_rs_fp8"]
@@ -230,36 +231,6 @@ def fp8_predictions_ms(
     )
 
 
-def _fp8_case(
-    name: str,
-    cfg: BenchConfig,
-    group: dist.ProcessGroup,
-    device: torch.device,
-    *,
-    fused: Callable[[str], Provider],
-    extra: dict[str, Provider],
-    shapes: dict[str, list[int]],
-    roundings: int,
-    op: str,
-) -> BenchCase:
-    runnable, skipped = runnable_backends(group, device)
-    providers: dict[str, Provider] = {backend: fused(backend) for backend in runnable}
-    providers["auto"] = fused("auto")
-    providers.update(extra)
-    world = group.size()
-    predicted, note = fp8_predictions_ms(op, cfg.M // world, cfg.K, cfg.N, world, device, runnable)
-    return BenchCase(
-        name=name,
-        flops=2.0 * cfg.M * cfg.N * cfg.K,
-        shapes=shapes,
-        providers=providers,
-        tolerance=fp8_tolerance(cfg.K, roundings),
-        skipped=skipped,
-        predicted_ms=predicted,
-        model_note=note,
-    )
-
-
 def _mesh(group: dist.ProcessGroup, device: torch.device) -> Any:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -304,7 +275,7 @@ def ag_matmul_fp8(cfg: BenchConfig, group: dist.ProcessGroup, device: torch.devi
     torchao = _torchao_linear(
         w.repeat(world, 1), recipe, mesh, ColwiseParallel(input_layouts=Shard(0))
     )
-    return _fp8_case(
+    return op_case(
         "ag_matmul",
         cfg,
         group,
@@ -325,8 +296,10 @@ def ag_matmul_fp8(cfg: BenchConfig, group: dist.ProcessGroup, device: torch.devi
             ],
         },
         shapes={"a_shard": list(a_shard.shape), "b": list(b.shape), "out": [cfg.M, cfg.N]},
-        roundings=1,
-        op=_AG,
+        tolerance=fp8_tolerance(cfg.K, roundings=1),
+        predict=functools.partial(
+            fp8_predictions_ms, _AG, cfg.M // world, cfg.K, cfg.N, world, device
+        ),
     )
 
 
@@ -370,7 +343,7 @@ def matmul_rs_fp8(cfg: BenchConfig, group: dist.ProcessGroup, device: torch.devi
     # scatters rank 0's copy; each rank builds it the same).
     full_w = torch.cat([w if s == rank else operands(s)[1] for s in range(world)], dim=1)
     torchao = _torchao_linear(full_w, recipe, mesh, RowwiseParallel(output_layouts=Shard(0)))
-    return _fp8_case(
+    return op_case(
         "matmul_rs",
         cfg,
         group,
@@ -389,6 +362,8 @@ def matmul_rs_fp8(cfg: BenchConfig, group: dist.ProcessGroup, device: torch.devi
             ),
         },
         shapes={"a": list(a.shape), "b": list(b.shape), "out": [cfg.M // world, cfg.N]},
-        roundings=world + 1,
-        op=_RS,
+        tolerance=fp8_tolerance(cfg.K, roundings=world + 1),
+        predict=functools.partial(
+            fp8_predictions_ms, _RS, cfg.M // world, cfg.K, cfg.N, world, device
+        ),
     )
