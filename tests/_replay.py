@@ -6,8 +6,9 @@ exactly that again: nothing the host decided per call (a call number, an epoch, 
 chunk count) is decided again. :class:`Recorder` gives the symm backend's Triton path the same
 treatment on the CPU, where its device work is:
 
-* the kernel launches (:func:`tp_kernels.kernels.barrier`, ``ag_matmul_consumer``,
-  ``matmul_rs_producer``, ``reduce_slots``), recorded with their exact arguments;
+* the kernel launches (:func:`tp_kernels.kernels.barrier` and the ``launch`` of
+  ``AgMatmulConsumer``, ``RsProducer`` and ``SlotReduction``, whose objects hold the operands
+  and tiles the backend made them with), recorded with their exact arguments;
 * the side streams' work: the copier's copies and progress words
   (:meth:`tp_kernels.backends.symm_gather.Copier.start`), the pusher's waits, copies and slot
   words (:meth:`tp_kernels.backends.symm_scatter.Pusher.run`), and their joins
@@ -42,9 +43,16 @@ from tp_kernels import kernels, symmetric_memory
 from tp_kernels.backends import symm as symm_backend
 from tp_kernels.backends import symm_gather, symm_scatter
 
-LAUNCHERS = ("barrier", "ag_matmul_consumer", "matmul_rs_producer", "reduce_slots")
-# Host work of the backend: run during the recording, never replayed.
-HOST_WORK = ("_raise_recorded_timeout", "_usable_state")
+# The launches, by the name counts() gives them: where each is made.
+LAUNCHERS = {
+    "barrier": (kernels, "barrier"),
+    "ag_matmul_consumer": (kernels.AgMatmulConsumer, "launch"),
+    "matmul_rs_producer": (kernels.RsProducer, "launch"),
+    "reduce_slots": (kernels.SlotReduction, "launch"),
+}
+# Host work of the backend: run during the recording, never replayed (_made_ready: the launches'
+# checks and tiles, chosen once per shape).
+HOST_WORK = ("_raise_recorded_timeout", "_usable_state", "_made_ready")
 # Allocations: a graph's memory is fixed at capture; replaying them would only make new memory.
 _ALLOCATIONS = {"empty", "new_empty", "empty_like", "empty_strided", "new_empty_strided"}
 # Ops that read a tensor on the host: what no graph can capture.
@@ -68,6 +76,7 @@ class _Item:
     kwargs: dict = field(default_factory=dict)
     outs: list[torch.Tensor] = field(default_factory=list)
     start: int = -1  # a join: the item whose copies it joins
+    name: str = ""  # a launch: its launcher's name (LAUNCHERS)
 
 
 class Recorder(TorchDispatchMode):
@@ -112,10 +121,10 @@ class Recorder(TorchDispatchMode):
     def recording(self) -> Iterator[Recorder]:
         """Record what runs inside (on the calling thread)."""
 
-        def launch(original):
+        def launch(original, name):
             def recorded(*args, **kwargs):
                 if not self._host:
-                    self.items.append(_Item("launch", original, args, kwargs))
+                    self.items.append(_Item("launch", original, args, kwargs, name=name))
                 with self._unrecorded():
                     return original(*args, **kwargs)
 
@@ -149,8 +158,8 @@ class Recorder(TorchDispatchMode):
 
             return recorded
 
-        for name in LAUNCHERS:
-            self._patch(kernels, name, launch)
+        for name, (owner, attribute) in LAUNCHERS.items():
+            self._patch(owner, attribute, lambda f, name=name: launch(f, name))
         for name in HOST_WORK:
             self._patch(symm_backend, name, host)
         self._patch(symm_gather.Copier, "start", lambda f: copies(f, "copies"))
@@ -206,7 +215,7 @@ class Recorder(TorchDispatchMode):
         """Recorded items by kind, launches by launcher."""
         found: dict[str, int] = {}
         for item in self.items:
-            key = item.fn.__name__ if item.kind == "launch" else item.kind
+            key = item.name if item.kind == "launch" else item.kind
             found[key] = found.get(key, 0) + 1
         return found
 

@@ -49,8 +49,8 @@ def test_call_varying_scalars_are_never_specialized():
         from tp_kernels import kernels
         from tp_kernels.kernels import ag_matmul, matmul_rs
         kernels_ = [ag_matmul._barrier_kernel,
-                    ag_matmul._ag_matmul_kernel.fn, matmul_rs._matmul_rs_kernel,
-                    matmul_rs._reduce_slots_kernel.fn]
+                    ag_matmul._ag_matmul_kernel, matmul_rs._matmul_rs_kernel,
+                    matmul_rs._reduce_slots_kernel]
         for k in kernels_:
             for p in k.params:
                 if p.name in kernels.VARYING_ARGS:
@@ -197,29 +197,35 @@ def _launch_arguments() -> list[dict]:
     from tp_kernels import kernels
 
     seen = []
-    launch = kernels.ag_matmul_consumer
+    made, launch = kernels.AgMatmulConsumer.__init__, kernels.AgMatmulConsumer.launch
 
-    def record(a, bs, outs, **kwargs):
+    def record_operands(self, a, bs, outs, **kwargs):
         seen.append(
             {
-                "progress": kwargs["progress"].data_ptr(),
-                "status": kwargs["status"].data_ptr(),
                 "b_is_w_t": [b.stride() == (1, b.shape[0]) for b in bs],
                 "b_is_the_weight": [b.data_ptr() == w.data_ptr() for b, w in zip(bs, weights)],
             }
         )
-        launch(a, bs, outs, **kwargs)
+        made(self, a, bs, outs, **kwargs)
+
+    def record_words(self, **kwargs):
+        seen[-1] |= {
+            "progress": kwargs["progress"].data_ptr(),
+            "status": kwargs["status"].data_ptr(),
+        }
+        launch(self, **kwargs)
 
     weights = [torch.randn(6, 8), torch.randn(3, 8)]  # [N, K] each, as Linear weights
     config.SYMM_TRITON.set(True)
-    kernels.ag_matmul_consumer = record
+    kernels.AgMatmulConsumer.__init__ = record_operands
+    kernels.AgMatmulConsumer.launch = record_words
     try:
         for _ in range(4):
             symm_backend.BACKEND.all_gather_matmul(
                 torch.randn(4, 8), [w.t() for w in weights], dist.group.WORLD, return_a=False
             )
     finally:
-        kernels.ag_matmul_consumer = launch
+        kernels.AgMatmulConsumer.__init__, kernels.AgMatmulConsumer.launch = made, launch
         config.SYMM_TRITON.reset()
     return seen
 

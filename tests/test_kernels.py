@@ -21,6 +21,7 @@ import time  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import triton  # noqa: E402
 
 from tp_kernels import kernels, signals  # noqa: E402
 from tp_kernels.backends import symm_gather, symm_scatter  # noqa: E402
@@ -244,8 +245,7 @@ def test_launchers_grids_hold_a_share_of_the_sms(monkeypatch):
 
     class Recorder:
         def __getitem__(self, grid):
-            meta = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}
-            return lambda *args, **kwargs: grids.append(grid(meta) if callable(grid) else grid)
+            return lambda *args, **kwargs: grids.append(grid)
 
     monkeypatch.setattr(_shared, "INTERPRET", False)  # persistent_programs as on a GPU
     monkeypatch.setattr(_shared, "_programs", {}, raising=False)  # its cache, fresh
@@ -257,6 +257,9 @@ def test_launchers_grids_hold_a_share_of_the_sms(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(ag_matmul, "_ag_matmul_kernel", Recorder())
+    # One 16 x 16 x 16 config, so the consumer has nothing to tune (its menu is the GPU's here).
+    tile = triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}, num_warps=1)
+    monkeypatch.setattr(ag_matmul, "gemm_configs", lambda: [tile])
     monkeypatch.setattr(matmul_rs, "_matmul_rs_kernel", Recorder())
     world_size, m, k, n = 4, 256, 16, 256  # 4 * 16 * 16 tiles of 16 x 16
     a = torch.zeros(world_size * m, k)

@@ -251,22 +251,27 @@ def _scaled_calls(cases) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD
     backend, ref_backend = symm_backend.BACKEND, reference.BACKEND
-    counts = {"ag_matmul_consumer": 0, "matmul_rs_producer": 0}
-    originals = {name: getattr(kernels, name) for name in counts}
+    launchers = {
+        "ag_matmul_consumer": kernels.AgMatmulConsumer,
+        "matmul_rs_producer": kernels.RsProducer,
+    }
+    counts = dict.fromkeys(launchers, 0)
+    originals = {name: launcher.launch for name, launcher in launchers.items()}
 
     def counting(name):
-        def launch(*args, **kwargs):
-            assert kwargs.get("b_scales") is not None or kwargs.get("b_scale") is not None
+        def launch(self, *args, **kwargs):
+            scales = [launch.args["SCALE"] for launch in getattr(self, "launches", [self])]
+            assert "none" not in scales, scales
             counts[name] += 1
-            return originals[name](*args, **kwargs)
+            return originals[name](self, *args, **kwargs)
 
         return launch
 
     problems = []
     config.SYMM_TRITON.set(True)
     config.SYMM_CHUNKS.set(2)  # a tile of a peer's rows waits on a chunk of its own
-    for name in counts:
-        setattr(kernels, name, counting(name))
+    for name, launcher in launchers.items():
+        launcher.launch = counting(name)
     try:
         for i, (op, m, k, ns, a_dtype, rowwise, out_dtype, fast) in enumerate(cases):
             where = f"case {i} ({op} m={m} k={k} ns={ns} {a_dtype} rowwise={rowwise} {out_dtype})"
@@ -316,8 +321,8 @@ def _scaled_calls(cases) -> dict:
     finally:
         config.SYMM_TRITON.reset()
         config.SYMM_CHUNKS.reset()
-        for name, fn in originals.items():
-            setattr(kernels, name, fn)
+        for name, launcher in launchers.items():
+            launcher.launch = originals[name]
     return {"problems": problems, "launches": counts}
 
 

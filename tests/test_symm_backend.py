@@ -165,13 +165,18 @@ def _triton_path():
     from tp_kernels import kernels
 
     assert kernels.INTERPRET, "triton was imported before TRITON_INTERPRET=1 was set"
-    counts = {"ag_matmul_consumer": 0, "matmul_rs_producer": 0, "reduce_slots": 0}
-    originals = {name: getattr(kernels, name) for name in counts}
+    launchers = {
+        "ag_matmul_consumer": kernels.AgMatmulConsumer,
+        "matmul_rs_producer": kernels.RsProducer,
+        "reduce_slots": kernels.SlotReduction,
+    }
+    counts = dict.fromkeys(launchers, 0)
+    originals = {name: launcher.launch for name, launcher in launchers.items()}
 
     def counting(name):
-        def launch(*args, **kwargs):
+        def launch(self, *args, **kwargs):
             counts[name] += 1
-            return originals[name](*args, **kwargs)
+            return originals[name](self, *args, **kwargs)
 
         return launch
 
@@ -179,15 +184,15 @@ def _triton_path():
     # Several chunks per shard (the interpreter's 16-row tiles), as a GPU takes where the model
     # finds them faster; the CPU's default is 1 (test_bytes_once and test_gpu_path run that).
     config.SYMM_CHUNKS.set(config.SYMM_MAX_CHUNKS)
-    for name in counts:
-        setattr(kernels, name, counting(name))
+    for name, launcher in launchers.items():
+        launcher.launch = counting(name)
     try:
         yield counts
     finally:
         config.SYMM_TRITON.reset()
         config.SYMM_CHUNKS.reset()
-        for name, fn in originals.items():
-            setattr(kernels, name, fn)
+        for name, launcher in launchers.items():
+            launcher.launch = originals[name]
 
 
 # Tiny shapes, not multiples of the interpreter's 16x16x16 tiles. The addend call takes the torch
@@ -319,31 +324,32 @@ CONTROL_LAG_S = 1.5
 
 @contextlib.contextmanager
 def _launched_twice(lag_rank: int, lag_s: float):
-    """Every kernel launched twice per call, as autotuning does on a shape's first call, and
-    rank ``lag_rank`` sleeping between the two launches: its peers run ahead into the next call
-    while its second launch still waits on this call's signals."""
+    """Every GEMM and reduction launched twice per call (as ``triton.autotune`` did on a shape's
+    first call, before the kernels were tuned on a rank-local problem), and rank ``lag_rank``
+    sleeping between the two launches: its peers run ahead into the next call while its second
+    launch still waits on this call's signals."""
     from tp_kernels import kernels
 
-    # The barrier is not relaunched: it is never autotuned, and it consumes its words.
-    names = ("ag_matmul_consumer", "matmul_rs_producer", "reduce_slots")
-    originals = {name: getattr(kernels, name) for name in names}
+    # The barrier is not relaunched: it consumes its words.
+    launchers = (kernels.AgMatmulConsumer, kernels.RsProducer, kernels.SlotReduction)
+    originals = [launcher.launch for launcher in launchers]
 
     def twice(launch):
-        def run(*args, **kwargs):
-            launch(*args, **kwargs)
+        def run(self, *args, **kwargs):
+            launch(self, *args, **kwargs)
             if dist.get_rank() == lag_rank:
                 time.sleep(lag_s)
-            launch(*args, **kwargs)
+            launch(self, *args, **kwargs)
 
         return run
 
-    for name, launch in originals.items():
-        setattr(kernels, name, twice(launch))
+    for launcher, launch in zip(launchers, originals, strict=True):
+        launcher.launch = twice(launch)
     try:
         yield
     finally:
-        for name, launch in originals.items():
-            setattr(kernels, name, launch)
+        for launcher, launch in zip(launchers, originals, strict=True):
+            launcher.launch = launch
 
 
 # Which of two groups each call uses: runs of calls on one group (where a fast peer can reach the

@@ -16,6 +16,9 @@
 - :data:`SHARED_DEVICE_RANKS`: ``TP_KERNELS_SHARED_DEVICE_RANKS`` (a positive int), default
   :func:`shared_device_ranks`'s guess from ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES``;
   ``SHARED_DEVICE_RANKS.set(n)``. Local to a rank (it sizes this rank's launches only).
+- :data:`TUNING_CACHE`: ``TP_KERNELS_TUNING_CACHE`` (a folder, or ``0`` for none), default
+  ``~/.cache/tp_kernels/tuning``: where the kernels keep the tile configs they chose per shape
+  (``kernels/tuning.py``); ``TUNING_CACHE.set(path or None)``. Local to a rank.
 - ``TRITON_INTERPRET``: Triton's own variable, read by Triton when it is first imported.
 
 Each setting is read from the environment once, on first use, and a setter overrides it for the
@@ -46,6 +49,7 @@ __all__ = [
     "SYMM_TRITON",
     "Setting",
     "TIMEOUT_S",
+    "TUNING_CACHE",
     "shared_device_ranks",
 ]
 
@@ -242,6 +246,23 @@ SHARED_DEVICE_RANKS: Setting[int | None] = Setting(
 """How many ranks run their kernels on this rank's GPU at once; each persistent GEMM then takes
 at most its share of the SMs (``kernels._shared.persistent_programs``). None: see
 :func:`shared_device_ranks`."""
+
+
+def _parse_folder(raw: str, env: str) -> str | None:
+    return None if raw == "0" else raw
+
+
+def _check_folder(value: object, argument: str) -> str | None:
+    if value is not None and not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{argument}: expected a folder (str or path) or None, got {value!r}")
+    return None if value is None else os.fspath(value)
+
+
+TUNING_CACHE: Setting[str | None] = Setting(
+    "TP_KERNELS_TUNING_CACHE", "~/.cache/tp_kernels/tuning", _parse_folder, _check_folder
+)
+"""The folder of the kernels' tuning files (one per GPU model, Triton and torch); None: the
+choices are kept in memory only (``kernels/tuning.py``)."""
 
 # torch's CUDA symmetric memory accepts ranks on one device (host and device index) only with it.
 ALLOW_OVERLAPPING_DEVICES = "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"

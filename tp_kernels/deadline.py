@@ -14,6 +14,9 @@ bounded by :func:`get_timeout` (``TP_KERNELS_TIMEOUT_S``, :func:`set_timeout`, d
   ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` at its default so a timed-out communicator is aborted).
 * Python objects are exchanged by :func:`gather_objects`: two bounded tensor all-gathers, where
   ``all_gather_object`` would wait for the group's timeout.
+* A rank's own slow, local work before a call's first wait for its peers (compiling and tuning
+  the ``symm`` kernels for a new shape) is run by :func:`local_work`: its peers wait for its end
+  without counting it, as long as it says on the group's store that it is still at it.
 * Symmetric-memory signal waits carry the deadline themselves (:mod:`tp_kernels.symmetric_memory`
   on the host; the ``symm`` kernels record a timed-out wait in a status that the ``symm`` backend
   reads).
@@ -38,12 +41,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import datetime
+import itertools
 import pickle
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -59,6 +63,7 @@ __all__ = [
     "gather_objects",
     "get_timeout",
     "is_broken",
+    "local_work",
     "mark_broken",
     "posting",
     "raise_if_broken",
@@ -66,6 +71,7 @@ __all__ = [
     "wait",
 ]
 
+T = TypeVar("T")
 # How long a rank that gave up waits for the other ranks stuck in the same call to say so.
 _ROLL_CALL_GRACE_S = 2.0
 
@@ -337,3 +343,99 @@ def gather_objects(group: dist.ProcessGroup, obj: Any, what: str) -> list[Any]:
     complete(lambda: all_gather_single(everyone, padded, group, async_op=True), group, what)
     rows = everyone.view(world, longest).cpu()
     return [pickle.loads(rows[r, : int(sizes[r])].numpy().tobytes()) for r in range(world)]
+
+
+# --- a rank's own slow work, uncounted --------------------------------------------------------
+
+# How often a rank in local_work says on the store that it is still at it, and how often a peer
+# looks: a second is far below any deadline, and the store sees a few operations per second.
+_BEAT_S = 1.0
+_LOOK_S = 0.02
+# group -> local_work calls on it: the same on every rank that made the same calls.
+_local_works: weakref.WeakKeyDictionary[dist.ProcessGroup, int] = weakref.WeakKeyDictionary()
+
+
+def local_work(group: dist.ProcessGroup, what: str, work: Callable[[], T]) -> T:
+    """``work()`` (this rank's own slow, local work, e.g. compiling and tuning kernels for a shape
+    the group has not run), returned once every rank of ``group`` has done its own, so that no
+    wait after it counts anyone's: a rank whose work takes minutes must not run a waiting peer
+    past its deadline. Every rank calls it at the same point of the same call (the ``symm``
+    backend: a call shape's first call on the group, before its start barrier).
+
+    While ``work`` runs, this rank beats on the group's store every :data:`_BEAT_S`; a peer
+    waits for its end as long as it beats, and gives up (:class:`PeerTimeoutError`) only on a
+    rank that neither finished nor beat within the deadline (a rank that died, or never came).
+    A rank whose work raised says so, and its peers raise a RuntimeError naming it at once, as
+    it raises its own error: nobody reaches the call's first wait. Without a store (never seen:
+    every c10d group has one) it is ``work()``."""
+    store = _store(group)
+    if group.size() == 1 or store is None:
+        return work()
+    _local_works[group] = number = _local_works.get(group, 0) + 1
+    prefix = f"tp_kernels/local_work/{number}/"
+    rank = group.rank()
+    others = [r for r in range(group.size()) if r != rank]
+    done = threading.Event()
+
+    def beat() -> None:
+        for count in itertools.count():
+            store.set(f"{prefix}beat/{rank}", str(count))
+            if done.wait(_BEAT_S):
+                return
+
+    beating = threading.Thread(target=beat, daemon=True, name="tp_kernels-local-work")
+    beating.start()
+    try:
+        result = work()
+    except BaseException as exc:
+        done.set()
+        store.set(f"{prefix}done/{rank}", f"failed: {type(exc).__name__}: {exc}")
+        raise
+    finally:
+        done.set()
+        beating.join()
+    store.set(f"{prefix}done/{rank}", "ok")
+    _await_peers(group, store, prefix, others, what)
+    return result
+
+
+def _await_peers(
+    group: dist.ProcessGroup, store: dist.Store, prefix: str, others: list[int], what: str
+) -> None:
+    """Wait until every rank of ``others`` posted its end of the local work under ``prefix``;
+    a rank's silence (no end, no new beat) counts against the deadline from its last beat."""
+    timeout, began = get_timeout(), time.monotonic()
+    heard = dict.fromkeys(others, (None, began))  # rank -> (its last beat, when it was seen)
+    while True:
+        pending = []
+        for r in others:
+            if store.check([f"{prefix}done/{r}"]):
+                outcome = store.get(f"{prefix}done/{r}").decode()
+                if outcome != "ok":
+                    raise RuntimeError(
+                        f"rank {r} of group {group.group_name!r} failed while {what}, so this "
+                        f"call cannot run on it: {outcome}"
+                    )
+            else:
+                pending.append(r)
+        if not pending:
+            return
+        now = time.monotonic()
+        for r in pending:
+            key = f"{prefix}beat/{r}"
+            beat = store.get(key) if store.check([key]) else None
+            if beat != heard[r][0]:
+                heard[r] = (beat, now)
+        silent = [r for r in pending if now - heard[r][1] > timeout]
+        if silent:
+            waited = now - began
+            raise PeerTimeoutError(
+                f"rank {group.rank()} of group {group.group_name!r} waited {waited:.1f} s "
+                f"(deadline {timeout:g} s) for rank(s) {silent} while {what}: they neither "
+                f"finished nor said they were still at it for {timeout:g} s",
+                phase=what,
+                group=group.group_name,
+                peers=silent,
+                waited_s=waited,
+            )
+        time.sleep(_LOOK_S)

@@ -110,6 +110,7 @@ import contextlib
 import sys
 import weakref
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -118,6 +119,8 @@ from tp_kernels import config, deadline, signals, symmetric_memory
 from tp_kernels.backends import base, schedule, symm_gather, symm_scatter
 from tp_kernels.backends.base import Backend, CaptureNeed, PendingGather
 from tp_kernels.backends.scaled import Scaling
+
+T = TypeVar("T")
 
 _CTL_TAG = "tp_kernels.backends.symm.ctl"
 _DATA_TAG = "tp_kernels.backends.symm.data"
@@ -209,6 +212,8 @@ class _GroupState:
         self.pusher: symm_scatter.Pusher | None = None
         self.staging: torch.Tensor | None = None
         self.seq = 0
+        # The call shapes whose kernels this group has compiled and tuned (see _made_ready).
+        self.ready_shapes: set[tuple] = set()
         # The re-gathers (see _regather): their own count, and the copies of the one in flight.
         self.regather_seq = 0
         self.regather_copies: symm_gather.Copies | None = None
@@ -797,6 +802,26 @@ def _barrier(
     )
 
 
+def _shapes(*tensors: torch.Tensor) -> tuple:
+    """What decides the kernels' variants and tiles of a call: its tensors' shapes, strides and
+    dtypes."""
+    return tuple((tuple(t.shape), t.stride(), t.dtype) for t in tensors)
+
+
+def _made_ready(round_: _Round, shape: tuple, make: Callable[[], T]) -> T:
+    """``make()``: a call's kernel launches, checked, their tiles chosen and compiled
+    (:mod:`tp_kernels.kernels.tuning`). The first call of a ``shape`` on the group makes them
+    inside :func:`deadline.local_work`, so that whichever rank compiles and tunes longest, no
+    peer's wait counts it: every rank runs its start barrier only once every rank is ready.
+    Every rank makes the same calls, so every rank takes the same branch."""
+    state = round_.state
+    if shape in state.ready_shapes:
+        return make()
+    made = deadline.local_work(round_.group, "compiling and tuning the symm kernels", make)
+    state.ready_shapes.add(shape)
+    return made
+
+
 def _ag_triton(
     round_: _Round,
     half: _Half,
@@ -821,14 +846,8 @@ def _ag_triton(
     status, _, _ = state.kernel_state()
     words, _ = state.progress_words()
     copier = state.copier_state()
-    _barrier(state, pads, rank, world, _START, clear=True)
-    half.view(rank, (m, k), a_shard.dtype).copy_(a_shard)
-    a[rank * m : (rank + 1) * m].copy_(a_shard)
-    _barrier(state, pads, rank, world, _PUBLISHED, clear=False)
     ns = tuple(b.shape[1] for b in bs)
     rows = symm_gather.chunk_rows(m, k, ns, a.dtype, world, a.device, interpret=kernels.INTERPRET)
-    sources = [(s, half.view(s, (m, k), a_shard.dtype)) for s in round_.peers()]
-    copies = copier.start(sources, a, rows, words)
     scaled = {}
     if scaling is not None:
         scaled = {
@@ -836,19 +855,21 @@ def _ag_triton(
             "a_scale": scaling.a_scale,
             "b_scales": scaling.b_scales,
         }
+    consumer = _made_ready(
+        round_,
+        (_AG, rows, *_shapes(a, *bs, *outs, *scaled.get("b_scales", ()))),
+        lambda: kernels.AgMatmulConsumer(
+            a, bs, outs, chunk_rows=rows, rank=rank, world_size=world, **scaled
+        ),
+    )
+    _barrier(state, pads, rank, world, _START, clear=True)
+    half.view(rank, (m, k), a_shard.dtype).copy_(a_shard)
+    a[rank * m : (rank + 1) * m].copy_(a_shard)
+    _barrier(state, pads, rank, world, _PUBLISHED, clear=False)
+    sources = [(s, half.view(s, (m, k), a_shard.dtype)) for s in round_.peers()]
+    copies = copier.start(sources, a, rows, words)
     try:
-        kernels.ag_matmul_consumer(
-            a,
-            bs,
-            outs,
-            progress=words,
-            chunk_rows=rows,
-            status=status,
-            rank=rank,
-            world_size=world,
-            timeout_s=deadline.get_timeout(),
-            **scaled,
-        )
+        consumer.launch(progress=words, status=status, timeout_s=deadline.get_timeout())
     finally:
         copies.join()
     if a_shard.device.type == "cpu":  # the kernels have finished: no reason to wait for later
@@ -886,27 +907,24 @@ def _rs_triton(
     scaled = {}
     if scaling is not None:
         scaled = {"a_scale": scaling.a_scale, "b_scale": scaling.b_scales[0]}
-    _barrier(state, pads, rank, world, _START, clear=True)
-
-    def produce() -> None:
-        kernels.matmul_rs_producer(
-            a, b, staging, own, words, pads, counters=counters, rank=rank, world_size=world,
-            channel=_SLOTS, **scaled,
-        )  # fmt: skip
-
     out = a.new_empty((m, n), dtype=dtype)
-    copies = pusher.run(produce, pushes, words, _SLOTS * world + rank)
+    producer, reduction = _made_ready(
+        round_,
+        (_RS, *_shapes(a, b, own, out, *scaled.values())),
+        lambda: (
+            kernels.RsProducer(
+                a, b, staging, own, rank=rank, world_size=world, channel=_SLOTS, **scaled
+            ),
+            kernels.SlotReduction(own, out, rank=rank, world_size=world, channel=_SLOTS),
+        ),
+    )
+    _barrier(state, pads, rank, world, _START, clear=True)
+    copies = pusher.run(
+        lambda: producer.launch(words, pads, counters=counters), pushes, words,
+        _SLOTS * world + rank,
+    )  # fmt: skip
     try:
-        kernels.reduce_slots(
-            own,
-            out,
-            pads,
-            status=status,
-            rank=rank,
-            world_size=world,
-            channel=_SLOTS,
-            timeout_s=deadline.get_timeout(),
-        )
+        reduction.launch(pads, status=status, timeout_s=deadline.get_timeout())
     finally:
         try:
             copies.join()

@@ -7,7 +7,7 @@ the Llama shapes (:data:`GEMMS`) the all-gather's consumer kernel
 (:func:`tp_kernels.kernels.ag_matmul_consumer`) launched as rank 0 of :data:`WORLD` with every
 progress word already raised, so that no tile waits, each launch first checked against
 ``torch.mm``; and ``torch.mm`` (cuBLAS) at the same shapes. :func:`fit` fits
-``gemm_efficiency`` and ``tile_overhead_s`` from the consumer's time per wave of its autotuned
+``gemm_efficiency`` and ``tile_overhead_s`` from the consumer's time per wave of its tuned
 tiles, and ``copy_latency_s`` from the copies; :func:`report` prints them beside the assumed
 figures and cuBLAS's fit (the model gives cuBLAS's tiles the same figures), with the ``bench
 model`` command that uses them. The cost model only reads figures: nothing here is on
@@ -188,7 +188,7 @@ class Timings:
 def _cuda_seconds(fn: Callable[[], object], reps: int) -> float:
     """Median device seconds of ``fn`` on the current stream over ``reps`` runs after two, timed
     back to back (:func:`~tp_kernels.bench.protocol.cuda_seconds_back_to_back`), so each run's host
-    work (the launcher's checks, the autotuner's lookup) overlaps the previous run on the device."""
+    work (the launcher's checks, the tuner's lookup) overlaps the previous run on the device."""
     for _ in range(2):
         fn()
     times = sorted(cuda_seconds_back_to_back(fn, reps))
@@ -208,12 +208,11 @@ def _time_consumer(
     progress word already raised: each peer tile acquires its word and finds its rows
     landed, so no tile waits and the time is the tiles'. Run once and checked first (against
     ``want`` within one rounding to the dtype, and no wait past :data:`WAIT_S`), then timed by
-    ``timer(fn, reps)``; its tiles are those the autotuner chose for the shape."""
+    ``timer(fn, reps)``; its tiles are those the tuner chose for the shape."""
     from tp_kernels import kernels
     from tp_kernels.bench.gpu_kernels import error_ratio
     from tp_kernels.bench.ops import matmul_tolerance
     from tp_kernels.kernels._shared import persistent_programs
-    from tp_kernels.kernels.ag_matmul import _ag_matmul_kernel
 
     rows, k = a.shape
     n, m = b.shape[1], rows // world_size
@@ -227,7 +226,7 @@ def _time_consumer(
             world_size=world_size, timeout_s=WAIT_S,
         )  # fmt: skip
 
-    launch()  # the first launch of a shape also compiles and autotunes
+    launch()  # the first launch of a shape also compiles and tunes
     _synchronize(a.device)
     if status.any():
         raise RuntimeError(
@@ -242,7 +241,9 @@ def _time_consumer(
             f"the tolerance {tol:.2g}"
         )
     seconds = timer(launch, reps)
-    tile = _ag_matmul_kernel.best_config.kwargs  # the config of the launches just run
+    # The config of the launches just run: the tuner's choice for the shape, made by the first.
+    consumer = kernels.AgMatmulConsumer(a, [b], [out], chunk_rows=m, rank=0, world_size=world_size)
+    tile = consumer.launches[0].config.kwargs
     bm, bn = tile["BLOCK_M"], tile["BLOCK_N"]
     tiles = world_size * math.ceil(m / bm) * math.ceil(n / bn)
     programs = min(tiles, persistent_programs(a.device))

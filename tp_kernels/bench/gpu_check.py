@@ -73,7 +73,7 @@ and the op counters (:func:`tp_kernels.comm_stats`) saw exactly 2 fused calls pe
 backend (fp8 rows: 1, counted as the scaled op's).
 
 Nothing waits forever: every row has a deadline (``--timeout-s``, 120 s: the first symm row of
-a world compiles and autotunes the Triton kernels); a rank that raises, crashes or misses it
+a world compiles and tunes the Triton kernels); a rank that raises, crashes or misses it
 fails that row with its error, the world is torn down and started again for the next row, and
 the backend's remaining rows in that world are skipped (its state there is unknown). A rank that
 raises ends the row within seconds; a rank that crashes while a peer waits for it in a gloo

@@ -20,7 +20,7 @@ Each launcher first runs once and is checked: the GEMMs against ``torch.mm`` wit
 slot summed alone is the slot), the signals by reading the pad. A launcher whose check fails is
 not timed. The others are timed by the protocol of ``python -m tp_kernels.bench``
 (:func:`tp_kernels.bench.protocol.time_providers`, here without a process group): ``--warmup``
-untimed rounds (the first call of an autotuned kernel also autotunes it), then ``--reps`` rounds
+untimed rounds (the first call of a shape also compiles and tunes it), then ``--reps`` rounds
 in which every launcher and ``torch.mm`` runs once, in an order rotated by the round, each call
 timed on the host clock from a synchronized device to its own synchronization; the table shows
 the median and the 20th/80th percentiles. Timed calls go through the public launchers as the symm
@@ -53,13 +53,15 @@ override with ``BLOCK_K``) is not allowed for.
 Exit status: 0 when every check passes, 1 when one fails, 2 for bad arguments. Without a CUDA
 device it prints ``no CUDA device: nothing to measure`` and exits 0. ``--device cpu`` runs the
 same checks and table on CPU tensors in Triton's interpreter (``TRITON_INTERPRET=1`` must be set
-first); that tests this script, its times mean nothing. ``TRITON_PRINT_AUTOTUNING=1`` prints the
-tile configs that autotuning picks.
+first); that tests this script, its times mean nothing. The first call of each shape chooses
+its tiles on this process alone (:mod:`tp_kernels.kernels.tuning`) and logs what it compiled,
+how long that took and what it chose (INFO, the ``tp_kernels`` logger, which this script shows).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 import sys
@@ -435,6 +437,9 @@ def _device_or_exit(args: argparse.Namespace) -> torch.device | None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (see the module docstring)."""
     args = parse_args(argv)
+    # The first call of each shape logs what it compiled and tuned (kernels/tuning.py).
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger("tp_kernels").setLevel(logging.INFO)
     device = _device_or_exit(args)
     if device is None:
         print(NO_CUDA_MESSAGE)
@@ -458,7 +463,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         run, check, baseline, header = launchers(problem), check_all, BASELINE, HEADER
     started = time.perf_counter()
     results = check(problem, run, tol)
-    print(f"checked (compiling and autotuning included) in {time.perf_counter() - started:.1f} s")
+    print(f"checked (compiling and tuning included) in {time.perf_counter() - started:.1f} s")
     timed = [r for r in results if r.ok and r.name in run]
     times = time_providers(
         {r.name: run[r.name] for r in timed},

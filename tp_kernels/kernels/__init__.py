@@ -63,10 +63,13 @@ from tp_kernels.kernels._shared import (
     triton_unsupported_reason,
 )
 from tp_kernels.kernels.ag_matmul import (
+    AgMatmulConsumer,
     ag_matmul_consumer,
     barrier,
 )
 from tp_kernels.kernels.matmul_rs import (
+    RsProducer,
+    SlotReduction,
     matmul_rs_producer,
     new_counters,
     reduce_slots,
@@ -77,6 +80,9 @@ __all__ = [
     "INTERPRET",
     "MIN_TRITON",
     "VARYING_ARGS",
+    "AgMatmulConsumer",
+    "RsProducer",
+    "SlotReduction",
     "ag_matmul_consumer",
     "barrier",
     "dot_precision",

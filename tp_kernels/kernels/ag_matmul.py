@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from tp_kernels import signals
+from tp_kernels.kernels import tuning
 from tp_kernels.kernels._shared import (
     DEFAULT_TIMEOUT_S,
     FP8_DTYPES,
@@ -62,6 +63,7 @@ from tp_kernels.kernels._shared import (
     check_world,
     dot_precision,
     gemm_configs,
+    new_status,
     new_trace,
     on_device,
     persistent_programs,
@@ -102,13 +104,6 @@ def _barrier_kernel(
         word = own_pad + channel * world_size + src
         _wait_signal(word, timeout_ns, status + src, WAIT)
         tl.atomic_xchg(word, 0, sem="relaxed", scope="sys")
-
-
-def _set_block_shapes(nargs: dict) -> None:
-    """Autotuner pre-hook: the descriptors' block shapes are those of the config being run."""
-    set_block_shape(nargs["a"], nargs["A_LAYOUT"], nargs["BLOCK_M"], nargs["BLOCK_K"])
-    for b in ("b0", "b1", "b2"):
-        set_block_shape(nargs[b], nargs["B_LAYOUT"], nargs["BLOCK_K"], nargs["BLOCK_N"])
 
 
 @triton.jit
@@ -152,10 +147,6 @@ def _consumer_tile(
     tl.store(c_tile, _round_to(acc, DTYPE, BF16_BY_HAND), mask=row_ok[:, None] & col_ok[None, :])
 
 
-@triton.autotune(
-    configs=gemm_configs(pre_hook=_set_block_shapes),
-    key=["m", "K", "N0", "N1", "N2", "DTYPE", "WAIT", "A_LAYOUT", "B_LAYOUT", "NUM_B", "SCALE"],
-)
 @triton.jit(do_not_specialize=["rank", "status_addr", "timeout_ns"])
 def _ag_matmul_kernel(
     a,
@@ -414,6 +405,162 @@ def _scaled_operands(
     return data, K, "row" if a_scale is None else "tensor", scale_args
 
 
+class AgMatmulConsumer:
+    """The launches of one :func:`ag_matmul_consumer` call, made in two steps so that a caller
+    chooses their tile configs before its call waits for anyone (the ``symm`` backend: before
+    its start barrier). Constructing it checks the operands and chooses each launch's config
+    (:func:`tp_kernels.kernels.tuning.choose`: on a shape new to the process, every candidate
+    compiled and timed on this rank alone, the first launch's progress words raised in a
+    scratch vector); :meth:`launch` then launches them, waiting for the call's own words."""
+
+    def __init__(
+        self,
+        a: torch.Tensor,
+        bs: Sequence[torch.Tensor],
+        outs: Sequence[torch.Tensor],
+        *,
+        chunk_rows: int,
+        rank: int,
+        world_size: int,
+        a_dtype: torch.dtype | None = None,
+        a_scale: torch.Tensor | None = None,
+        b_scales: Sequence[torch.Tensor] | None = None,
+    ) -> None:
+        check_world(rank, world_size)
+        if not isinstance(chunk_rows, int) or chunk_rows < 1:
+            raise ValueError(f"chunk_rows: got {chunk_rows!r}, expected a positive int")
+        self.device, self.world_size = a.device, world_size
+        self.m = m = a.shape[0] // world_size
+        self.chunk_rows, self.chunks = chunk_rows, triton.cdiv(m, chunk_rows)
+        a_data, K, scale, scale_args = _scaled_operands(a, bs, a_dtype, a_scale, b_scales)
+        dtype = a_data.dtype
+        # Unscaled, A, the bs and the outs share one dtype; scaled, the outs' is the products'.
+        out_dtype = outs[0].dtype if scale != "none" else dtype
+        DTYPE = tl_dtype(out_dtype, argument="outs[0]" if scale != "none" else "a")
+        tma = tma_supported(self.device, dtype)
+        self.a_layout = tma_layout(a_data) if tma else "pointer"
+        self.a_arg = tma_operand(a_data, self.a_layout)
+        self.programs = persistent_programs(self.device)
+        layouts = [tma_layout(b) if tma else "pointer" for b in bs]
+        self.launches: list[_Launch] = []
+        for number, group in enumerate(_launch_groups(layouts)):
+            group_bs = [bs[j] for j in group]
+            ns = tuple(b.shape[1] for b in group_bs)
+            unused = MAX_BS_PER_LAUNCH - len(group)
+            b_args = [tma_operand(b, layouts[group[0]]) for b in group_bs]
+            strides = [stride for b in group_bs for stride in (b.stride(0), b.stride(1))]
+            a_scale_arg, b_scale_args, scale_strides = scale_args(group)
+            wait = number == 0
+            operands = [
+                self.a_arg, *b_args, *b_args[:1] * unused,  # unused: never read (NUM_B)
+                *[outs[j] for j in group], *[outs[group[0]]] * unused,
+                a_data, a_scale_arg, *b_scale_args, *b_scale_args[:1] * unused,
+                rank, world_size, m, K, *ns, *[0] * unused, a_data.stride(0),
+                *strides, *[0, 0] * unused, *scale_strides, *[0] * unused, chunk_rows, self.chunks,
+            ]  # fmt: skip
+            args = dict(
+                zip(_OPERANDS, operands, strict=True),
+                DTYPE=DTYPE,
+                WAIT=wait,
+                A_LAYOUT=self.a_layout,
+                B_LAYOUT=layouts[group[0]],
+                NUM_B=len(group),
+                SCALE=scale,
+                BF16_BY_HAND=INTERPRET and out_dtype == torch.bfloat16,
+                INPUT_PRECISION=dot_precision(dtype),
+            )
+            key = (world_size, m, K, ns, str(dtype), str(out_dtype), wait, self.a_layout,
+                   layouts[group[0]], scale, self.programs)  # fmt: skip
+            launch = _Launch(args, b_args, ns, wait)
+            launch.config = tuning.choose(
+                "ag_matmul_consumer",
+                key,
+                gemm_configs(),
+                lambda config, launch=launch: self._run_raised(launch, config),
+                self.device,
+            )
+            self.launches.append(launch)
+
+    def launch(
+        self,
+        *,
+        progress: torch.Tensor,
+        status: torch.Tensor,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        order_out: torch.Tensor | None = None,
+    ) -> None:
+        """Launch every product: tiles of peers' rows wait for their chunk's word in
+        ``progress`` (the first launch; later ones read A as it is). Args as in
+        :func:`ag_matmul_consumer`."""
+        world_size = self.world_size
+        check_progress(progress, world_size * self.chunks, self.device)
+        check_status(status, world_size)
+        trace = new_trace(order_out, world_size, self.device)
+        for launch in self.launches:
+            traced = launch.wait and trace is not None
+            self._run(
+                launch, launch.config, progress, status, timeout_ns(timeout_s),
+                trace if traced else None,
+            )  # fmt: skip
+        store_order(trace, order_out, world_size)
+
+    def _run_raised(self, launch: _Launch, config: triton.Config) -> None:
+        """One launch with ``config`` on a rank-local problem: every word it would wait for is
+        raised in a scratch vector, so it waits for nobody (tuning)."""
+        words = torch.full(
+            (self.world_size * self.chunks,), signals.RAISED, dtype=torch.int32, device=self.device
+        )
+        status = new_status(self.world_size, self.device)
+        self._run(launch, config, words, status, timeout_ns(DEFAULT_TIMEOUT_S), None)
+
+    def _run(
+        self,
+        launch: _Launch,
+        config: triton.Config,
+        progress: torch.Tensor,
+        status: torch.Tensor,
+        wait_ns: int,
+        trace: torch.Tensor | None,
+    ) -> None:
+        blocks = config.kwargs
+        set_block_shape(self.a_arg, self.a_layout, blocks["BLOCK_M"], blocks["BLOCK_K"])
+        for b in launch.b_args:
+            set_block_shape(b, launch.args["B_LAYOUT"], blocks["BLOCK_K"], blocks["BLOCK_N"])
+        col_tiles = sum(triton.cdiv(n, blocks["BLOCK_N"]) for n in launch.ns)
+        tiles = self.world_size * triton.cdiv(self.m, blocks["BLOCK_M"]) * col_tiles
+        with on_device(self.device):
+            _ag_matmul_kernel[(min(tiles, self.programs),)](
+                **launch.args,
+                progress_addr=progress.data_ptr(),
+                trace_ptr=progress if trace is None else trace,
+                status_addr=status.data_ptr(),
+                timeout_ns=wait_ns,
+                TRACE=trace is not None,
+                **blocks,
+                num_warps=config.num_warps,
+                num_stages=config.num_stages,
+            )
+
+
+# The kernel's arguments that a call fixes before it launches, in order (the rest: the protocol's
+# words, the trace, the status, the timeout, and the constexprs).
+_OPERANDS = (
+    "a", "b0", "b1", "b2", "c0", "c1", "c2", "a_ptr", "a_scale_ptr", "b0_scale", "b1_scale",
+    "b2_scale", "rank", "world_size", "m", "K", "N0", "N1", "N2", "stride_am", "stride_b0k",
+    "stride_b0n", "stride_b1k", "stride_b1n", "stride_b2k", "stride_b2n", "stride_b0s",
+    "stride_b1s", "stride_b2s", "chunk_rows", "chunks",
+)  # fmt: skip
+
+
+class _Launch:
+    """One launch of :class:`AgMatmulConsumer`: its fixed arguments, right-hand operands, widths,
+    whether it waits (the first), and its chosen config."""
+
+    def __init__(self, args: dict, b_args: list, ns: tuple[int, ...], wait: bool) -> None:
+        self.args, self.b_args, self.ns, self.wait = args, b_args, ns, wait
+        self.config: triton.Config | None = None
+
+
 def ag_matmul_consumer(
     a: torch.Tensor,
     bs: Sequence[torch.Tensor],
@@ -432,7 +579,9 @@ def ag_matmul_consumer(
 ) -> None:
     """``outs[j] = A @ bs[j]`` for every j while a copier fills ``A``: one launch for up to
     :data:`MAX_BS_PER_LAUNCH` consecutive ``bs`` of one layout (QKV's, w1/w3's: one launch), so
-    every product's tiles overlap the copies; only the first launch waits.
+    every product's tiles overlap the copies; only the first launch waits. Its tile configs are
+    chosen first, on this rank alone (:class:`AgMatmulConsumer`, which a caller that must choose
+    them before other waits constructs itself).
 
     Shapes (W = ``world_size``, m rows per rank): ``a`` is the gathered A [W*m, K], contiguous,
     local; its rows ``[rank*m, (rank+1)*m)`` are in place before the launch (on a GPU: written
@@ -442,7 +591,7 @@ def ag_matmul_consumer(
     strides (on sm_90 and newer read with TMA when its layout allows, see
     :func:`tp_kernels.kernels.tma_layout`, else through its strides; so is ``a``); ``outs[j]`` is
     [W*m, N_j], contiguous; all share one dtype (fp32, fp16 or bf16) and device. Nothing here
-    synchronizes with the device.
+    synchronizes with the device, but for the first call of a shape in the process (its tuning).
 
     Scaled (fp8, ``b_scales`` given): ``outs[j] = (A_data * a_scale) @ (bs[j] * b_scales[j])``,
     accumulated in fp32 and rounded once to ``outs[j]``'s dtype (fp32, fp16 or bf16), where
@@ -464,75 +613,8 @@ def ag_matmul_consumer(
         order_out: optional int [W]; receives the source ranks in the order the kernel first
             touched them (a trace for tests and debugging; adds one atomic per tile).
     """
-    check_world(rank, world_size)
-    device = a.device
-    m = a.shape[0] // world_size
-    a_data, K, scale, scale_args = _scaled_operands(a, bs, a_dtype, a_scale, b_scales)
-    dtype = a_data.dtype
-    # Unscaled, A, the bs and the outs share one dtype; scaled, the outs' is the products'.
-    out_dtype = outs[0].dtype if scale != "none" else dtype
-    if not isinstance(chunk_rows, int) or chunk_rows < 1:
-        raise ValueError(f"chunk_rows: got {chunk_rows!r}, expected a positive int")
-    chunks = triton.cdiv(m, chunk_rows)
-    check_progress(progress, world_size * chunks, device)
-    check_status(status, world_size)
-    trace = new_trace(order_out, world_size, device)
-    DTYPE = tl_dtype(out_dtype, argument="outs[0]" if scale != "none" else "a")
-    wait_ns = timeout_ns(timeout_s)
-    tma = tma_supported(device, dtype)
-    a_layout = tma_layout(a_data) if tma else "pointer"
-    a_arg = tma_operand(a_data, a_layout)
-    programs = persistent_programs(device)
-    layouts = [tma_layout(b) if tma else "pointer" for b in bs]
-    with on_device(device):
-        for launch, group in enumerate(_launch_groups(layouts)):
-            group_bs = [bs[j] for j in group]
-            ns = [b.shape[1] for b in group_bs]
-            unused = MAX_BS_PER_LAUNCH - len(group)
-            b_args = [tma_operand(b, layouts[group[0]]) for b in group_bs]
-            strides = [stride for b in group_bs for stride in (b.stride(0), b.stride(1))]
-            a_scale_arg, b_scale_args, scale_strides = scale_args(group)
-
-            def grid(meta: dict, ns: tuple[int, ...] = tuple(ns)) -> tuple[int]:
-                col_tiles = sum(triton.cdiv(n, meta["BLOCK_N"]) for n in ns)
-                return (min(world_size * triton.cdiv(m, meta["BLOCK_M"]) * col_tiles, programs),)
-
-            wait = launch == 0
-            _ag_matmul_kernel[grid](
-                a_arg,
-                *b_args,
-                *b_args[:1] * unused,  # unused operands: never read (NUM_B)
-                *[outs[j] for j in group],
-                *[outs[group[0]]] * unused,
-                a_data,
-                a_scale_arg,
-                *b_scale_args,
-                *b_scale_args[:1] * unused,
-                progress.data_ptr(),
-                trace if wait and trace is not None else progress,
-                status.data_ptr(),
-                rank,
-                world_size,
-                m,
-                K,
-                *ns,
-                *[0] * unused,
-                a_data.stride(0),
-                *strides,
-                *[0, 0] * unused,
-                *scale_strides,
-                *[0] * unused,
-                chunk_rows,
-                chunks,
-                wait_ns,
-                DTYPE=DTYPE,
-                WAIT=wait,
-                A_LAYOUT=a_layout,
-                B_LAYOUT=layouts[group[0]],
-                NUM_B=len(group),
-                SCALE=scale,
-                TRACE=wait and trace is not None,
-                BF16_BY_HAND=INTERPRET and out_dtype == torch.bfloat16,
-                INPUT_PRECISION=dot_precision(dtype),
-            )
-    store_order(trace, order_out, world_size)
+    consumer = AgMatmulConsumer(
+        a, bs, outs, chunk_rows=chunk_rows, rank=rank, world_size=world_size, a_dtype=a_dtype,
+        a_scale=a_scale, b_scales=b_scales,
+    )  # fmt: skip
+    consumer.launch(progress=progress, status=status, timeout_s=timeout_s, order_out=order_out)

@@ -3,8 +3,8 @@ architecture without a GPU, and check what the PTX must contain.
 
 Every variant the launchers can choose is compiled with Triton's ``ASTSource`` for
 ``GPUTarget("cuda", <arch>, 32)``, with the specialization the runtime gives real arguments
-(16-byte aligned pointers, sizes and strides that are multiples of 16) and the autotuner's
-configs. Each PTX file is written to ``--out`` and checked:
+(16-byte aligned pointers, sizes and strides that are multiples of 16) and the tuner's
+configs (every config of the menus). Each PTX file is written to ``--out`` and checked:
 
 * a kernel that waits polls with ``ld.acquire.sys`` and reads ``%globaltimer`` (its deadline): the
   barrier (``barrier``, which also raises its peers' words with a system-scope release), the
@@ -185,7 +185,7 @@ def variants(arch: int) -> list[Variant]:
     the other layouts of B are compiled with one config per dtype, as
     the layout changes only the loads and not the tile loop. All-gather configs whose stage
     buffers exceed the architecture's shared memory (fp32 with the large tiles) are left out: the
-    autotuner drops them there (they fail to load). On sm_90 and newer the operands, all local,
+    tuner skips them there (they fail to load). On sm_90 and newer the operands, all local,
     are tensor descriptors (TMA) where their layout allows (not for fp32 without TF32); below
     sm_90 the launchers always read through pointers.
     """
@@ -193,6 +193,7 @@ def variants(arch: int) -> list[Variant]:
     import triton.language as tl
 
     from tp_kernels.kernels import ag_matmul, matmul_rs
+    from tp_kernels.kernels._shared import gemm_configs
 
     gemm16 = GEMM16_PATTERNS[arch]
     tma = arch >= 90
@@ -302,7 +303,7 @@ def variants(arch: int) -> list[Variant]:
         return _variant(
             f"ag_matmul[{tag},{b_name},{_blocks(kw)},w{config.num_warps}s{config.num_stages}"
             f"{a_tag}{',wait' if wait else ''}{f',{num_b}b' if num_b > 1 else ''}]",
-            ag_matmul._ag_matmul_kernel.fn,
+            ag_matmul._ag_matmul_kernel,
             types,
             gemm_constants(
                 out_type,
@@ -375,11 +376,7 @@ def variants(arch: int) -> list[Variant]:
         elem = dname
         mma = gemm16 if dname != "fp32" else ()
         itemsize = torch.tensor([], dtype=torch_type).element_size()
-        configs = [
-            c
-            for c in ag_matmul._ag_matmul_kernel.configs
-            if _stage_bytes(c, itemsize) <= SHARED_LIMIT[arch]
-        ]
+        configs = [c for c in gemm_configs() if _stage_bytes(c, itemsize) <= SHARED_LIMIT[arch]]
         producer_configs = []
         for m, n in ((128, 256), (128, 128), (64, 256), (64, 128), (64, 64)):
             config = matmul_rs._producer_config(m, n, torch_type)
@@ -400,11 +397,11 @@ def variants(arch: int) -> list[Variant]:
                 found.append(rs_variant(*args, config, "rc", "B=nk"))
             found.append(rs_variant(*args, producer_configs[-1], "rc", "B=kn"))
             found.append(rs_variant(*args, producer_configs[-1], "rc", "B=ptr"))
-        for config in matmul_rs._reduce_slots_kernel.configs:
+        for config in matmul_rs._reduce_configs():
             found.append(
                 _variant(
                     f"reduce_slots[{dname},{config.kwargs['BLOCK']},w{config.num_warps}]",
-                    matmul_rs._reduce_slots_kernel.fn,
+                    matmul_rs._reduce_slots_kernel,
                     {
                         "slots_ptr": f"*{elem}",
                         "out_ptr": f"*{elem}",
@@ -436,11 +433,12 @@ def fp8_variants(arch: int, ag_variant, rs_variant) -> list[Variant]:
     a row-wise consumer with e5m2 A (the gradient's type) against e4m3 B on sm_90."""
     import triton.language as tl
 
-    from tp_kernels.kernels import ag_matmul, matmul_rs
+    from tp_kernels.kernels import matmul_rs
+    from tp_kernels.kernels._shared import gemm_configs
 
     mma = GEMM8_PATTERNS[arch]
     e4m3, bf16 = ("fp8e4nv", tl.float8e4nv), ("bf16", tl.bfloat16)
-    config = ag_matmul._ag_matmul_kernel.configs[0]
+    config = gemm_configs()[0]
     producer = matmul_rs._producer_config(128, 256, None)
     found = []
     for scale in ("row", "tensor"):

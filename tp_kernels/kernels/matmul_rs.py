@@ -35,7 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tp_kernels import tiling
+from tp_kernels import signals, tiling
+from tp_kernels.kernels import tuning
 from tp_kernels.kernels._shared import (
     DEFAULT_TIMEOUT_S,
     FP8_DTYPES,
@@ -58,6 +59,7 @@ from tp_kernels.kernels._shared import (
     check_tensor,
     check_world,
     dot_precision,
+    new_status,
     new_trace,
     on_device,
     persistent_programs,
@@ -73,12 +75,9 @@ from tp_kernels.kernels._shared import (
 
 
 def _producer_config(m: int, n: int, dtype: torch.dtype) -> dict:
-    """Tile shape of the producer GEMM, chosen from the shape instead of autotuned
-    (:func:`tp_kernels.tiling.producer_blocks`, which the cost model simulates too).
-
-    Autotuning would re-run the kernel per candidate config, and every run stores into the
-    peers' slots and raises their signals: a peer could start reducing values from one config
-    while another overwrote them with differently rounded ones, breaking determinism. Tiles of
+    """Tile shape of the producer GEMM, chosen from the shape instead of tuned
+    (:func:`tp_kernels.tiling.producer_blocks`), so that the cost model simulates the very
+    tiles that run. Tiles of
     128x128 and more take two warpgroups and 3 stages (144 KiB of shared memory at 128x256 in
     16 bits, which fits sm_80 too), smaller ones 4 stages.
     """
@@ -214,7 +213,6 @@ def _matmul_rs_kernel(
                 tl.atomic_xchg(progress + dst, RAISED, sem="release", scope="sys")
 
 
-@triton.autotune(configs=_reduce_configs(), key=["numel", "OUT_DTYPE"])
 @triton.jit(do_not_specialize=["rank", "channel", "status_addr", "timeout_ns"])
 def _reduce_slots_kernel(
     slots_ptr,
@@ -255,6 +253,104 @@ def new_counters(world_size: int, device: torch.device) -> torch.Tensor:
     """The zeroed per-destination tile counters of :func:`matmul_rs_producer` (int32 [W]); the
     kernel leaves them zeroed, so one tensor serves every launch on one stream."""
     return torch.zeros(world_size, dtype=torch.int32, device=device)
+
+
+class RsProducer:
+    """One :func:`matmul_rs_producer` call in two steps, so that its kernel is compiled before
+    the call waits for anyone (the ``symm`` backend: before its start barrier): constructing it
+    checks the operands, takes the shape's tile (:func:`_producer_config`) and, on a GPU, compiles
+    the launch's variant without running it (nothing to time: the tile is the shape's);
+    :meth:`launch` then runs it on the call's words."""
+
+    def __init__(
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        staging: torch.Tensor,
+        own_slots: torch.Tensor,
+        *,
+        rank: int,
+        world_size: int,
+        channel: int,
+        a_scale: torch.Tensor | None = None,
+        b_scale: torch.Tensor | None = None,
+    ) -> None:
+        check_world(rank, world_size, channel)
+        self.device, self.world_size = a.device, world_size
+        m, K, N = a.shape[0] // world_size, a.shape[1], b.shape[1]
+        scaled = a_scale is not None or b_scale is not None
+        if scaled:
+            if a_scale is None or b_scale is None or a.dtype not in FP8_DTYPES:
+                raise ValueError(
+                    f"a scaled product takes fp8 a (got {a.dtype}), a_scale and b_scale (got "
+                    f"{'None' if a_scale is None else 'a tensor'} and "
+                    f"{'None' if b_scale is None else 'a tensor'})"
+                )
+            check_scales(a_scale, [b_scale], [b], a.shape[0], a_rows_packed=False)
+            scale = "row" if a_scale.dim() else "tensor"
+            a_scale_arg, b_scale_arg = a_scale, b_scale
+        else:
+            scale, a_scale_arg, b_scale_arg = "none", a, b
+        out_dtype = staging.dtype if scaled else a.dtype
+        DTYPE = tl_dtype(out_dtype, argument="staging" if scaled else "a")
+        for name, blocks in (("staging", staging), ("own_slots", own_slots)):
+            check_tensor(blocks, (world_size, m, N), out_dtype, a.device, argument=name)
+        config = _producer_config(m, N, a.dtype)
+        tiles = world_size * triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"])
+        self.grid = (min(tiles, persistent_programs(a.device)),)
+        tma = tma_supported(a.device, a.dtype)
+        a_layout = tma_layout(a) if tma else "pointer"
+        if a_layout == "cr" and m * a.element_size() % 16:
+            # Transposed, A's rows are the descriptor's inner dimension, where a block must start
+            # on a 16-byte boundary: destination d's rows start at d*m.
+            a_layout = "pointer"
+        b_layout = tma_layout(b) if tma else "pointer"
+        a_arg, b_arg = tma_operand(a, a_layout), tma_operand(b, b_layout)
+        set_block_shape(a_arg, a_layout, config["BLOCK_M"], config["BLOCK_K"])
+        set_block_shape(b_arg, b_layout, config["BLOCK_K"], config["BLOCK_N"])
+        self.args = dict(
+            a=a_arg, b=b_arg, staging=staging, own_slots=own_slots, a_scale_ptr=a_scale_arg,
+            b_scale_ptr=b_scale_arg, rank=rank, world_size=world_size, m=m, N=N, K=K,
+            stride_am=a.stride(0), stride_ak=a.stride(1), stride_bk=b.stride(0),
+            stride_bn=b.stride(1), stride_as=scale_stride(a_scale) if scaled else 0,
+            stride_bs=scale_stride(b_scale) if scaled else 0, channel=channel, DTYPE=DTYPE,
+            A_LAYOUT=a_layout, B_LAYOUT=b_layout, SCALE=scale,
+            BF16_BY_HAND=INTERPRET and out_dtype == torch.bfloat16,
+            INPUT_PRECISION=dot_precision(a.dtype), **config,
+        )  # fmt: skip
+        if not INTERPRET:  # the interpreter compiles nothing
+            words = torch.zeros(world_size, dtype=torch.int32, device=a.device)
+            table = torch.zeros(world_size, dtype=torch.int64, device=a.device)
+            with on_device(a.device):
+                _matmul_rs_kernel.warmup(
+                    **self.args, progress=words, signal_ptrs=table, counter_ptr=words,
+                    trace_ptr=words, TRACE=False, grid=self.grid,
+                )  # fmt: skip
+
+    def launch(
+        self,
+        progress: torch.Tensor,
+        signal_ptrs: torch.Tensor,
+        *,
+        counters: torch.Tensor,
+        order_out: torch.Tensor | None = None,
+    ) -> None:
+        """Compute and announce every block. Args as in :func:`matmul_rs_producer`."""
+        world_size, device = self.world_size, self.device
+        check_tensor(progress, (world_size,), torch.int32, device, argument="progress")
+        check_ptr_table(signal_ptrs, world_size, device, argument="signal_ptrs")
+        check_tensor(counters, (world_size,), torch.int32, device, argument="counters")
+        trace = new_trace(order_out, world_size, device)
+        with on_device(device):
+            _matmul_rs_kernel[self.grid](
+                **self.args,
+                progress=progress,
+                signal_ptrs=signal_ptrs,
+                counter_ptr=counters,
+                trace_ptr=counters if trace is None else trace,
+                TRACE=trace is not None,
+            )
+        store_order(trace, order_out, world_size)
 
 
 def matmul_rs_producer(
@@ -301,76 +397,70 @@ def matmul_rs_producer(
             then rounded once to the dtype of ``staging`` and ``own_slots`` (fp32, fp16 or
             bf16), which the partials then cross the link in.
     """
-    check_world(rank, world_size, channel)
-    m, K, N = a.shape[0] // world_size, a.shape[1], b.shape[1]
-    scaled = a_scale is not None or b_scale is not None
-    if scaled:
-        if a_scale is None or b_scale is None or a.dtype not in FP8_DTYPES:
-            raise ValueError(
-                f"a scaled product takes fp8 a (got {a.dtype}), a_scale and b_scale (got "
-                f"{'None' if a_scale is None else 'a tensor'} and "
-                f"{'None' if b_scale is None else 'a tensor'})"
-            )
-        check_scales(a_scale, [b_scale], [b], a.shape[0], a_rows_packed=False)
-        scale = "row" if a_scale.dim() else "tensor"
-        a_scale_arg, b_scale_arg = a_scale, b_scale
-    else:
-        scale, a_scale_arg, b_scale_arg = "none", a, b
-    out_dtype = staging.dtype if scaled else a.dtype
-    DTYPE = tl_dtype(out_dtype, argument="staging" if scaled else "a")
-    for name, blocks in (("staging", staging), ("own_slots", own_slots)):
-        check_tensor(blocks, (world_size, m, N), out_dtype, a.device, argument=name)
-    check_tensor(progress, (world_size,), torch.int32, a.device, argument="progress")
-    check_ptr_table(signal_ptrs, world_size, a.device, argument="signal_ptrs")
-    check_tensor(counters, (world_size,), torch.int32, a.device, argument="counters")
-    trace = new_trace(order_out, world_size, a.device)
-    config = _producer_config(m, N, a.dtype)
-    tiles = world_size * triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"])
-    grid = (min(tiles, persistent_programs(a.device)),)
-    tma = tma_supported(a.device, a.dtype)
-    a_layout = tma_layout(a) if tma else "pointer"
-    if a_layout == "cr" and m * a.element_size() % 16:
-        # Transposed, A's rows are the descriptor's inner dimension, where a block must start
-        # on a 16-byte boundary: destination d's rows start at d*m.
-        a_layout = "pointer"
-    b_layout = tma_layout(b) if tma else "pointer"
-    a_arg, b_arg = tma_operand(a, a_layout), tma_operand(b, b_layout)
-    set_block_shape(a_arg, a_layout, config["BLOCK_M"], config["BLOCK_K"])
-    set_block_shape(b_arg, b_layout, config["BLOCK_K"], config["BLOCK_N"])
-    with on_device(a.device):
-        _matmul_rs_kernel[grid](
-            a_arg,
-            b_arg,
-            staging,
-            own_slots,
-            progress,
-            signal_ptrs,
-            counters,
-            counters if trace is None else trace,
-            a_scale_arg,
-            b_scale_arg,
-            rank,
-            world_size,
-            m,
-            N,
-            K,
-            a.stride(0),
-            a.stride(1),
-            b.stride(0),
-            b.stride(1),
-            scale_stride(a_scale) if scaled else 0,
-            scale_stride(b_scale) if scaled else 0,
-            channel,
-            DTYPE=DTYPE,
-            A_LAYOUT=a_layout,
-            B_LAYOUT=b_layout,
-            SCALE=scale,
-            TRACE=trace is not None,
-            BF16_BY_HAND=INTERPRET and out_dtype == torch.bfloat16,
-            INPUT_PRECISION=dot_precision(a.dtype),
-            **config,
+    producer = RsProducer(
+        a, b, staging, own_slots, rank=rank, world_size=world_size, channel=channel,
+        a_scale=a_scale, b_scale=b_scale,
+    )  # fmt: skip
+    producer.launch(progress, signal_ptrs, counters=counters, order_out=order_out)
+
+
+class SlotReduction:
+    """One :func:`reduce_slots` call in two steps, so that its block size is chosen before the
+    call waits for anyone (the ``symm`` backend: before its start barrier). Constructing it
+    chooses the config (:func:`tp_kernels.kernels.tuning.choose`: on a shape new to the process,
+    every candidate timed on this rank alone, summing ``slots`` into ``out`` with every slot's
+    word raised in a scratch pad); :meth:`launch` then waits for the call's own words."""
+
+    def __init__(
+        self, slots: torch.Tensor, out: torch.Tensor, *, rank: int, world_size: int, channel: int
+    ) -> None:
+        check_world(rank, world_size, channel)
+        self.slots, self.out, self.rank, self.world_size, self.channel = (
+            slots, out, rank, world_size, channel
+        )  # fmt: skip
+        self.out_dtype = tl_dtype(out.dtype, argument="out")
+        key = (world_size, out.numel(), str(slots.dtype), str(out.dtype))
+        self.config = tuning.choose(
+            "reduce_slots", key, _reduce_configs(), self._run_raised, slots.device
         )
-    store_order(trace, order_out, world_size)
+
+    def launch(self, signal_ptrs: torch.Tensor, *, status: torch.Tensor, timeout_s: float) -> None:
+        """Sum the slots, each once its word in this rank's pad (``signal_ptrs[rank]``) is
+        raised; a wait past ``timeout_s`` is recorded in ``status``."""
+        check_ptr_table(signal_ptrs, self.world_size, self.slots.device, argument="signal_ptrs")
+        check_status(status, self.world_size)
+        self._run(self.config, signal_ptrs, status, timeout_ns(timeout_s))
+
+    def _run_raised(self, config: triton.Config) -> None:
+        device = self.slots.device
+        pad = torch.full(
+            ((self.channel + 1) * self.world_size,), signals.RAISED, dtype=torch.int32,
+            device=device,
+        )  # fmt: skip
+        table = torch.full((self.world_size,), pad.data_ptr(), dtype=torch.int64, device=device)
+        status = new_status(self.world_size, device)
+        self._run(config, table, status, timeout_ns(DEFAULT_TIMEOUT_S))
+
+    def _run(
+        self, config: triton.Config, signal_ptrs: torch.Tensor, status: torch.Tensor, wait_ns: int
+    ) -> None:
+        numel = self.out.numel()
+        with on_device(self.slots.device):
+            _reduce_slots_kernel[(triton.cdiv(numel, config.kwargs["BLOCK"]),)](
+                self.slots,
+                self.out,
+                signal_ptrs,
+                status.data_ptr(),
+                self.rank,
+                self.world_size,
+                numel,
+                self.channel,
+                wait_ns,
+                OUT_DTYPE=self.out_dtype,
+                BF16_BY_HAND=INTERPRET and self.out.dtype == torch.bfloat16,
+                **config.kwargs,
+                num_warps=config.num_warps,
+            )
 
 
 def reduce_slots(
@@ -391,29 +481,11 @@ def reduce_slots(
     :func:`matmul_rs_producer`, pushed here by rank s), ``out`` [m, N] of any supported dtype
     (the fp32 sum is cast to it); both contiguous on one device. Slot s is read once word
     ``channel * W + s`` of this rank's pad is raised. Nothing here synchronizes with the
-    device.
+    device, but the first call of a shape in the process (its tuning, :class:`SlotReduction`).
 
     Args:
         signal_ptrs: int64 [W], address of each rank's signal pad; this rank waits on its own.
         status, timeout_s: as in :func:`tp_kernels.kernels.ag_matmul_consumer`.
     """
-    check_world(rank, world_size, channel)
-    OUT_DTYPE = tl_dtype(out.dtype, argument="out")
-    check_ptr_table(signal_ptrs, world_size, slots.device, argument="signal_ptrs")
-    check_status(status, world_size)
-
-    numel = out.numel()
-    with on_device(slots.device):
-        _reduce_slots_kernel[lambda meta: (triton.cdiv(numel, meta["BLOCK"]),)](
-            slots,
-            out,
-            signal_ptrs,
-            status.data_ptr(),
-            rank,
-            world_size,
-            numel,
-            channel,
-            timeout_ns(timeout_s),
-            OUT_DTYPE=OUT_DTYPE,
-            BF16_BY_HAND=INTERPRET and out.dtype == torch.bfloat16,
-        )
+    reduction = SlotReduction(slots, out, rank=rank, world_size=world_size, channel=channel)
+    reduction.launch(signal_ptrs, status=status, timeout_s=timeout_s)
