@@ -24,7 +24,9 @@ temporary directory, within ``--mps-timeout-s``), runs 2 ranks (gloo, CUDA symme
 goes) whatever happened. It changes no setting of the GPU (no compute mode, no reset). Where MPS
 cannot start (or its ranks cannot), the mode is **local peers**: one process whose "peer" buffers
 are local tensors holding what rank 1 would publish, read by the same copier; its persistent
-GEMMs take half the SMs (``TP_KERNELS_SHARED_DEVICE_RANKS=2``). The output names the mode.
+GEMMs take half the SMs (:data:`tp_kernels.config.SHARED_DEVICE_RANKS` 2, as two ranks on one GPU
+without MPS). Under MPS a rank's GEMMs take one program per SM of its share: all the SMs its
+device reports where MPS reports the share, else half of them. The output names the mode.
 
 **3. The rows**, per op (``ag_matmul``: ``[M/W, K]`` shards gathered into ``A [M, K]``, times ``B
 [K, N]``; ``matmul_rs``: ``A [M, K] @ B [K, N]`` cut into ``W`` row blocks, each sent to its
@@ -94,7 +96,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tp_kernels import signals
+from tp_kernels import config, signals
 from tp_kernels.backends import symm_gather, symm_scatter
 from tp_kernels.bench.gpu_kernels import error_ratio
 from tp_kernels.bench.ops import matmul_tolerance
@@ -152,12 +154,16 @@ class Setup:
     host_reps: int
     seed: int
     wait_timeout_s: float
+    # Ranks whose persistent GEMMs share the SMs this rank's device reports (the GEMMs launch
+    # one program per SM of its share): 1 where MPS already reports the rank's share.
+    shared_ranks: int = WORLD
 
 
 @dataclass
 class Case:
     """One (op, shape, copy repeat): per row its per-round times (empty when not timed), host
-    time, check text and verdict, or why it cannot run."""
+    time, check text, this rank's verdict and the verdict agreed over ranks, or why it cannot
+    run."""
 
     op: str
     shape: tuple[str, int, int, int]
@@ -165,6 +171,7 @@ class Case:
     times_ms: dict[str, list[float]] = field(default_factory=dict)
     host_ms: dict[str, float] = field(default_factory=dict)
     checks: dict[str, str] = field(default_factory=dict)
+    local_ok: dict[str, bool] = field(default_factory=dict)
     ok: dict[str, bool] = field(default_factory=dict)
     na: dict[str, str] = field(default_factory=dict)
 
@@ -223,7 +230,7 @@ class Peers:
         """Every rank's int32 signal pad, and the table of their addresses."""
         if self._workspace is not None:
             pads = [self._workspace.signal_pad(d) for d in range(WORLD)]
-            return pads, self._workspace.signal_pad_ptrs
+            return pads, self._workspace.signal_pad_ptrs()
         table = torch.tensor([p.data_ptr() for p in self._pads], dtype=torch.int64)
         return self._pads, table.to(self.device)
 
@@ -561,10 +568,9 @@ def measure(
         peers.barrier()
         rows.run[row]()
         peers.barrier()
-        case.ok[row], case.checks[row] = rows.check(row)
-    good = _agreed(case.ok, peers)
-    case.ok = good
-    timed = {row: fn for row, fn in rows.run.items() if good[row]}
+        case.local_ok[row], case.checks[row] = rows.check(row)
+    case.ok = _agreed(case.local_ok, peers)
+    timed = {row: fn for row, fn in rows.run.items() if case.ok[row]}
     case.times_ms = time_providers(
         timed, rounds=setup.rounds, warmup=setup.warmup, group=peers.group, device=peers.device
     )
@@ -594,12 +600,13 @@ def run_cases(setup: Setup, grouped: bool) -> list[Case]:
     device = _rank_device(setup.device)
     group = dist.group.WORLD if grouped else None
     peers = Peers(dist.get_rank() if grouped else 0, group, device)
-    return [
-        measure(op, shape, repeat, peers, setup)
-        for op in setup.shapes
-        for shape in setup.shapes[op]
-        for repeat in setup.repeats
-    ]
+    with config.SHARED_DEVICE_RANKS.overriding(setup.shared_ranks, argument="shared_ranks"):
+        return [
+            measure(op, shape, repeat, peers, setup)
+            for op in setup.shapes
+            for shape in setup.shapes[op]
+            for repeat in setup.repeats
+        ]
 
 
 def rank_hello(kind: str) -> dict[str, Any]:
@@ -909,20 +916,24 @@ def render_case(case: Case, mode: str, dtype: str) -> str:
 
 
 def merge(per_rank: Sequence[Sequence[Case]]) -> list[Case]:
-    """The ranks' cases as one: checks failed where any rank's failed (their texts joined where
-    they differ), host times the slowest rank's; times and verdicts are already agreed."""
+    """The ranks' cases as one: a row's check text is that of each rank that failed it (rank 0's
+    where none did), its host time the slowest rank's; times and verdicts are already agreed."""
     merged = []
     for cases in zip(*per_rank, strict=True):
-        first = replace(cases[0])
+        first = replace(cases[0], checks=dict(cases[0].checks))
         for row in first.checks:
-            texts = dict.fromkeys(c.checks[row] for c in cases)
-            first.checks[row] = " | ".join(texts)
+            failed = [
+                f"rank {r}: {c.checks[row]}" for r, c in enumerate(cases) if not c.local_ok[row]
+            ]
+            first.checks[row] = " | ".join(failed) or first.checks[row]
         first.host_ms = {row: max(c.host_ms[row] for c in cases) for row in first.host_ms}
         merged.append(first)
     return merged
 
 
-def _mps_run(args: argparse.Namespace, setup: Setup, control: str) -> tuple[str, list] | None:
+def _mps_run(
+    args: argparse.Namespace, setup: Setup, control: str, full_sms: int
+) -> tuple[str, list] | None:
     """The cases on 2 ranks under this script's MPS daemon, or None (printed why) where MPS or
     its ranks cannot start."""
     daemon = MpsDaemon(control, args.mps_timeout_s)
@@ -935,8 +946,6 @@ def _mps_run(args: argparse.Namespace, setup: Setup, control: str) -> tuple[str,
         **daemon.env,
         "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(100 // WORLD),
         "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1",
-        # Each rank's own share of the SMs is what its device reports under MPS.
-        "TP_KERNELS_SHARED_DEVICE_RANKS": "1",
     }
     world = LocalWorld(WORLD, timeout_s=args.timeout_s, env=env)
     try:
@@ -947,10 +956,13 @@ def _mps_run(args: argparse.Namespace, setup: Setup, control: str) -> tuple[str,
             return None
         for r, h in enumerate(hello):
             print(
-                f"MPS rank {r}: {h['sms']} SMs reported, "
+                f"MPS rank {r}: {h['sms']} SMs reported (the GPU has {full_sms}), "
                 f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={h['percentage']}"
             )
-        return MPS, merge(world.run(run_cases, setup, True))
+        # Where MPS reports each rank its share, its persistent GEMMs take all it reports.
+        shared = WORLD if all(h["sms"] == full_sms for h in hello) else 1
+        print(f"persistent GEMMs: one program per SM of 1/{shared} of the SMs reported")
+        return MPS, merge(world.run(run_cases, replace(setup, shared_ranks=shared), True))
     finally:
         world.close()
         print(f"MPS daemon stopped ({daemon.stop()})")
@@ -960,8 +972,7 @@ def _local_run(args: argparse.Namespace, setup: Setup) -> tuple[str, list]:
     if args.device == "cpu":
         return LOCAL, run_cases(setup, False)
     # In its own process, as the ranks are: this one keeps no CUDA context.
-    env = {"TP_KERNELS_SHARED_DEVICE_RANKS": str(WORLD)}
-    with LocalWorld(1, timeout_s=args.timeout_s, env=env) as world:
+    with LocalWorld(1, timeout_s=args.timeout_s) as world:
         return LOCAL, world.run(run_cases, setup, False)[0]
 
 
@@ -1004,7 +1015,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     control = facts["mps control"]
     outcome = None
     if args.device == "cuda" and not args.no_mps and control != "not on PATH":
-        outcome = _mps_run(args, setup, control)
+        outcome = _mps_run(args, setup, control, facts["SMs"])
     if outcome is None:
         outcome = _local_run(args, setup)
     mode, cases = outcome

@@ -1,0 +1,192 @@
+"""``python -m tp_kernels.bench.overlap`` on a CPU: its ``--device cpu`` run in this process (local
+peers, the interpreter, tiny shapes), the efficiency arithmetic on fabricated medians, a wrong
+GEMM and copies that never land reported as FAIL, the two-rank path (what MPS runs on a GPU) on
+a local world of 2 gloo ranks over the CPU symmetric heap, the MPS daemon's start and stop with a
+stand-in control program, and its arguments.
+"""
+
+from __future__ import annotations
+
+import re
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+
+from tp_kernels.backends import symm_gather
+from tp_kernels.bench import overlap as ov
+
+FAST = ["--device", "cpu", "--copy-repeat", "1", "2"]
+NUMBER = re.compile(r"^-?\d+\.\d+$")
+
+
+def _tables(out: str) -> dict[tuple[str, int], dict[str, list[str]]]:
+    """``{(op, copy repeat): {row: cells}}`` of every case table, and its efficiency lines under
+    the key ``"<fused>:"``."""
+    tables: dict[tuple[str, int], dict[str, list[str]]] = {}
+    current: dict[str, list[str]] | None = None
+    for line in out.splitlines():
+        head = re.match(r"^== (\w+) .* copy-repeat=(\d+) ", line)
+        if head:
+            current = tables.setdefault((head.group(1), int(head.group(2))), {})
+            continue
+        cells = line.split()
+        if current is not None and cells and (cells[0] in ov.ROWS or cells[0].endswith(":")):
+            current[cells[0]] = cells
+    return tables
+
+
+def _efficiency_terms(line: str) -> dict[str, float]:
+    """The printed medians of an efficiency line: ``{"efficiency", "unfused", "bound", ...}``."""
+    terms = {name: float(v) for name, v in re.findall(r"(\w+) (-?\d+\.\d+)", line)}
+    eff = re.search(r"overlap efficiency (-?\d+\.\d+)", line)
+    if eff:
+        terms["efficiency"] = float(eff.group(1))
+    terms["exposed"] = float(re.search(r"exposed comm (-?\d+\.\d+) ms", line).group(1))
+    return terms
+
+
+def test_cpu_mode_computes_and_checks_every_row(capsys):
+    assert ov.main(FAST) == 0
+    out = capsys.readouterr().out
+    assert "spinner: ok (checked)" in out and "copy engine: n/a on cpu" in out
+    assert f"({ov.LOCAL})" in out
+    tables = _tables(out)
+    assert set(tables) == {(op, k) for op in ov.OPS for k in (1, 2)}
+    for (op, repeat), rows in tables.items():
+        for row in ("gemm", "copies", "bound", "unfused", "symm"):
+            cells = rows[row]
+            assert all(NUMBER.match(c) for c in cells[1:5]), (op, repeat, cells)
+            assert cells[5] == "ok,", (op, repeat, cells)
+        assert rows["torch"][1] == "n/a"
+        # The efficiency line is the formula on the medians printed above it.
+        terms = _efficiency_terms(" ".join(rows["symm:"]))
+        for row in ("gemm", "bound", "unfused", "symm"):
+            assert terms[row] == float(rows[row][1])
+        assert terms["exposed"] == pytest.approx(terms["symm"] - terms["gemm"], abs=2e-3)
+        if "efficiency" in terms:
+            span = terms["unfused"] - terms["bound"]
+            want = (terms["unfused"] - terms["symm"]) / span
+            assert terms["efficiency"] == pytest.approx(want, abs=6e-3)
+        assert "torch: overlap efficiency n/a (cpu:" in " ".join(rows["torch:"])
+
+
+def test_overlap_metrics_arithmetic():
+    medians = {"gemm": 1.0, "copies": 0.8, "bound": 1.1, "unfused": 1.8, "symm": 1.24}
+    eff, exposed = ov.overlap_metrics(medians, "symm")
+    assert eff == pytest.approx((1.8 - 1.24) / (1.8 - 1.1)) and eff == pytest.approx(0.8)
+    assert exposed == pytest.approx(0.24)
+    # Nothing to hide (unfused no slower than the bound): no efficiency, exposed still computed.
+    eff, exposed = ov.overlap_metrics({**medians, "bound": 1.8}, "symm")
+    assert eff is None and exposed == pytest.approx(0.24)
+
+
+def test_wrong_gemm_fails(monkeypatch, capsys):
+    from tp_kernels import kernels
+
+    consumer, producer = kernels.ag_matmul_consumer, kernels.matmul_rs_producer
+
+    def wrong_consumer(a, bs, outs, **kwargs):
+        consumer(a, bs, outs, **kwargs)
+        outs[0].add_(1.0)
+
+    def wrong_producer(a, b, staging, own, *args, **kwargs):
+        producer(a, b, staging, own, *args, **kwargs)
+        staging.mul_(2.0)
+
+    monkeypatch.setattr(kernels, "ag_matmul_consumer", wrong_consumer)
+    monkeypatch.setattr(kernels, "matmul_rs_producer", wrong_producer)
+    assert ov.main(["--device", "cpu", "--copy-repeat", "1"]) == 1
+    tables = _tables(capsys.readouterr().out)
+    for op in ov.OPS:
+        rows = tables[(op, 1)]
+        for row in ("gemm", "bound", "unfused", "symm"):
+            assert rows[row][1] == "-" and "FAIL," in rows[row], (op, rows[row])
+        assert "ok," in rows["copies"]  # the copies do not go through the GEMM
+
+
+def test_copies_that_never_land_fail(monkeypatch, capsys):
+    """A copier that copies nothing and raises no word: the copies' checks fail, and the fused
+    GEMM's waits time out (and say so) rather than pass on stale rows."""
+    monkeypatch.setattr(symm_gather.Copier, "start", lambda self, *a, **k: symm_gather.Copies())
+    argv = ["--device", "cpu", "--copy-repeat", "1", "--ops", "ag_matmul", "--wait-timeout-s", "1"]
+    assert ov.main(argv) == 1
+    out = capsys.readouterr().out
+    rows = _tables(out)[("ag_matmul", 1)]
+    assert "ok," in rows["gemm"]
+    for row in ("copies", "bound", "unfused", "symm"):
+        assert "FAIL," in rows[row] and "DIFFER" in " ".join(rows[row]), rows[row]
+    assert "timed out" in " ".join(rows["symm"])
+
+
+def test_two_ranks_on_a_shared_heap(worlds):
+    """The path of two ranks (symmetric workspace, peers' pads, verdicts agreed, merge)."""
+    args = ov.parse_args(FAST)
+    setup = ov.Setup(
+        device="cpu", dtype="fp32", shapes=args.shapes, repeats=(1, 2), rounds=1, warmup=0,
+        host_reps=1, seed=0, wait_timeout_s=30.0,
+    )  # fmt: skip
+    cases = ov.merge(worlds(2).run(ov.run_cases, setup, True))
+    assert [(c.op, c.repeat) for c in cases] == [(op, k) for op in ov.OPS for k in (1, 2)]
+    for case in cases:
+        assert not case.failed, (case.op, case.checks)
+        assert set(case.medians()) == {"gemm", "copies", "bound", "unfused", "symm"}
+        assert case.na["torch"].startswith("cpu:")
+        text = ov.render_case(case, ov.MPS, "fp32")
+        assert "symm: overlap efficiency" in text and "FAIL" not in text
+
+
+def _fake_control(tmp_path: Path, exit_code: int) -> Path:
+    """A stand-in for nvidia-cuda-mps-control: logs its arguments, stdin and pipe directory."""
+    script = tmp_path / "mps-control"
+    log = tmp_path / "calls.log"
+    script.write_text(
+        "#!/bin/sh\n"
+        f'echo "args=$* pipe=$CUDA_MPS_PIPE_DIRECTORY stdin=$(cat)" >> {log}\n'
+        f"exit {exit_code}\n"
+    )
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return script
+
+
+def test_mps_daemon_start_and_stop(tmp_path):
+    daemon = ov.MpsDaemon(str(_fake_control(tmp_path, 0)), timeout_s=10.0)
+    pipe = Path(daemon.env["CUDA_MPS_PIPE_DIRECTORY"])
+    assert pipe.is_dir() and Path(daemon.env["CUDA_MPS_LOG_DIRECTORY"]).is_dir()
+    assert daemon.start() is None
+    assert daemon.stop() == "quit: exit 0"
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    assert calls[0].startswith(f"args=-d pipe={pipe} ")
+    assert calls[1] == f"args= pipe={pipe} stdin=quit"
+    assert not pipe.parent.exists()  # its own directory is gone
+
+
+def test_mps_daemon_that_cannot_start_says_why(tmp_path):
+    daemon = ov.MpsDaemon(str(_fake_control(tmp_path, 3)), timeout_s=10.0)
+    why = daemon.start()
+    assert why is not None and "exited 3" in why
+    daemon.stop()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--shape", "33,8,8"], "--shape: got '33,8,8', expected M,K,N"),
+        (["--shape", "8,8"], "expected M,K,N"),
+        (["--copy-repeat", "0"], "--copy-repeat: must be a positive integer, got 0"),
+        (["--spin-ms", "0"], "--spin-ms: got 0.0, expected a positive number"),
+    ],
+)
+def test_bad_arguments_name_the_argument(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        ov.parse_args(["--device", "cpu", *argv])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_no_cuda_says_so(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert ov.main([]) == 0
+    assert capsys.readouterr().out.strip() == ov.NO_CUDA_MESSAGE
