@@ -190,3 +190,11 @@ def test_no_cuda_says_so(capsys, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     assert ov.main([]) == 0
     assert capsys.readouterr().out.strip() == ov.NO_CUDA_MESSAGE
+
+
+def test_a_spinner_that_did_not_run_fails(monkeypatch, capsys):
+    from tp_kernels.bench import _spinner
+
+    monkeypatch.setattr(_spinner, "expected", lambda programs, iters: torch.zeros(1))
+    assert ov.main(["--device", "cpu", "--copy-repeat", "1", "--ops", "matmul_rs"]) == 1
+    assert "spinner: FAIL: wrong result" in capsys.readouterr().out

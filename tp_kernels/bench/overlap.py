@@ -983,6 +983,28 @@ def _probe(args: argparse.Namespace) -> dict[str, Any]:
         return world.run(probe, "cuda", args.spin_ms, args.copy_mib)[0]
 
 
+def _measure_all(args: argparse.Namespace) -> tuple[dict[str, Any], str, list[Case]]:
+    """The probe (printed as it comes), then every case: under MPS where it runs, else on local
+    peers. Returns the probe's facts, the mode and the cases."""
+    facts = _probe(args)
+    print("== probe")
+    for key, value in facts.items():
+        print(f"  {key}: {_fmt(value, 1) if isinstance(value, float) else value}", flush=True)
+    setup = Setup(
+        device=args.device, dtype=args.dtype, shapes=args.shapes,
+        repeats=_repeats(args.copy_repeat, facts["copy GB/s"]), rounds=args.rounds,
+        warmup=args.warmup, host_reps=args.host_reps, seed=args.seed,
+        wait_timeout_s=args.wait_timeout_s,
+    )  # fmt: skip
+    control = facts["mps control"]
+    outcome = None
+    if args.device == "cuda" and not args.no_mps and control != "not on PATH":
+        outcome = _mps_run(args, setup, control, facts["SMs"])
+    if outcome is None:
+        outcome = _local_run(args, setup)
+    return facts, *outcome
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (see the module docstring)."""
     args = parse_args(argv)
@@ -1002,23 +1024,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{args.dtype}, {args.warmup} warmup + {args.rounds} rounds, {args.host_reps} host reps"
     )
     started = time.perf_counter()
-    facts = _probe(args)
-    print("== probe")
-    for key, value in facts.items():
-        print(f"  {key}: {_fmt(value, 1) if isinstance(value, float) else value}")
-    setup = Setup(
-        device=args.device, dtype=args.dtype, shapes=args.shapes,
-        repeats=_repeats(args.copy_repeat, facts["copy GB/s"]), rounds=args.rounds,
-        warmup=args.warmup, host_reps=args.host_reps, seed=args.seed,
-        wait_timeout_s=args.wait_timeout_s,
-    )  # fmt: skip
-    control = facts["mps control"]
-    outcome = None
-    if args.device == "cuda" and not args.no_mps and control != "not on PATH":
-        outcome = _mps_run(args, setup, control, facts["SMs"])
-    if outcome is None:
-        outcome = _local_run(args, setup)
-    mode, cases = outcome
+    try:
+        facts, mode, cases = _measure_all(args)
+    except RankError as exc:  # a rank raised, crashed or missed its deadline: no table to show
+        print(f"ERROR: {exc}", file=sys.stderr)
+        return 1
     for case in cases:
         print(render_case(case, mode, args.dtype))
     print(f"done in {time.perf_counter() - started:.1f} s")
