@@ -73,8 +73,15 @@ in this process, local peers, tiny shapes: the copier and pusher are host thread
 copies, the GEMMs interpreted, the spinner interpreted and checked. Its times mean nothing; what it
 proves is that every row runs and computes the right result, so the first GPU runs code that ran.
 
-Exit status: 0 when every check passes, 1 when one fails, 2 for bad arguments. Without CUDA and
-without ``--device cpu`` it says so and exits 0.
+Expected time on an H100 or H200 (not measured: no GPU has run this): the probe and each world's
+start some 10-20 s each; compiling and autotuning the two GEMMs at the 2 default shapes (the
+first bf16 symm row took 48 s on an H200) 2-4 minutes; the timed rounds seconds. Every part has a
+deadline: the probe 90 s, the MPS ranks' first allocation 60 s, the measurements ``--timeout-s``
+(360 s), each MPS daemon start or stop ``--mps-timeout-s`` (30 s), each GEMM wait for a word
+``--wait-timeout-s`` (60 s). ``--device cpu`` on 2 shared cores: 5-16 s.
+
+Exit status: 0 when every check passes, 1 when one fails (or a rank fails), 2 for bad arguments.
+Without CUDA and without ``--device cpu`` it says so and exits 0.
 """
 
 from __future__ import annotations
@@ -139,6 +146,9 @@ GPU_SHAPES = {
 }
 CPU_SHAPES = {op: (("tiny", 32, 32, 48),) for op in OPS}
 SLOT_CHANNEL = 0  # the pad channel the reduce-scatter's signals use here
+# Deadlines of the probe (compiling the spinner included) and of the MPS ranks' first allocation;
+# a world's start has its own (LocalWorld's process group init).
+PROBE_TIMEOUT_S, HELLO_TIMEOUT_S = 90.0, 60.0
 
 
 @dataclass(frozen=True)
@@ -824,8 +834,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--timeout-s",
         type=float,
-        default=420.0,
-        help="deadline of the measurements (the ranks' whole run), seconds",
+        default=360.0,
+        help="deadline of the measurements (the ranks' whole run), seconds (default 360)",
     )
     p.add_argument(
         "--wait-timeout-s",
@@ -950,7 +960,7 @@ def _mps_run(
     world = LocalWorld(WORLD, timeout_s=args.timeout_s, env=env)
     try:
         try:
-            hello = world.run(rank_hello, "cuda", timeout_s=120.0)
+            hello = world.run(rank_hello, "cuda", timeout_s=HELLO_TIMEOUT_S)
         except RankError as exc:
             print(f"MPS: started, but its ranks could not: {str(exc).splitlines()[0]}")
             return None
@@ -979,7 +989,7 @@ def _local_run(args: argparse.Namespace, setup: Setup) -> tuple[str, list]:
 def _probe(args: argparse.Namespace) -> dict[str, Any]:
     if args.device == "cpu":
         return probe("cpu", args.spin_ms, args.copy_mib)
-    with LocalWorld(1, timeout_s=120.0) as world:
+    with LocalWorld(1, timeout_s=PROBE_TIMEOUT_S) as world:
         return world.run(probe, "cuda", args.spin_ms, args.copy_mib)[0]
 
 
