@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _processes import run_without_interpreter
 
 from tp_kernels.backends import symm_gather
 from tp_kernels.bench import overlap as ov
@@ -198,3 +199,26 @@ def test_a_spinner_that_did_not_run_fails(monkeypatch, capsys):
     monkeypatch.setattr(_spinner, "expected", lambda programs, iters: torch.zeros(1))
     assert ov.main(["--device", "cpu", "--copy-repeat", "1", "--ops", "matmul_rs"]) == 1
     assert "spinner: FAIL: wrong result" in capsys.readouterr().out
+
+
+def test_spinner_compiles_for_sm_90():
+    """The probe's spinner, which no GPU has run, compiles for sm_90 (Triton's own ptxas) into a
+    loop of the generator's multiply-adds (not folded into a closed form)."""
+    done = run_without_interpreter(
+        """
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        from tp_kernels.bench import _spinner
+
+        signature = {"out_ptr": "*i32", "iters": "i32", "BLOCK": "constexpr"}
+        source = ASTSource(_spinner._spin, signature, {"BLOCK": _spinner.BLOCK})
+        kernel = triton.compile(
+            source, target=GPUTarget("cuda", 90, 32), options={"num_warps": _spinner.NUM_WARPS}
+        )
+        print(kernel.asm["ptx"])
+        """
+    )
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"mad\.lo\.s32\s+%r\d+, %r\d+, 1664525, 1013904223;", done.stdout), done.stdout
+    assert "bra" in done.stdout  # the loop over iters

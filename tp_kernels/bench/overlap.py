@@ -119,16 +119,24 @@ from tp_kernels.bench.protocol import (
 from tp_kernels.testing import LocalWorld, RankError
 
 __all__ = [
+    "LOCAL",
+    "MPS",
     "NO_CUDA_MESSAGE",
     "OPS",
     "ROWS",
     "Case",
+    "MpsDaemon",
+    "Peers",
     "Setup",
     "main",
     "measure",
+    "merge",
     "overlap_metrics",
     "parse_args",
     "probe",
+    "rank_hello",
+    "render_case",
+    "run_cases",
 ]
 
 NO_CUDA_MESSAGE = "no CUDA device: nothing to measure"
