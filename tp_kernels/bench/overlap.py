@@ -42,9 +42,14 @@ buffers published once, so the per-call barriers of the public op are not in the
 * ``unfused``: the copies, then the GEMM (all-gather), or the GEMM, then the copies;
 * ``symm``: the fused data path: the GEMM's tiles wait on the copies' progress words
   (all-gather), or the pusher copies each block once the GEMM raised its word (reduce-scatter);
+* ``symm_op``: the public op (:func:`tp_kernels.all_gather_matmul`,
+  :func:`tp_kernels.matmul_reduce_scatter`) on the ``symm`` backend: the data path plus its
+  per-call barriers, the reduction and the host's planning, as a user gets it;
 * ``torch``: PyTorch's ``fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter`` through the
-  ``torch_symm_mem`` backend, at the same SM share; "n/a: why" where it cannot run (local peers,
-  the CPU, a copy repeat above 1: it slows only symm's copies).
+  ``torch_symm_mem`` backend, at the same SM share.
+
+The two public ops' rows say "n/a: why" where they cannot run: on local peers (no group of
+ranks), on the CPU (``torch``), at a copy repeat above 1 (it slows only the data path's copies).
 
 ``--copy-repeat k``, a test-only knob, copies each chunk (all-gather: into a scratch buffer, then
 the last time into ``A`` and its word) or each block (reduce-scatter) ``k`` times, so that copies
@@ -58,7 +63,8 @@ Each row is timed by the protocol of ``python -m tp_kernels.bench``
 call from a barrier to its device's synchronization, the slowest rank's time); the table shows
 medians and 20th/80th percentiles, and ``host ms``: the median host time of one call started on
 an idle device (synchronize, then time the call until it returns, without waiting on the
-device; the slowest rank's). Per case, for ``symm`` and ``torch`` (:func:`overlap_metrics`)::
+device; the slowest rank's). Per case, for each fused row (``symm``, ``symm_op``, ``torch``;
+:func:`overlap_metrics`)::
 
     overlap efficiency = (unfused - fused) / (unfused - bound)   (1: perfect, 0: none)
     exposed comm (ms)  = fused - gemm
@@ -141,8 +147,10 @@ __all__ = [
 
 NO_CUDA_MESSAGE = "no CUDA device: nothing to measure"
 OPS = ("ag_matmul", "matmul_rs")
-ROWS = ("gemm", "copies", "bound", "unfused", "symm", "torch")
-FUSED = ("symm", "torch")
+ROWS = ("gemm", "copies", "bound", "unfused", "symm", "symm_op", "torch")
+FUSED = ("symm", "symm_op", "torch")
+# The rows of a public fused op, and the backend each asks for.
+PUBLIC_OPS = {"symm_op": "symm", "torch": "torch_symm_mem"}
 WORLD = 2
 MPS, LOCAL = "2 ranks under MPS", "local peers: one process"
 # NVLink 4 (H100, H200): 900 GB/s both ways, 450 GB/s each way.
@@ -357,13 +365,16 @@ class _AllGatherRows:
         if peers.group is not None:
             import tp_kernels
 
-            def torch_op() -> None:
-                _, (out,) = tp_kernels.all_gather_matmul(
-                    shards[r], [self.b], 0, peers.group, backend="torch_symm_mem"
-                )
-                self.c.copy_(out)
+            def public(backend: str) -> Callable[[], None]:
+                def call() -> None:
+                    _, (out,) = tp_kernels.all_gather_matmul(
+                        shards[r], [self.b], 0, peers.group, backend=backend
+                    )
+                    self.c.copy_(out)
 
-            self.run["torch"] = torch_op
+                return call
+
+            self.run.update({row: public(backend) for row, backend in PUBLIC_OPS.items()})
 
     def timed_out(self) -> bool:
         """Whether a wait of the GEMM passed its deadline in any call so far (host memory)."""
@@ -379,7 +390,7 @@ class _AllGatherRows:
             "gemm": [self.c],
             "copies": [self.a],
             "bound": [self.c, self.a_side],
-            "torch": [self.c],
+            **{public: [self.c] for public in PUBLIC_OPS},
         }.get(row, [self.c, self.a])
 
     def poison(self, row: str) -> None:
@@ -488,12 +499,14 @@ class _ReduceScatterRows:
         if peers.group is not None:
             import tp_kernels
 
-            def torch_op() -> None:
-                self.out.copy_(
-                    tp_kernels.matmul_reduce_scatter(a, b, 0, peers.group, backend="torch_symm_mem")
-                )
+            def public(backend: str) -> Callable[[], None]:
+                def call() -> None:
+                    out = tp_kernels.matmul_reduce_scatter(a, b, 0, peers.group, backend=backend)
+                    self.out.copy_(out)
 
-            self.run["torch"] = torch_op
+                return call
+
+            self.run.update({row: public(backend) for row, backend in PUBLIC_OPS.items()})
 
     def timed_out(self) -> bool:
         """Always False: the producer waits for nothing, and the pusher's waits for its words
@@ -501,7 +514,7 @@ class _ReduceScatterRows:
         return False
 
     def outputs(self, row: str) -> list[torch.Tensor]:
-        if row == "torch":
+        if row in PUBLIC_OPS:
             return [self.out]
         blocks = [self.staging, self.own[self.r]] if row in _RS_GEMM_ROWS else []
         return blocks + (self.sent if row in _RS_COPY_ROWS else [])
@@ -511,7 +524,7 @@ class _ReduceScatterRows:
             t.fill_(math.nan)
 
     def check(self, row: str) -> tuple[bool, str]:
-        if row == "torch":
+        if row in PUBLIC_OPS:
             ratio = error_ratio(self.out, self.want_out, self.out_tol)
             return ratio <= 1.0, f"out err {ratio:.2g} x tol"
         parts, ok = [], True
@@ -548,20 +561,21 @@ def _join(copies: Sequence[symm_gather.Copies]) -> None:
 # One rank's measurements
 
 
-def _torch_reason(peers: Peers, repeat: int) -> str | None:
-    if peers.device.type == "cpu":
+def _public_reason(peers: Peers, repeat: int, backend: str) -> str | None:
+    """Why the public op on ``backend`` cannot be a row of this case; None where it can."""
+    if peers.device.type == "cpu" and backend == "torch_symm_mem":
         return "cpu: torch.ops.symm_mem's fused ops run on CUDA only"
     if peers.group is None:
-        return "local peers: torch's op needs a group of ranks"
+        return "local peers: the public op needs a group of ranks"
     if repeat > 1:
-        return f"--copy-repeat {repeat} slows only symm's copies, not torch's"
+        return f"--copy-repeat {repeat} slows only the data path's copies, not the op's"
     import tp_kernels
     from tp_kernels.backends import get_backend
 
-    why = tp_kernels.available_backends(peers.device).get("torch_symm_mem", "not registered")
+    why = tp_kernels.available_backends(peers.device).get(backend, "not registered")
     if why != "ok":
         return why
-    return get_backend("torch_symm_mem").unavailable_reason(peers.group, peers.device)
+    return get_backend(backend).unavailable_reason(peers.group, peers.device)
 
 
 def _host_ms(fn: Callable[[], None], reps: int, peers: Peers) -> float:
@@ -585,10 +599,11 @@ def measure(
     case = Case(op, shape, repeat)
     build = _AllGatherRows if op == "ag_matmul" else _ReduceScatterRows
     rows = build(peers, shape[1:], dtype, repeat, setup)
-    why_not = _torch_reason(peers, repeat)
-    if why_not is not None:
-        rows.run.pop("torch", None)
-        case.na["torch"] = why_not
+    for row, backend in PUBLIC_OPS.items():
+        why_not = _public_reason(peers, repeat, backend)
+        if why_not is not None:
+            rows.run.pop(row, None)
+            case.na[row] = why_not
     for row in rows.run:
         rows.poison(row)
         peers.barrier()
