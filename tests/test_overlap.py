@@ -204,6 +204,18 @@ def test_a_spinner_that_did_not_run_fails(monkeypatch, capsys):
     assert "spinner: FAIL: wrong result" in capsys.readouterr().out
 
 
+def test_spinner_check_jumps_ahead_exactly():
+    """The host's jump-ahead (a GPU run takes ~1e6 steps) equals stepping the generator."""
+    from tp_kernels.bench import _spinner
+
+    for iters in (0, 1, 2, 1000, 1027):
+        x = torch.arange(2 * _spinner.BLOCK, dtype=torch.int64)
+        for _ in range(iters):
+            x = (x * _spinner.LCG_A + _spinner.LCG_C) % 2**32
+        want = torch.where(x >= 2**31, x - 2**32, x).to(torch.int32)
+        assert torch.equal(_spinner.expected(2, iters), want), iters
+
+
 def test_spinner_compiles_for_sm_90():
     """The probe's spinner, which no GPU has run, compiles for sm_90 (Triton's own ptxas) into a
     loop of the generator's multiply-adds (not folded into a closed form)."""

@@ -115,6 +115,7 @@ from tp_kernels.bench.gpu_kernels import error_ratio
 from tp_kernels.bench.ops import matmul_tolerance
 from tp_kernels.bench.protocol import (
     DTYPES,
+    cuda_seconds_back_to_back,
     non_negative_int,
     positive_int,
     render_table,
@@ -717,9 +718,7 @@ def _median_host_s(fn: Callable[[], object], reps: int) -> float:
 
 
 def _median_event_s(fn: Callable[[], object], reps: int) -> float:
-    from tp_kernels.bench.protocol import cuda_seconds_back_to_back
-
-    fn()  # the first copy pays for nothing the others do not
+    fn()  # untimed: the first call compiles or touches pages first
     return statistics.median(cuda_seconds_back_to_back(fn, reps))
 
 
@@ -729,8 +728,7 @@ def _copy_engine_verdict(
     from tp_kernels.bench import _spinner
 
     programs = spun.numel() // _spinner.BLOCK
-    iters = 1 << 12
-    _spinner.spin(spun, iters)  # compiles
+    iters = 1 << 12  # a first guess, timed (after compiling), then scaled to spin_ms
     alone_ms = _median_event_s(lambda: _spinner.spin(spun, iters), 3) * 1e3
     iters = max(1, round(iters * spin_ms / max(alone_ms, 1e-3)))
     side = torch.cuda.Stream(src.device)
