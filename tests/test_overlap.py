@@ -1,8 +1,9 @@
 """``python -m tp_kernels.bench.overlap`` on a CPU: its ``--device cpu`` run in this process (local
 peers, the interpreter, tiny shapes), the efficiency arithmetic on fabricated medians, a wrong
-GEMM and copies that never land reported as FAIL, the two-rank path (what MPS runs on a GPU) on
-a local world of 2 gloo ranks over the CPU symmetric heap, the MPS daemon's start and stop with a
-stand-in control program, and its arguments.
+GEMM, copies that never land and a spinner that did not run reported as FAIL, the spinner's
+check and its sm_90 compile, MPS mode start to stop (a stand-in control program, 2 gloo ranks
+on CPU tensors over the CPU symmetric heap: the two-rank path a GPU runs under MPS), and its
+arguments.
 """
 
 from __future__ import annotations
@@ -121,26 +122,6 @@ def test_copies_that_never_land_fail(monkeypatch, capsys):
     assert "timed out" in " ".join(rows["symm"])
 
 
-def test_two_ranks_on_a_shared_heap(worlds):
-    """The path of two ranks (symmetric workspace, peers' pads, verdicts agreed, merge)."""
-    args = ov.parse_args(FAST)
-    setup = ov.Setup(
-        device="cpu", dtype="fp32", shapes=args.shapes, repeats=(1, 2), rounds=1, warmup=0,
-        host_reps=1, seed=0, wait_timeout_s=30.0,
-    )  # fmt: skip
-    cases = ov.merge(worlds(2).run(ov.run_cases, setup, True))
-    assert [(c.op, c.repeat) for c in cases] == [(op, k) for op in ov.OPS for k in (1, 2)]
-    for case in cases:
-        assert not case.failed, (case.op, case.checks)
-        rows = {"gemm", "copies", "bound", "unfused", "symm"}
-        # The public symm op runs beside the data path where the copies are not repeated.
-        assert set(case.medians()) == (rows | {"symm_op"} if case.repeat == 1 else rows)
-        assert case.repeat == 1 or case.na["symm_op"].startswith("--copy-repeat 2 slows")
-        assert case.na["torch"].startswith("cpu:")
-        text = ov.render_case(case, ov.MPS, "fp32")
-        assert "symm: overlap efficiency" in text and "FAIL" not in text
-
-
 def _fake_control(tmp_path: Path, exit_code: int) -> Path:
     """A stand-in for nvidia-cuda-mps-control: logs its arguments, stdin and pipe directory."""
     script = tmp_path / "mps-control"
@@ -164,6 +145,36 @@ def test_mps_daemon_start_and_stop(tmp_path):
     assert calls[0].startswith(f"args=-d pipe={pipe} ")
     assert calls[1] == f"args= pipe={pipe} stdin=quit"
     assert not pipe.parent.exists()  # its own directory is gone
+
+
+def test_mps_run_on_cpu_ranks(tmp_path, capsys):
+    """What MPS mode runs, start to stop, with a stand-in control program and 2 CPU ranks (gloo,
+    the CPU symmetric heap): the daemon started, the ranks' first allocation, every case on the
+    peers' memory with verdicts agreed and merged, the daemon stopped."""
+    args = ov.parse_args([*FAST, "--rounds", "1", "--warmup", "0", "--host-reps", "1"])
+    setup = ov.Setup(
+        device="cpu", dtype="fp32", shapes=args.shapes, repeats=(1, 2), rounds=1, warmup=0,
+        host_reps=1, seed=0, wait_timeout_s=30.0,
+    )  # fmt: skip
+    mode, cases = ov.mps_run(args, setup, str(_fake_control(tmp_path, 0)), None)
+    out = capsys.readouterr().out
+    assert mode == ov.MPS
+    assert "MPS rank 1: None SMs reported" in out and "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50" in out
+    assert "MPS daemon stopped (quit: exit 0)" in out
+    assert [line.split()[0] for line in (tmp_path / "calls.log").read_text().splitlines()] == [
+        "args=-d",
+        "args=",
+    ]
+    assert [(c.op, c.repeat) for c in cases] == [(op, k) for op in ov.OPS for k in (1, 2)]
+    for case in cases:
+        assert not case.failed, (case.op, case.checks)
+        rows = {"gemm", "copies", "bound", "unfused", "symm"}
+        # The public symm op runs beside the data path where the copies are not repeated.
+        assert set(case.medians()) == (rows | {"symm_op"} if case.repeat == 1 else rows)
+        assert case.repeat == 1 or case.na["symm_op"].startswith("--copy-repeat 2 slows")
+        assert case.na["torch"].startswith("cpu:")
+        text = ov.render_case(case, ov.MPS, "fp32")
+        assert "symm_op: overlap efficiency" in text and "FAIL" not in text
 
 
 def test_mps_daemon_that_cannot_start_says_why(tmp_path):

@@ -138,6 +138,7 @@ __all__ = [
     "main",
     "measure",
     "merge",
+    "mps_run",
     "overlap_metrics",
     "parse_args",
     "probe",
@@ -659,13 +660,15 @@ def run_cases(setup: Setup, grouped: bool) -> list[Case]:
 
 
 def rank_hello(kind: str) -> dict[str, Any]:
-    """A rank's device, SM count, and a first symmetric allocation (MPS mode's start)."""
+    """A rank's first symmetric allocation (MPS mode's start), then its SM count (None on the
+    CPU) and its ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``."""
     from tp_kernels import symmetric_memory
 
     device = _rank_device(kind)
     symmetric_memory.get_workspace(dist.group.WORLD, 1 << 20, device, tag="overlap")
+    cuda = device.type == "cuda"
     return {
-        "sms": torch.cuda.get_device_properties(device).multi_processor_count,
+        "sms": torch.cuda.get_device_properties(device).multi_processor_count if cuda else None,
         "percentage": os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
     }
 
@@ -977,11 +980,13 @@ def merge(per_rank: Sequence[Sequence[Case]]) -> list[Case]:
     return merged
 
 
-def _mps_run(
-    args: argparse.Namespace, setup: Setup, control: str, full_sms: int
-) -> tuple[str, list] | None:
-    """The cases on 2 ranks under this script's MPS daemon, or None (printed why) where MPS or
-    its ranks cannot start."""
+def mps_run(
+    args: argparse.Namespace, setup: Setup, control: str, full_sms: int | None
+) -> tuple[str, list[Case]] | None:
+    """The cases on 2 ranks under this script's MPS daemon (``control``: the control program;
+    ``full_sms``: the GPU's SM count, None on the CPU), or None (printed why) where MPS or its
+    ranks cannot start. On the CPU (tests, with a stand-in control program) the same steps run
+    on CPU ranks."""
     daemon = MpsDaemon(control, args.mps_timeout_s)
     why = daemon.start()
     if why is not None:
@@ -996,7 +1001,7 @@ def _mps_run(
     world = LocalWorld(WORLD, timeout_s=args.timeout_s, env=env)
     try:
         try:
-            hello = world.run(rank_hello, "cuda", timeout_s=HELLO_TIMEOUT_S)
+            hello = world.run(rank_hello, setup.device, timeout_s=HELLO_TIMEOUT_S)
         except RankError as exc:
             print(f"MPS: started, but its ranks could not: {str(exc).splitlines()[0]}")
             return None
@@ -1014,7 +1019,7 @@ def _mps_run(
         print(f"MPS daemon stopped ({daemon.stop()})")
 
 
-def _local_run(args: argparse.Namespace, setup: Setup) -> tuple[str, list]:
+def _local_run(args: argparse.Namespace, setup: Setup) -> tuple[str, list[Case]]:
     if args.device == "cpu":
         return LOCAL, run_cases(setup, False)
     # In its own process, as the ranks are: this one keeps no CUDA context.
@@ -1045,7 +1050,7 @@ def _measure_all(args: argparse.Namespace) -> tuple[dict[str, Any], str, list[Ca
     control = facts["mps control"]
     outcome = None
     if args.device == "cuda" and not args.no_mps and control != "not on PATH":
-        outcome = _mps_run(args, setup, control, facts["SMs"])
+        outcome = mps_run(args, setup, control, facts["SMs"])
     if outcome is None:
         outcome = _local_run(args, setup)
     return facts, *outcome
