@@ -8,8 +8,11 @@ arguments.
 
 from __future__ import annotations
 
+import os
 import re
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +22,7 @@ from _processes import run_without_interpreter
 from tp_kernels.backends import symm_gather
 from tp_kernels.bench import overlap as ov
 
+ROOT = Path(__file__).resolve().parents[1]
 FAST = ["--device", "cpu", "--copy-repeat", "1", "2"]
 NUMBER = re.compile(r"^-?\d+\.\d+$")
 
@@ -72,6 +76,15 @@ def test_cpu_mode_computes_and_checks_every_row(capsys):
             want = (terms["unfused"] - terms["symm"]) / span
             assert terms["efficiency"] == pytest.approx(want, abs=6e-3)
         assert "torch: overlap efficiency n/a (cpu:" in " ".join(rows["torch:"])
+
+
+def test_it_runs_as_a_module():
+    """``python -m``, as it is meant to be started (the interpreter chosen in its environment)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "tp_kernels.bench.overlap", *FAST[:2], "--ops", "ag_matmul"]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert set(_tables(proc.stdout)) == {("ag_matmul", 1), ("ag_matmul", 2)}
 
 
 def test_overlap_metrics_arithmetic():

@@ -1093,4 +1093,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # Run through the imported module, so that what the ranks unpickle (the probe, the rank
+    # functions, Setup and Case) has the module's real name rather than __main__.
+    from tp_kernels.bench.overlap import main as _main
+
+    raise SystemExit(_main())
