@@ -7,11 +7,12 @@ share the GPU's SMs at once, under CUDA MPS, or the copies come from local "peer
 
 **1. The probe** (one process, before MPS starts; :func:`probe`):
 
-* MPS: whether ``nvidia-cuda-mps-control`` is on ``PATH``, whether a daemon already answers on
-  the default pipe directory, ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` here, the SMs torch reports;
+* MPS: whether ``nvidia-cuda-mps-control`` is on ``PATH``, whether a daemon already runs (its
+  control pipe in the default pipe directory), ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` here, the
+  SMs torch reports;
 * the copy engine: a spinner (:mod:`tp_kernels.bench._spinner`, 16 programs per SM: every warp
   slot of every SM) runs for about ``--spin-ms`` on one stream; a ``--copy-mib`` device-to-device
-  copy is issued on another stream once the spinner has started. Events time both from the
+  copy on another stream waits only for the event before the spinner. Events time both from the
   spinner's start: a copy that ends before the spinner ran beside it (the copy engine: no SM),
   one that ends after it waited for an SM;
 * the copy-only bandwidth: bytes copied per second of the same copy alone (median of 5).
@@ -30,10 +31,10 @@ device reports where MPS reports the share, else half of them. The output names 
 
 **3. The rows**, per op (``ag_matmul``: ``[M/W, K]`` shards gathered into ``A [M, K]``, times ``B
 [K, N]``; ``matmul_rs``: ``A [M, K] @ B [K, N]`` cut into ``W`` row blocks, each sent to its
-rank), forward, per shape, per copy repeat, each on rank ``r`` of ``W = 2``. They are the symm
-backend's own parts (the copier of :mod:`tp_kernels.backends.symm_gather`, the pusher of
+rank), forward, per shape, per copy repeat, each on rank ``r`` of ``W = 2``. The first five are
+the symm backend's own parts (the copier of :mod:`tp_kernels.backends.symm_gather`, the pusher of
 :mod:`tp_kernels.backends.symm_scatter`, the GEMM launchers of :mod:`tp_kernels.kernels`) on
-buffers published once, so the per-call barriers of the public op are not in them:
+buffers published once, without the public op's per-call barriers; the last two are public ops:
 
 * ``gemm``: the GEMM alone, every progress word it waits for already raised;
 * ``copies``: the copies alone (the all-gather pulls the peer's shard; the reduce-scatter pushes
@@ -55,8 +56,9 @@ ranks), on the CPU (``torch``), at a copy repeat above 1 (it slows only the data
 the last time into ``A`` and its word) or each block (reduce-scatter) ``k`` times, so that copies
 inside one GPU take as long as over NVLink; ``auto`` is the probed bandwidth over
 :data:`NVLINK_GBPS` (rounded, at least 1). Shapes: ``llama3-8b`` is Llama-3-8B's w1|w3 (all-gather)
-and w2 (reduce-scatter) at 8192 tokens and TP 8; ``balanced`` shrinks N (K) so that the GEMM at
-half an H100 and the copies at NVLink speed take about the same time.
+and w2 (reduce-scatter) at 8192 tokens and TP 8; ``balanced`` cuts N (K) to 512 so that the GEMM
+on half an H100 and the copies at NVLink speed should take about the same time (an estimate
+from published peak rates; the ``gemm`` and ``copies`` rows show what they take).
 
 Each row is timed by the protocol of ``python -m tp_kernels.bench``
 (:func:`tp_kernels.bench.protocol.time_providers`: warmup, then rounds in a rotated order, each
