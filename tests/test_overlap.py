@@ -203,6 +203,7 @@ def test_mps_daemon_that_cannot_start_says_why(tmp_path):
         (["--shape", "33,8,8"], "--shape: got '33,8,8', expected M,K,N"),
         (["--shape", "8,8"], "expected M,K,N"),
         (["--copy-repeat", "0"], "--copy-repeat: must be a positive integer, got 0"),
+        (["--copy-repeat", "x"], "--copy-repeat: got 'x', expected a positive integer or auto"),
         (["--spin-ms", "0"], "--spin-ms: got 0.0, expected a positive number"),
     ],
 )

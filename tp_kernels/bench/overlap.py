@@ -823,7 +823,14 @@ def _shape(text: str) -> tuple[str, int, int, int]:
 
 
 def _repeat(text: str) -> int | str:
-    return text if text == "auto" else positive_int(text)
+    if text == "auto":
+        return text
+    try:
+        return positive_int(text)
+    except ValueError:  # not a number: argparse would only say "invalid _repeat value"
+        raise argparse.ArgumentTypeError(
+            f"got {text!r}, expected a positive integer or auto"
+        ) from None
 
 
 def _parser() -> argparse.ArgumentParser:
