@@ -21,11 +21,13 @@ rank is simulated and a peer's data is ready when this rank's own is.
 How a GPU is simulated (:class:`_Timeline`, :func:`_gemm`):
 
 * A GEMM is tiles over the SMs: a ``BM x BN`` tile takes ``tile_overhead_s + 2*BM*BN*K /
-  (peak per SM * gemm_efficiency * the tile shape's relative rate)``; a launch's tiles go to the
-  SM that frees first, so a GEMM of ``T`` tiles alone takes ``ceil(T / SMs)`` waves and two
-  GEMMs on two streams share the SMs (cuBLAS's tile shape: the menu's fastest for the shape).
-  The tiles, their order, the chunks and the row blocks are the kernels' and the backends' own
-  (:mod:`tp_kernels.tiling`).
+  (peak per SM * gemm_efficiency * the tile shape's relative rate)``, and a tile of the Triton
+  kernels is ``consumer_rate`` (the all-gather's consumer) or ``producer_rate`` (the
+  reduce-scatter's producer) times as fast as cuBLAS's (what one H200 measured); a launch's
+  tiles go to the SM that frees first, so a GEMM of ``T`` tiles alone takes ``ceil(T / SMs)``
+  waves and two GEMMs on two streams share the SMs (cuBLAS's tile shape: the menu's fastest
+  for the shape). The tiles, their order, the chunks and the row blocks are the kernels' and
+  the backends' own (:mod:`tp_kernels.tiling`).
 * The copy engine moves one copy at a time (copies from two streams do not overlap, as torch's
   comment in ``_pipelined_all_gather_and_consume`` says) at ``link_gb_s * link_efficiency``,
   each copy paying ``copy_latency_s`` (launch, completion, the progress word's stream write).
@@ -110,6 +112,15 @@ TILES: tuple[tuple[int, int, float], ...] = tuple(
         if (bm, bn) in _TILE_RATES
     )
 )
+# The Triton kernels' GEMMs over cuBLAS's at M=8192 N=3584 K=8192 bf16 on one H200 (2026-12-04,
+# benchmarks/README.md "First contact: one H200"): cuBLAS 0.620 ms, the all-gather's consumer
+# 0.737 ms, the reduce-scatter's producer 0.699 ms. Measured on the kernels before issue 35's
+# rebuild (persistent, software-pipelined, TMA-store epilogue): the rebuilt ones are not.
+_MEASURED_CONSUMER_RATE = 0.620 / 0.737
+_MEASURED_PRODUCER_RATE = 0.620 / 0.699
+# cuBLAS's steady tile rate on that H200: 0.620 ms for 7 waves of 128x256 tiles (896 tiles on
+# 132 SMs, no split-K) at 1 us of overhead a tile is 81.8% of the dense bf16 peak per SM.
+_H200_CUBLAS_EFFICIENCY = 0.818
 _NVIDIA = "https://www.nvidia.com/en-us/data-center"
 _HOPPER = "https://developer.nvidia.com/blog/nvidia-hopper-architecture-in-depth/"
 
@@ -124,7 +135,12 @@ _ASSUMED = {
     "NVLink's rate per direction (nccl-tests on 8-GPU NVSwitch nodes report 350-370 GB/s)",
     "hbm_efficiency": "assumed: memory passes reach 85% of the datasheet's HBM bandwidth",
     "copy_latency_s": "assumed: 3 us per cudaMemcpyAsync on a side stream, its completion and "
-    "the progress word's stream write; gpu_check fits it",
+    "the progress word's stream write (the field reports a fixed cost of a few microseconds per "
+    "copy-engine transfer); gpu_check fits it",
+    "consumer_rate": "assumed: the H200's measured ratio (0.84x of cuBLAS, 2026-12-04, the "
+    "consumer before issue 35's rebuild; the rebuilt kernels are not measured yet)",
+    "producer_rate": "assumed: the H200's measured ratio (0.89x of cuBLAS, 2026-12-04, the "
+    "producer before issue 35's rebuild; the rebuilt kernels are not measured yet)",
     "nccl_latency_s": "assumed: 10 us per NCCL collective or point-to-point batch (kernel "
     "launch, protocol handshake)",
     "barrier_s": "assumed: 4 us for a symmetric-memory barrier (a signal to every peer over "
@@ -159,6 +175,8 @@ class DeviceSpec:
     nccl_latency_s: float = 10e-6
     barrier_s: float = 4e-6
     nccl_sms: int = 8
+    consumer_rate: float = _MEASURED_CONSUMER_RATE
+    producer_rate: float = _MEASURED_PRODUCER_RATE
 
     @property
     def source(self) -> str:
@@ -166,7 +184,9 @@ class DeviceSpec:
         return self.sources["peak_tflops"]
 
 
-def _gpu(name, peak, sms, hbm, link, datasheet, sms_source) -> DeviceSpec:
+def _gpu(name, peak, sms, hbm, link, datasheet, sms_source, **measured) -> DeviceSpec:
+    """A GPU of the datasheet's figures and :data:`_ASSUMED`'s; ``measured``: figures measured
+    on this GPU, as ``field=(value, source)``."""
     sources = {
         "peak_tflops": datasheet,
         "hbm_gb_s": datasheet,
@@ -174,7 +194,13 @@ def _gpu(name, peak, sms, hbm, link, datasheet, sms_source) -> DeviceSpec:
         "sms": sms_source,
         **_ASSUMED,
     }
-    return DeviceSpec(name, peak, sms, hbm, link, sources)
+    values = {}
+    for name_, (value, source) in measured.items():
+        values[name_], sources[name_] = value, source
+    return DeviceSpec(name, peak, sms, hbm, link, sources, **values)
+
+
+_H200_GEMMS = "measured on one H200, 2026-12-04 (benchmarks/README.md, 'First contact')"
 
 
 # fp8 (e4m3/e5m2) dense: twice the 16-bit rate on Hopper and Blackwell (the datasheets' sparse
@@ -192,6 +218,21 @@ DEVICES: dict[str, DeviceSpec] = {
         f"{_NVIDIA}/h200/ (datasheet: the H100 SXM's tensor-core rates; HBM3e 4.8 TB/s; NVLink "
         "900 GB/s)",
         f"assumed: the H100 SXM5's 132 SMs ({_HOPPER}), as the H200 has its tensor-core rates",
+        gemm_efficiency=(
+            _H200_CUBLAS_EFFICIENCY,
+            f"{_H200_GEMMS}: cuBLAS 0.620 ms at M=8192 N=3584 K=8192 bf16, 7 waves of 128x256 "
+            "tiles at 1 us overhead each",
+        ),
+        consumer_rate=(
+            _MEASURED_CONSUMER_RATE,
+            f"{_H200_GEMMS}: the consumer 0.737 ms against cuBLAS's 0.620 ms (before issue 35's "
+            "rebuild of the GEMMs; the rebuilt ones are not measured yet)",
+        ),
+        producer_rate=(
+            _MEASURED_PRODUCER_RATE,
+            f"{_H200_GEMMS}: the producer 0.699 ms against cuBLAS's 0.620 ms (before issue 35's "
+            "rebuild of the GEMMs; the rebuilt ones are not measured yet)",
+        ),
     ),
     "b200": _gpu(
         "B200 (HGX, 1000 W)", {"bf16": 2250.0, "fp16": 2250.0, "fp32": 1100.0, "fp8": 4500.0},
@@ -251,6 +292,7 @@ def measure_cpu() -> DeviceSpec:
         gemm_efficiency=1.0, tile_overhead_s=0.0, link_efficiency=1.0, nccl_efficiency=1.0,
         hbm_efficiency=1.0, copy_latency_s=_CPU_SIGNAL_LATENCY_S,
         nccl_latency_s=_CPU_GLOO_LATENCY_S, barrier_s=_CPU_SIGNAL_LATENCY_S, nccl_sms=0,
+        consumer_rate=1.0, producer_rate=1.0,
     )  # fmt: skip
 
 
@@ -338,8 +380,12 @@ class _Gemm:
     tail_s: float = 0.0
 
 
-def _tile_s(dev: DeviceSpec, dtype: str, bm: int, bn: int, k: int, rel: float) -> float:
-    per_sm = dev.peak_tflops[dtype] * 1e12 / dev.sms * dev.gemm_efficiency * rel
+def _tile_s(
+    dev: DeviceSpec, dtype: str, bm: int, bn: int, k: int, rel: float, kernel_rate: float = 1.0
+) -> float:
+    """A tile's seconds: cuBLAS's (``kernel_rate`` 1), or a Triton kernel's at its rate
+    relative to cuBLAS (``DeviceSpec.consumer_rate``, ``producer_rate``)."""
+    per_sm = dev.peak_tflops[dtype] * 1e12 / dev.sms * dev.gemm_efficiency * rel * kernel_rate
     return dev.tile_overhead_s + 2.0 * bm * bn * k / per_sm
 
 
@@ -353,8 +399,9 @@ def _gemm(
     """The tiles of one ``rows x k x n`` GEMM: of shape ``tile`` (an entry of :data:`TILES`), or
     of the menu's shape (and, for cuBLAS, split of K: each of ``s`` slices computes a partial
     tile, then a memory pass over the ``s`` fp32 partials) that finishes soonest alone, which is
-    what cuBLAS's heuristics and the Triton autotuner aim for. On a CPU: one piece of work at
-    the measured rate."""
+    what cuBLAS's heuristics and the kernels' tuning aim for; not cuBLAS, the all-gather's
+    consumer (its later launches: the only Triton GEMM run alone). On a CPU: one piece of work
+    at the measured rate."""
     if dev.sms is None:
         return _Gemm(1, 2.0 * rows * k * n / (dev.peak_tflops[dtype] * 1e12 * dev.gemm_efficiency))
     best = None
@@ -364,7 +411,8 @@ def _gemm(
             if split > 1 and (tiles * split > dev.sms or k // split < 256):
                 break
             tail = 0.0 if split == 1 else _hbm_s(dev, (split + 1) * rows * n * 4)
-            g = _Gemm(tiles * split, _tile_s(dev, dtype, bm, bn, k / split, rel), tail)
+            rate = 1.0 if cublas else dev.consumer_rate
+            g = _Gemm(tiles * split, _tile_s(dev, dtype, bm, bn, k / split, rel, rate), tail)
             if best is None or _alone_s(g, dev.sms) < _alone_s(best, dev.sms):
                 best = g
     return best
@@ -591,12 +639,13 @@ def _persistent(ready: Sequence[float], tile_s: float, programs: int, start: flo
 
 def _launch_tile(p: Problem, ns: Sequence[int]) -> tuple[int, int, float]:
     """The consumer's tile for one launch over the right-hand widths ``ns``: the menu's fastest
-    for all their tiles alone (autotuned)."""
+    for all their tiles alone (tuned per shape)."""
 
     def alone_s(tile: tuple[int, int, float]) -> float:
         bm, bn, rel = tile
         tiles = math.ceil(p.w * p.m / bm) * sum(math.ceil(n / bn) for n in ns)
-        return _alone_s(_Gemm(tiles, _tile_s(p.dev, p.dtype, bm, bn, p.k, rel)), p.dev.sms)
+        tile_s = _tile_s(p.dev, p.dtype, bm, bn, p.k, rel, p.dev.consumer_rate)
+        return _alone_s(_Gemm(tiles, tile_s), p.dev.sms)
 
     return min(TILES, key=alone_s)
 
@@ -645,7 +694,7 @@ def _copy_engine_s(p: Problem, chunks: int) -> float:
     ready = [
         landed[(s, (min(p.m, (mt + 1) * bm) - 1) // rows)] if s else start for s, mt, _ in order
     ]
-    tile_s = _tile_s(dev, p.dtype, bm, bn, p.k, rel)
+    tile_s = _tile_s(dev, p.dtype, bm, bn, p.k, rel, dev.consumer_rate)
     done = max(_persistent(ready, tile_s, min(len(order), dev.sms), start))
     return done + sum(
         gemm_s(p.w * p.m, p.k, sum(rest[i : i + per_launch]), p.dtype, dev, cublas=False)
@@ -658,7 +707,7 @@ def _producer_tile(p: Problem) -> tuple[int, int, float]:
     which the kernel takes)."""
     bm, bn, _ = tiling.producer_blocks(p.m, p.n, fp32=p.dtype == "fp32")
     rel = next((r for tm, tn, r in TILES if (tm, tn) == (bm, bn)), TILES[-1][2])
-    return bm, bn, _tile_s(p.dev, p.dtype, bm, bn, p.k, rel)
+    return bm, bn, _tile_s(p.dev, p.dtype, bm, bn, p.k, rel, p.dev.producer_rate)
 
 
 def symm_reduce_scatter_s(p: Problem) -> float:

@@ -219,7 +219,8 @@ def render_schedules(table: dict[str, list[tuple]], device: DeviceSpec, tp: int)
     """The schedule table: per op, each schedule's ms and its share of the speed of light."""
     out = [
         f"cost model: every schedule of the forward fused ops of Llama-3 TP={tp} on {device.name},"
-        " bf16; ms per call (share of the speed of light); nothing measured"
+        " bf16; ms per call (share of the speed of light); modeled, not measured (its figures:"
+        " below)"
     ]
     for op, rows in table.items():
         header = ("model", "tokens", "linear", "m x K x N /rank", "SoL ms", *SCHEDULES[op],
@@ -359,7 +360,8 @@ def render(rows: Sequence[Row], model: str, device: DeviceSpec, tp: int, tokens:
     cfg = MODELS[model]
     out = [
         f"cost model: {model} TP={tp} on {device.name}, {tokens} tokens per step ("
-        f"{tokens // tp} per rank), bf16; times in ms per call; nothing measured",
+        f"{tokens // tp} per rank), bf16; times in ms per call; modeled, not measured (its "
+        "figures: below)",
         text,
     ]
     # The weight gradients are local GEMMs: the same flops as the forward, nothing to overlap.
