@@ -161,10 +161,11 @@ def test_a_fused_linear_is_one_autograd_node(worlds):
         ]
 
 
-def test_an_eager_colwise_call_runs_ten_modules(worlds):
+def test_an_eager_colwise_call_runs_eleven_modules(worlds):
     """One eager colwise Linear forward on symm's Triton path (the GPU's protocol) runs the code
-    of these ten modules of tp_kernels and no others (17 before the ops were one module each):
-    the path a newcomer reads. The kernel's and the copier's modules must be among them, so a
+    of these eleven modules of tp_kernels and no others (17 before the ops were one module each;
+    10 before the kernels' tiles were chosen by ``kernels/tuning.py``, whose lookup each call
+    makes): the path a newcomer reads. The kernel's and the copier's modules must be among them, so a
     run that silently took the torch path fails."""
     pytest.importorskip("triton")
     for modules, _ in worlds(2).run(overhead.hot_path):
@@ -177,9 +178,10 @@ def test_an_eager_colwise_call_runs_ten_modules(worlds):
             "backends/base.py",
             "deadline.py",
             "backends/symm.py",
+            "backends/symm_gather.py",
             "kernels/ag_matmul.py",
             "kernels/_shared.py",
-            "backends/symm_gather.py",
+            "kernels/tuning.py",
         ]
 
 
