@@ -100,16 +100,19 @@ DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp
 SCHEDULES = {op: ("reference", "torch_symm_mem", "pipelined", "symm") for op in (AG, RS)}
 # The rate of a tile shape (BM, BN) relative to the largest: smaller tiles reuse each loaded
 # byte less (assumed). The model's GEMMs take the shapes of the kernels' menu that are rated
-# here, three that 16-bit GEMMs use (cuBLAS's are similar); the menu's others are not modeled.
+# here, three that 16-bit GEMMs use (cuBLAS's are similar); the menu's others are not modeled,
+# nor the fp8 and fp32 menus (the model rates every dtype's tiles alike).
 _TILE_RATES = {(128, 256): 1.0, (128, 128): 0.9, (64, 128): 0.75}
 # (BM, BN, rate) of the model's tile shapes, in the menu's order (a tie goes to the first).
 TILES: tuple[tuple[int, int, float], ...] = tuple(
     dict.fromkeys(
         (bm, bn, _TILE_RATES[bm, bn])
-        for bm, bn, *_ in tiling.GEMM_SHAPES
+        for bm, bn, *_ in tiling.gemm_shapes("16bit")
         if (bm, bn) in _TILE_RATES
     )
 )
+# The tile menu (tiling.GEMM_KINDS) of each of the model's compute dtypes.
+_GEMM_KINDS = {"fp32": "fp32", "bf16": "16bit", "fp16": "16bit", "fp8": "fp8"}
 _NVIDIA = "https://www.nvidia.com/en-us/data-center"
 _HOPPER = "https://developer.nvidia.com/blog/nvidia-hopper-architecture-in-depth/"
 
@@ -654,9 +657,9 @@ def _copy_engine_s(p: Problem, chunks: int) -> float:
 
 
 def _producer_tile(p: Problem) -> tuple[int, int, float]:
-    """``(BM, BN, seconds)`` of the producer's tile (:func:`tp_kernels.tiling.producer_blocks`,
+    """``(BM, BN, seconds)`` of the producer's tile (:func:`tp_kernels.tiling.producer_shape`,
     which the kernel takes)."""
-    bm, bn, _ = tiling.producer_blocks(p.m, p.n, fp32=p.dtype == "fp32")
+    bm, bn, *_ = tiling.producer_shape(p.m, p.n, _GEMM_KINDS[p.dtype])
     rel = next((r for tm, tn, r in TILES if (tm, tn) == (bm, bn)), TILES[-1][2])
     return bm, bn, _tile_s(p.dev, p.dtype, bm, bn, p.k, rel)
 

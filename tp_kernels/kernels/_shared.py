@@ -128,9 +128,17 @@ def dot_precision(dtype: torch.dtype) -> str | None:
 GROUP_M = tl.constexpr(tiling.GROUP_M)
 
 
-def gemm_configs(pre_hook=None) -> list[triton.Config]:
-    """Tile shapes the GEMM kernels pick from (:data:`tp_kernels.tiling.GEMM_SHAPES`): one small
-    fixed tile under the interpreter.
+def gemm_kind(dtype: torch.dtype) -> str:
+    """The kind of GEMM operands of ``dtype`` whose tile menu a GEMM picks from
+    (:func:`tp_kernels.tiling.gemm_shapes`): ``"fp8"``, ``"fp32"`` or ``"16bit"``."""
+    if dtype in FP8_DTYPES:
+        return "fp8"
+    return "fp32" if dtype == torch.float32 else "16bit"
+
+
+def gemm_configs(kind: str, pre_hook=None) -> list[triton.Config]:
+    """The configs of the tile menu of ``kind`` (:func:`tp_kernels.tiling.gemm_shapes`); one small
+    fixed tile, the same for every kind, under the interpreter.
 
     ``pre_hook(nargs)`` runs before each launch with a config (it sets the block shapes of tensor
     descriptors, which depend on the config)."""
@@ -145,8 +153,28 @@ def gemm_configs(pre_hook=None) -> list[triton.Config]:
             num_stages=st,
             pre_hook=pre_hook,
         )
-        for bm, bn, bk, w, st in tiling.GEMM_SHAPES
+        for bm, bn, bk, w, st in tiling.gemm_shapes(kind)
     ]
+
+
+def every_gemm_config(pre_hook=None) -> list[triton.Config]:
+    """The configs of every kind's menu, each once (one under the interpreter, whose autotuner
+    then runs it without tuning): what an autotuned GEMM is given, for
+    :func:`keep_launch_kind` to cut down to one menu per launch."""
+    kinds = tiling.GEMM_KINDS
+    return list(dict.fromkeys(c for kind in kinds for c in gemm_configs(kind, pre_hook)))
+
+
+def keep_launch_kind(configs: list[triton.Config], named_args: dict, **kwargs) -> list:
+    """``early_config_prune`` of an autotuned GEMM (the ``configs`` of
+    :func:`every_gemm_config`): those of the menu of the launch's operands, read from its
+    constexprs ``SCALE`` (not ``"none"``: fp8) and ``DTYPE`` (C's; fp32 unscaled: fp32)."""
+    if kwargs["SCALE"] != "none":
+        kind = "fp8"
+    else:
+        kind = "fp32" if kwargs["DTYPE"] == tl.float32 else "16bit"
+    menu = set(gemm_configs(kind, configs[0].pre_hook))
+    return [c for c in configs if c in menu]
 
 
 # Programs of a persistent launch in the interpreter: more than one, so that the tile loops and

@@ -61,7 +61,8 @@ from tp_kernels.kernels._shared import (
     check_status,
     check_world,
     dot_precision,
-    gemm_configs,
+    every_gemm_config,
+    keep_launch_kind,
     new_trace,
     on_device,
     persistent_programs,
@@ -153,8 +154,9 @@ def _consumer_tile(
 
 
 @triton.autotune(
-    configs=gemm_configs(pre_hook=_set_block_shapes),
+    configs=every_gemm_config(pre_hook=_set_block_shapes),
     key=["m", "K", "N0", "N1", "N2", "DTYPE", "WAIT", "A_LAYOUT", "B_LAYOUT", "NUM_B", "SCALE"],
+    prune_configs_by={"early_config_prune": keep_launch_kind},  # the operands' tile menu
 )
 @triton.jit(do_not_specialize=["rank", "status_addr", "timeout_ns"])
 def _ag_matmul_kernel(

@@ -58,6 +58,7 @@ from tp_kernels.kernels._shared import (
     check_tensor,
     check_world,
     dot_precision,
+    gemm_kind,
     new_trace,
     on_device,
     persistent_programs,
@@ -74,20 +75,17 @@ from tp_kernels.kernels._shared import (
 
 def _producer_config(m: int, n: int, dtype: torch.dtype) -> dict:
     """Tile shape of the producer GEMM, chosen from the shape instead of autotuned
-    (:func:`tp_kernels.tiling.producer_blocks`, which the cost model simulates too).
+    (:func:`tp_kernels.tiling.producer_shape`, a tile of the operands' menu, which the cost model
+    simulates too).
 
     Autotuning would re-run the kernel per candidate config, and every run stores into the
     peers' slots and raises their signals: a peer could start reducing values from one config
-    while another overwrote them with differently rounded ones, breaking determinism. Tiles of
-    128x128 and more take two warpgroups and 3 stages (144 KiB of shared memory at 128x256 in
-    16 bits, which fits sm_80 too), smaller ones 4 stages.
+    while another overwrote them with differently rounded ones, breaking determinism.
     """
     if INTERPRET:
         block = tiling.INTERPRETER_BLOCK
         return {"BLOCK_M": block, "BLOCK_N": block, "BLOCK_K": block, "num_warps": 1}
-    bm, bn, bk = tiling.producer_blocks(m, n, fp32=dtype == torch.float32)
-    warps = 8 if bm * bn >= 128 * 128 else 4
-    stages = 3 if bm * bn >= 128 * 128 else 4
+    bm, bn, bk, warps, stages = tiling.producer_shape(m, n, gemm_kind(dtype))
     return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
 
 
