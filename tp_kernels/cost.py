@@ -669,9 +669,9 @@ def symm_reduce_scatter_s(p: Problem) -> float:
     ``backends/symm_scatter.py``).
 
     The producer is persistent, ``min(tiles, SMs)`` programs (``_producer_config``: 128x256
-    tiles once ``N >= 256``), the rows owed to ``r+1`` first and the own rows last; every tile
-    stores locally (a staging block per peer, the own slot), so an SM takes its next tile when
-    its math is done. Once destination ``d``'s tiles are all done, the side stream's copy
+    tiles in 16 bits once ``N >= 256``), the rows owed to ``r+1`` first and the own rows last;
+    every tile stores locally (a staging block per peer, the own slot), so an SM takes its next
+    tile when its math is done. Once destination ``d``'s tiles are all done, the side stream's copy
     engine pushes the ``m x N`` block into ``d``'s slot and writes ``d``'s word (one copy at a
     time, ``copy_latency_s`` each, in the order ``r+1, r+2, ...``); then ``reduce_slots`` as
     before: a memory pass reading the ``W`` slots and writing ``m*N*e``, once the last push has

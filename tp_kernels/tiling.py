@@ -35,8 +35,7 @@ GEMM_KINDS: tuple[str, ...] = ("fp32", "16bit", "fp8")
 # 16-bit: large tiles with two warpgroups for the wide outputs (128x256 in 3 stages, 144 KiB,
 # which sm_80's 163 KiB holds, and in 4 stages, 192 KiB, for sm_90 and sm_100's 227 KiB; the
 # autotuner drops a config that does not fit), 128x128 and 64x256 (4 stages) where N / BLOCK_N
-# leaves too few tiles for 132 SMs, and small tiles for the decode-sized and test shapes
-# (64x64x32 in 3 stages: in 4, Triton 3.8.0 and 3.9.0 spill 16 B per thread on sm_100).
+# leaves too few tiles for 132 SMs, and small tiles for the decode-sized and test shapes.
 #
 # fp8: the kernels add each K block's wgmma product into the fp32 accumulator
 # (``max_num_imprecise_acc = BLOCK_K``, see ``kernels._shared._accumulate``), so a thread holds
@@ -44,14 +43,16 @@ GEMM_KINDS: tuple[str, ...] = ("fp32", "16bit", "fp8")
 # with two (2 x 64) does not, and 128x64 with one makes ptxas serialize the wgmmas (the adds
 # read a wgmma's registers inside its pipeline stage). BLOCK_K = 128 (a 128-byte row, TMA's
 # widest swizzle) halves the promotions per tile against 64; 4 stages of 128x128x128: 128 KiB.
+# 64x64x128 takes 3 stages: with 4, Triton 3.7.1 spills 8 B per thread on sm_100.
 #
 # fp32 (TF32 tensor cores, or FMA without TF32): four bytes an element, so at most 128x128; two
-# tiles, so that a new shape's autotuning compiles two kernels, not eight. The FMA loop's
-# registers swing with the shape: BLOCK_K = 16 and 8 warps are what ptxas assembles without
-# spills in every layout of B on sm_90 and sm_100 (BLOCK_K = 32 spills from 8 to 656 B per
-# thread in some, 128x64 in others).
+# tiles, so that a new shape's autotuning compiles two kernels, not eight.
 #
-# Every menu ends with a tile of at most 64x64, the producer's smallest (producer_shape).
+# Every menu ends with a tile of at most 64x64, the producer's smallest (producer_shape). Its
+# registers, and the FMA loop's, swing with warps, stages and the Triton version: ptxas spilled
+# 8 to 656 B per thread in some layout of B on sm_90 or sm_100 with Triton 3.6.0-3.9.0 for
+# 64x64x32 in 4 warps, 128x64 fp32 and 128x128x32 fp32; the small tiles here (8 warps) and
+# 128x128x16 fp32 spill in none (compile_check asserts it).
 _GEMM_SHAPES: dict[str, tuple[tuple[int, int, int, int, int], ...]] = {
     "16bit": (
         (128, 256, 64, 8, 3),
@@ -62,16 +63,16 @@ _GEMM_SHAPES: dict[str, tuple[tuple[int, int, int, int, int], ...]] = {
         (64, 256, 64, 4, 4),
         (128, 64, 64, 4, 4),
         (64, 128, 64, 4, 4),
-        (64, 64, 32, 4, 3),
+        (64, 64, 32, 8, 4),
     ),
     "fp8": (
         (128, 128, 128, 8, 4),
         (64, 128, 128, 4, 4),
-        (64, 64, 128, 4, 4),
+        (64, 64, 128, 4, 3),
     ),
     "fp32": (
         (128, 128, 16, 8, 3),
-        (64, 64, 16, 8, 3),
+        (64, 64, 32, 8, 2),
     ),
 }
 

@@ -28,6 +28,8 @@ configs. Each PTX file is written to ``--out`` and checked:
   whose A rows are 16-byte multiples, and the ``B=ptr`` variants, whose B goes through pointers,
   show that those TMA copies are A's; no variant needs more shared memory than the architecture
   has;
+* the all-gather consumer whose outputs take descriptors (sm_90 and sm_100, rows of 16-byte
+  multiples) stores its tiles with TMA (``cp.async.bulk.tensor`` global from shared);
 * on sm_90 a GEMM whose B comes by TMA keeps wgmmas in flight across K steps (a
   ``wgmma.wait_group.sync.aligned N`` with N > 0), but for tf32 with an N-major B, which wgmma
   cannot read from shared memory;
@@ -86,6 +88,10 @@ ASYNC_COPY_PATTERNS = (
 )
 TMA_PATTERN = r"cp\.async\.bulk\.tensor"
 TMA_PATTERNS = ((TMA_PATTERN, "TMA copies (cp.async.bulk.tensor) of the descriptor operands"),)
+# The all-gather consumer's epilogue, where its outputs take descriptors: TMA stores.
+TMA_STORE_PATTERNS = (
+    (r"cp\.async\.bulk\.tensor\.\S*global\.shared", "TMA stores (shared to global) of C"),
+)
 # A consumer that waits for a progress word and then reads A with TMA orders the two proxies.
 PROXY_FENCE_PATTERNS = (
     (r"fence\.proxy\.async\.global", "a proxy fence between the acquire and the TMA loads"),
@@ -303,9 +309,10 @@ def variants(arch: int) -> list[Variant]:
 
     def ag_variant(
         tag, elem, tl_type, precision, mma, config, b_name, wait, num_b=1, scale="none",
-        out=None, a_elem=None,
+        out=None, a_elem=None, c_pointer=False,
     ):  # fmt: skip
         # Scaled: ``elem`` is B's fp8 type, ``a_elem`` A's, ``out`` (elem, tl type) C's.
+        # ``c_pointer``: C's rows are no 16-byte multiples, so it takes pointer stores.
         out_elem, out_type = out or (elem, tl_type)
         a_elem = a_elem or elem
         b_layout, unit, other, other_aligned = _B_LAYOUTS[b_name]
@@ -314,8 +321,14 @@ def variants(arch: int) -> list[Variant]:
         # that are no multiple of 16 bytes (an odd K) would take neither TMA nor cp.async, for A
         # or for a weight's B=nk; no Llama shape has them.
         a_layout = layout_of("rc", precision)
+        # C [W*m, N] stored through a descriptor over its view [W, m, N], wide tiles in halves.
+        c_layout = "pointer" if c_pointer else layout_of("tma", precision)
         kw = config.kwargs
         b_type = _operand_type(b_layout, elem, kw["BLOCK_K"], kw["BLOCK_N"])
+        c_type = f"*{out_elem}"
+        if c_layout == "tma":
+            columns = ag_matmul.store_columns(kw["BLOCK_N"])
+            c_type = f"tensordesc<{out_elem}[1, {kw['BLOCK_M']}, {columns}]>"
         # Every right-hand matrix of a launch (up to 3: QKV) as the first: its own strides.
         units = [unit.replace("stride_b", f"stride_b{j}") for j in range(3)]
         others = [other.replace("stride_b", f"stride_b{j}") for j in range(3)]
@@ -330,12 +343,12 @@ def variants(arch: int) -> list[Variant]:
             **scale_types,
         }  # fmt: skip
         for j in range(3):
-            types |= {f"b{j}": b_type, f"c{j}": f"*{out_elem}", f"N{j}": i32, others[j]: i32}
+            types |= {f"b{j}": b_type, f"c{j}": c_type, f"N{j}": i32, others[j]: i32}
             # Unscaled, the launcher passes A (a tensor) as the unread scales.
             types[f"b{j}_scale"] = "*fp32" if scale != "none" else f"*{a_elem}"
         aligned = ["a_ptr", "trace_ptr", "m", "K", "stride_am", "chunk_rows"]
         aligned += ["a_scale_ptr"] + [f"b{j}_scale" for j in range(3)] * (scale != "none")
-        aligned += [f"{name}{j}" for name in ("c", "N") for j in range(3)]
+        aligned += [f"N{j}" for j in range(3)] + [f"c{j}" for j in range(3)] * (c_layout != "tma")
         aligned += others * other_aligned
         aligned += [f"b{j}" for j in range(3) if b_layout == "pointer"]
         aligned += ["a"] * (a_layout == "pointer")
@@ -344,7 +357,9 @@ def variants(arch: int) -> list[Variant]:
         if wait and a_layout != "pointer":
             own += PROXY_FENCE_PATTERNS
         required = gemm_patterns(own, mma, a_layout, b_layout, precision)
+        required += TMA_STORE_PATTERNS * (c_layout == "tma")
         a_tag = ",A=tma" if a_layout == "rc" else ",A=ptr"
+        a_tag += ",C=ptr" if c_pointer and tma else ""
         return _variant(
             f"ag_matmul[{tag},{b_name},{_blocks(kw)},w{config.num_warps}s{config.num_stages}"
             f"{a_tag}{',wait' if wait else ''}{f',{num_b}b' if num_b > 1 else ''}]",
@@ -356,6 +371,7 @@ def variants(arch: int) -> list[Variant]:
                 a_layout,
                 b_layout,
                 scale,
+                C_LAYOUT=c_layout,
                 **dict.fromkeys(units, 1),
                 **scale_constants,
                 WAIT=wait,
@@ -448,7 +464,9 @@ def variants(arch: int) -> list[Variant]:
             found.append(ag_variant(*args, configs[0], "B=nk", True, num_b=3))
             for b_name in ("B=kn", "B=ptr"):
                 for wait in (True, False):
-                    found.append(ag_variant(*args, configs[-1], b_name, wait))
+                    # B=ptr's rows are no 16-byte multiples, and then no C's are either.
+                    c_pointer = b_name == "B=ptr"
+                    found.append(ag_variant(*args, configs[-1], b_name, wait, c_pointer=c_pointer))
             for config in producer_configs:
                 found.append(rs_variant(*args, config, "rc", "B=nk"))
             found.append(rs_variant(*args, producer_configs[-1], "rc", "B=kn"))
