@@ -143,6 +143,40 @@ def test_sm_100_variants_require_tcgen05_and_tma_not_wgmma():
     assert with_tma and all(tma <= patterns for patterns in with_tma)
 
 
+def test_the_consumer_autotunes_over_its_operands_menu():
+    """The all-gather consumer's autotuner holds every kind's configs and prunes them to the
+    menu of the launch's operands (tiling.gemm_shapes), read from its SCALE and DTYPE."""
+    done = run_without_interpreter(
+        """
+        import json
+        import triton.language as tl
+        from tp_kernels.kernels import ag_matmul
+        from tp_kernels.kernels._shared import keep_launch_kind
+
+        configs = ag_matmul._ag_matmul_kernel.configs
+        launches = {
+            "fp8": {"SCALE": "row", "DTYPE": tl.bfloat16},
+            "fp32": {"SCALE": "none", "DTYPE": tl.float32},
+            "16bit": {"SCALE": "none", "DTYPE": tl.bfloat16},
+        }
+        picked = {
+            kind: [
+                [*(c.kwargs[b] for b in ("BLOCK_M", "BLOCK_N", "BLOCK_K")), c.num_warps,
+                 c.num_stages]
+                for c in keep_launch_kind(configs, {}, **constexprs)
+            ]
+            for kind, constexprs in launches.items()
+        }
+        print(json.dumps(picked))
+        """
+    )
+    assert done.returncode == 0, done.stderr
+    menus = {
+        kind: [list(shape) for shape in tiling.gemm_shapes(kind)] for kind in tiling.GEMM_KINDS
+    }
+    assert json.loads(done.stdout) == menus
+
+
 def test_waiting_and_signalling_kernels_compile_for_sm_90(tmp_path):
     """The barrier (signals and waits; with and without clearing the words), the reduction
     (waits), and a 16-bit all-gather consumer whose B goes through pointers (its first launch
