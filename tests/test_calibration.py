@@ -62,7 +62,7 @@ def test_calibration_recovers_the_figures_that_made_the_timings():
 
 
 def test_calibration_fits_each_launch_by_the_tiles_it_ran():
-    """The consumer's launches report their autotuned tile and their waves (tiles over the
+    """The consumer's launches report their tuned tile and their waves (tiles over the
     persistent programs, here 8 shards' tiles over 132 programs); the fit gives each tile shape
     the model's rate for it: 256x128 as 128x256 (1.0), 128x128 0.9, 64x256 and 64x64 as the
     nearest in reuse, 64x128 (0.75). Timings made that way give back the figures."""

@@ -18,6 +18,7 @@ from pathlib import Path  # noqa: E402
 
 from _processes import run_without_interpreter  # noqa: E402
 
+from tp_kernels import tiling  # noqa: E402
 from tp_kernels.kernels import compile_check  # noqa: E402
 
 
@@ -28,6 +29,45 @@ def test_check_ptx_names_what_is_missing():
     assert missing == [what for _, what in compile_check.WAIT_PATTERNS]
     relaxed = "atom.global.gpu.relaxed.exch.b32 %r5, [ %rd5 + 0 ], %r3;"
     assert compile_check.check_ptx(relaxed, compile_check.SIGNAL_PATTERNS) != []
+
+
+def test_hopper_pipeline_facts():
+    """sm_90's asynchronous wgmma is a wait_group that leaves MMAs in flight; ptxas's advisory
+    that it serialized them is caught; an fp8 GEMM's promotions are its fp32 adds (the lines are
+    Triton's PTX and ptxas's wording)."""
+    waits = "wgmma.wait_group.sync.aligned 0;\n"
+    assert compile_check.check_ptx(waits, compile_check.ASYNC_WGMMA_PATTERNS) != []
+    waits += "wgmma.wait_group.sync.aligned 1;"
+    assert compile_check.check_ptx(waits, compile_check.ASYNC_WGMMA_PATTERNS) == []
+    advisory = (
+        "ptxas info    : (C7515) Potential Performance Loss: wgmma.mma_async instructions are "
+        "serialized due to the presence of Extern calls in the function '_ag_matmul_kernel'."
+    )
+    assert re.search(compile_check.WGMMA_SERIALIZED, advisory)
+    assert not re.search(compile_check.WGMMA_SERIALIZED, "ptxas info    : Used 216 registers")
+    loop = "\tadd.f32 \t%r1, %r2, %r3;\n\t@%p4 add.rn.f32 %r5, %r5, %r6;\n\tmul.f32 %r7, %r7, %r8;"
+    assert compile_check.count_promotions(loop) == 2
+
+
+def test_wait_order_holds_only_with_the_wait_before_the_loads():
+    """The consumer's wait-before-load order in PTX (check_wait_order): acquire, proxy fence, TMA
+    load, in the tile loop with the K loop nested; a load hoisted before the tile loop, a load
+    before the acquire, or a flattened loop (no nested K loop) fail."""
+    load = "cp.async.bulk.tensor.2d.shared::cta.global.mbarrier::complete_tx::bytes [%r1], [%rd2];"
+    tile = (
+        "$L__BB0_2: // =>This Loop Header: Depth=1\n"
+        "ld.acquire.sys.global.b32 %v, [%rd24];\n"
+        "fence.proxy.async.global; mov.u32 %r115, %r116;\n"
+        f"{load}\n"
+        "$L__BB0_9: // =>  This Inner Loop Header: Depth=2\n"
+        f"{load}\n"
+    )
+    assert compile_check.check_wait_order(tile) == []
+    assert compile_check.check_wait_order(load + "\n" + tile) != []
+    early = tile.replace("ld.acquire", load + "\nld.acquire")
+    assert compile_check.check_wait_order(early) != []
+    flat = tile.replace("This Inner Loop Header: Depth=2", "in Loop: Header=BB0_2 Depth=1")
+    assert compile_check.check_wait_order(flat) != []
 
 
 def test_sm_100_gemm_facts_are_tcgen05_with_tensor_memory():
@@ -91,14 +131,59 @@ def test_sm_100_variants_require_tcgen05_and_tma_not_wgmma():
     sixteen_bit = [p for name, p in gemms.items() if "fp32" not in name and "fp8" not in name]
     tcgen05 = set(compile_check.GEMM16_PATTERNS[100])
     assert sixteen_bit and all(tcgen05 <= patterns for patterns in sixteen_bit)
-    # The fp8 GEMMs (both, row-wise and tensor-wise scales): tcgen05 of the fp8 kind instead.
+    # The fp8 GEMMs (the consumer in every config of the fp8 menu with row-wise scales, in one
+    # with tensor-wise; the producer with both): tcgen05 of the fp8 kind instead.
     fp8 = [patterns for name, patterns in gemms.items() if "fp8" in name]
     tcgen05_fp8 = set(compile_check.GEMM8_PATTERNS[100])
-    assert len(fp8) == 4 and all(tcgen05_fp8 <= patterns for patterns in fp8)
+    assert len(fp8) == len(tiling.gemm_shapes("fp8")) + 3
+    assert all(tcgen05_fp8 <= patterns for patterns in fp8)
     assert not any("wgmma" in pattern for patterns in gemms.values() for pattern, _ in patterns)
     with_tma = [patterns for name, patterns in gemms.items() if "A=tma" in name]
     tma = set(compile_check.TMA_PATTERNS)
     assert with_tma and all(tma <= patterns for patterns in with_tma)
+
+
+def test_the_consumer_is_tuned_over_its_operands_menu():
+    """The all-gather consumer hands the tuner (kernels/tuning.py) the menu of its operands'
+    kind (tiling.gemm_shapes): fp32, 16-bit, or fp8 for a scaled call."""
+    done = run_without_interpreter(
+        """
+        import json
+        import torch
+        from tp_kernels.kernels import ag_matmul
+
+        offered = {}
+
+        def choose(kernel, key, configs, run, device):
+            offered[key[4]] = [
+                [*(c.kwargs[b] for b in ("BLOCK_M", "BLOCK_N", "BLOCK_K")), c.num_warps,
+                 c.num_stages]
+                for c in configs
+            ]
+            return configs[0]
+
+        ag_matmul.tuning.choose = choose  # no launch: nothing here has a GPU
+        ag_matmul.persistent_programs = lambda device: 132
+        for dtype in (torch.float32, torch.bfloat16):
+            a, b = torch.zeros(64, 32, dtype=dtype), torch.zeros(32, 16, dtype=dtype)
+            ag_matmul.AgMatmulConsumer(
+                a, [b], [torch.zeros(64, 16, dtype=dtype)], chunk_rows=32, rank=0, world_size=2
+            )
+        fp8 = torch.float8_e4m3fn
+        packed = torch.zeros(64, 32 + 16, dtype=torch.uint8)
+        ag_matmul.AgMatmulConsumer(
+            packed, [torch.zeros(32, 16).to(fp8)], [torch.zeros(64, 16, dtype=torch.bfloat16)],
+            chunk_rows=32, rank=0, world_size=2, a_dtype=fp8, b_scales=[torch.ones(())],
+        )
+        print(json.dumps(offered))
+        """
+    )
+    assert done.returncode == 0, done.stderr
+    kinds = {"torch.float32": "fp32", "torch.bfloat16": "16bit", "torch.float8_e4m3fn": "fp8"}
+    menus = {
+        dtype: [list(shape) for shape in tiling.gemm_shapes(kind)] for dtype, kind in kinds.items()
+    }
+    assert json.loads(done.stdout) == menus
 
 
 def test_waiting_and_signalling_kernels_compile_for_sm_90(tmp_path):

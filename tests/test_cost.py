@@ -97,7 +97,7 @@ def test_the_models_tiles_are_on_the_kernels_menu():
     """Every rated tile shape is one the kernels take (one off the menu would drop out of the
     model's tiles unseen), in the menu's order."""
     assert {(bm, bn) for bm, bn, _ in cost.TILES} == set(cost._TILE_RATES)
-    menu = [(bm, bn) for bm, bn, *_ in tiling.GEMM_SHAPES]
+    menu = [(bm, bn) for bm, bn, *_ in tiling.gemm_shapes("16bit")]
     assert [menu.index(t[:2]) for t in cost.TILES] == sorted(menu.index(t[:2]) for t in cost.TILES)
 
 
@@ -190,10 +190,12 @@ def test_the_reduce_scatter_producer_pushes_each_block_then_reduces():
 
 
 def test_the_reduce_scatter_producer_is_simulated_on_the_kernels_tile():
-    """The producer's tile is the kernel's (tiling.producer_blocks): 128x256 in 16 bits once
-    N >= 256, but 128x128 in fp32, whose stages would not fit in shared memory at 128x256."""
+    """The producer's tile is the kernel's (tiling.producer_shape): 128x256 in 16 bits once
+    N >= 256, but 128x128 in fp32, whose stages would not fit in shared memory at 128x256, and in
+    fp8, whose two accumulators would spill at 128x256."""
     assert cost._producer_tile(problem(H100, 1024, 3584, [8192]))[:2] == (128, 256)
-    assert cost._producer_tile(problem(H100, 1024, 3584, [8192], dtype="fp32"))[:2] == (128, 128)
+    for dtype in ("fp32", "fp8"):
+        assert cost._producer_tile(problem(H100, 1024, 3584, [8192], dtype=dtype))[:2] == (128, 128)
 
 
 def test_reference_and_the_decompositions_on_paper():
@@ -262,8 +264,13 @@ def test_fp8_schedules_copy_the_packed_rows():
     rs8, rs16 = (problem(slow, 128, k, [256], dtype=d) for d in ("fp8", "bf16"))
     push = 128 * 256 * 2 / 0.5e9
     reduce = 3 * 128 * 256 * 2 / (slow.hbm_gb_s * 1e9)  # the two slots read, the sum written
-    assert cost.symm_reduce_scatter_s(rs8) == pytest.approx(t + push + reduce)
-    assert cost.symm_reduce_scatter_s(rs16) - cost.symm_reduce_scatter_s(rs8) == pytest.approx(t)
+    # fp8's producer tile is 128x128 (rated 0.9): the peer's block is the first wave of two, and
+    # its push hides the second; bf16's one wave of 128x256 tiles takes 2 t.
+    first_wave = tile_s(slow, 128, 128, k) / 2 / 0.9
+    assert cost.symm_reduce_scatter_s(rs8) == pytest.approx(first_wave + push + reduce)
+    assert cost.symm_reduce_scatter_s(rs16) - cost.symm_reduce_scatter_s(rs8) == pytest.approx(
+        2 * t - first_wave
+    )
 
 
 def test_quantize_is_one_memory_pass():

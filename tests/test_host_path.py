@@ -165,8 +165,8 @@ def test_an_eager_colwise_call_runs_eleven_modules(worlds):
     """One eager colwise Linear forward on symm's Triton path (the GPU's protocol) runs the code
     of these eleven modules of tp_kernels and no others (17 before the ops were one module each;
     10 before the kernels' tiles were chosen by ``kernels/tuning.py``, whose lookup each call
-    makes): the path a newcomer reads. The kernel's and the copier's modules must be among them, so a
-    run that silently took the torch path fails."""
+    makes): the path a newcomer reads. The kernel's and the copier's modules must be among them,
+    so a run that silently took the torch path fails."""
     pytest.importorskip("triton")
     for modules, _ in worlds(2).run(overhead.hot_path):
         assert "kernels/ag_matmul.py" in modules and "backends/symm_gather.py" in modules

@@ -22,9 +22,11 @@ import time  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from tp_kernels import kernels, signals  # noqa: E402
 from tp_kernels.backends import symm_gather, symm_scatter  # noqa: E402
+from tp_kernels.kernels import ag_matmul  # noqa: E402
 from tp_kernels.testing.numerics import check_close  # noqa: E402
 
 
@@ -129,6 +131,7 @@ def _fixed_order_sum(slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     ("world_size", "rank", "m", "k", "ns", "rows"),
     [
         (3, 1, 40, 40, (24, 17), 16),
+        (3, 1, 40, 40, (24, 32), 16),
         (4, 3, 8, 16, (33,), 8),
         (2, 0, 5, 24, (7,), 2),
         (3, 2, 20, 16, (9, 40, 1, 18), 16),
@@ -140,7 +143,8 @@ def test_ag_matmul_consumer(dtype, world_size, rank, m, k, ns, rows):
     of 16 rows (several per shard, tiles on their boundaries), of 8 rows (shards smaller than a
     tile) and of 2 rows (a tile spans chunks and waits for its last row's). Several ``bs`` share
     a launch (three at most: the fourth is a launch of its own after them), a width of 1 among
-    them."""
+    them. Outputs whose rows are 16-byte multiples (``(24, 32)``) take TMA stores, the others
+    pointer stores; m = 40 leaves each shard's last tile 8 rows past it."""
     gen = torch.Generator().manual_seed(world_size * 100 + m)
     a = torch.randn(world_size * m, k, generator=gen).to(dtype)
     shards = [a[s * m : (s + 1) * m].clone() for s in range(world_size)]
@@ -259,7 +263,7 @@ def test_launchers_grids_hold_a_share_of_the_sms(monkeypatch):
     monkeypatch.setattr(ag_matmul, "_ag_matmul_kernel", Recorder())
     # One 16 x 16 x 16 config, so the consumer has nothing to tune (its menu is the GPU's here).
     tile = triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}, num_warps=1)
-    monkeypatch.setattr(ag_matmul, "gemm_configs", lambda: [tile])
+    monkeypatch.setattr(ag_matmul, "gemm_configs", lambda kind: [tile])
     monkeypatch.setattr(matmul_rs, "_matmul_rs_kernel", Recorder())
     world_size, m, k, n = 4, 256, 16, 256  # 4 * 16 * 16 tiles of 16 x 16
     a = torch.zeros(world_size * m, k)
@@ -373,6 +377,34 @@ def test_tma_layout_follows_strides_and_alignment():
     assert kernels.tma_layout(odd) == "pointer" and kernels.tma_layout(odd.t()) == "pointer"
     assert kernels.tma_layout(_misaligned(24, 40, torch.float32)) == "pointer"
     assert kernels.tma_layout(w[:, ::2]) == "pointer"  # no contiguous dimension
+
+
+@triton.jit
+def _store_ones(
+    c, src, row0, col0, m, N,
+    C_LAYOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """The consumer's epilogue store of a tile of ones (``BLOCK_M`` x ``BLOCK_N``)."""
+    ones = tl.full((BLOCK_M, BLOCK_N), 1.0, tl.float32)
+    ag_matmul._store_tile(c, ones, src, row0, col0, m, N, C_LAYOUT, BLOCK_M, BLOCK_N)
+
+
+@pytest.mark.parametrize("layout", ["tma", "pointer"])
+@pytest.mark.parametrize("block_n", [16, 128])
+def test_consumer_stores_no_row_past_its_shard(layout, block_n):
+    """A tile that runs past its shard's m rows (and past C's columns) stores its rows inside
+    the shard alone: TMA clips at the [W, m, N] view's bounds (a tile 128 wide in two halves,
+    the second wholly past C), pointers by the mask. Shard 1's rows 16.. of the tile's columns
+    are ones; its other rows and shard 2's stay untouched."""
+    world_size, m, n, block_m = 3, 24, 40, 16
+    c = torch.zeros(world_size * m, n)
+    target = ag_matmul._c_operand(c, world_size, m, layout)
+    if layout == "tma":
+        target.block_shape = [1, block_m, ag_matmul.store_columns(block_n)]
+    _store_ones[(1,)](target, 1, 16, 8, m, n, C_LAYOUT=layout, BLOCK_M=block_m, BLOCK_N=block_n)
+    want = torch.zeros_like(c)
+    want[m + 16 : 2 * m, 8 : 8 + block_n] = 1.0
+    assert torch.equal(c, want)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -110,7 +110,7 @@ def _replayed_step(clear_words: bool, replays: int) -> dict:
     report: dict = {"problems": []}
     try:
         inputs = _shards(_problem(0, world), rank)
-        _step(group, inputs)  # the warmup: workspaces, state and autotuning
+        _step(group, inputs)  # the warmup: workspaces, state and tuning
         recorder = Recorder()
         with recorder.recording():
             outputs = _step(group, inputs)

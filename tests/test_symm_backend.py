@@ -408,7 +408,7 @@ def _ran_ahead(reports: list[dict], lag_rank: int) -> bool:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_triton_path_survives_a_lagging_rank(worlds, world_size):
     """Peers run ahead by a call while the lagging rank launches each kernel a second time (as
-    autotuning does): its second reduction still reads its slots and its second consumer its
+    triton.autotune did): its second reduction still reads its slots and its second consumer its
     progress words. The next call's start barrier holds the peers until the lagging rank has
     finished, so 22 calls on two groups all give the right values; the peers did run ahead."""
     reports = worlds(world_size).run(_run_ahead, 0, LAG_S, 60.0, 22)

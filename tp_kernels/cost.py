@@ -102,13 +102,14 @@ DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp
 SCHEDULES = {op: ("reference", "torch_symm_mem", "pipelined", "symm") for op in (AG, RS)}
 # The rate of a tile shape (BM, BN) relative to the largest: smaller tiles reuse each loaded
 # byte less (assumed). The model's GEMMs take the shapes of the kernels' menu that are rated
-# here, three that 16-bit GEMMs use (cuBLAS's are similar); the menu's others are not modeled.
+# here, three that 16-bit GEMMs use (cuBLAS's are similar); the menu's others are not modeled,
+# nor the fp8 and fp32 menus (the model rates every dtype's tiles alike).
 _TILE_RATES = {(128, 256): 1.0, (128, 128): 0.9, (64, 128): 0.75}
 # (BM, BN, rate) of the model's tile shapes, in the menu's order (a tie goes to the first).
 TILES: tuple[tuple[int, int, float], ...] = tuple(
     dict.fromkeys(
         (bm, bn, _TILE_RATES[bm, bn])
-        for bm, bn, *_ in tiling.GEMM_SHAPES
+        for bm, bn, *_ in tiling.gemm_shapes("16bit")
         if (bm, bn) in _TILE_RATES
     )
 )
@@ -121,6 +122,8 @@ _MEASURED_PRODUCER_RATE = 0.620 / 0.699
 # cuBLAS's steady tile rate on that H200: 0.620 ms for 7 waves of 128x256 tiles (896 tiles on
 # 132 SMs, no split-K) at 1 us of overhead a tile is 81.8% of the dense bf16 peak per SM.
 _H200_CUBLAS_EFFICIENCY = 0.818
+# The tile menu (tiling.GEMM_KINDS) of each of the model's compute dtypes.
+_GEMM_KINDS = {"fp32": "fp32", "bf16": "16bit", "fp16": "16bit", "fp8": "fp8"}
 _NVIDIA = "https://www.nvidia.com/en-us/data-center"
 _HOPPER = "https://developer.nvidia.com/blog/nvidia-hopper-architecture-in-depth/"
 
@@ -703,9 +706,9 @@ def _copy_engine_s(p: Problem, chunks: int) -> float:
 
 
 def _producer_tile(p: Problem) -> tuple[int, int, float]:
-    """``(BM, BN, seconds)`` of the producer's tile (:func:`tp_kernels.tiling.producer_blocks`,
+    """``(BM, BN, seconds)`` of the producer's tile (:func:`tp_kernels.tiling.producer_shape`,
     which the kernel takes)."""
-    bm, bn, _ = tiling.producer_blocks(p.m, p.n, fp32=p.dtype == "fp32")
+    bm, bn, *_ = tiling.producer_shape(p.m, p.n, _GEMM_KINDS[p.dtype])
     rel = next((r for tm, tn, r in TILES if (tm, tn) == (bm, bn)), TILES[-1][2])
     return bm, bn, _tile_s(p.dev, p.dtype, bm, bn, p.k, rel, p.dev.producer_rate)
 
@@ -715,9 +718,9 @@ def symm_reduce_scatter_s(p: Problem) -> float:
     ``backends/symm_scatter.py``).
 
     The producer is persistent, ``min(tiles, SMs)`` programs (``_producer_config``: 128x256
-    tiles once ``N >= 256``), the rows owed to ``r+1`` first and the own rows last; every tile
-    stores locally (a staging block per peer, the own slot), so an SM takes its next tile when
-    its math is done. Once destination ``d``'s tiles are all done, the side stream's copy
+    tiles in 16 bits once ``N >= 256``), the rows owed to ``r+1`` first and the own rows last;
+    every tile stores locally (a staging block per peer, the own slot), so an SM takes its next
+    tile when its math is done. Once destination ``d``'s tiles are all done, the side stream's copy
     engine pushes the ``m x N`` block into ``d``'s slot and writes ``d``'s word (one copy at a
     time, ``copy_latency_s`` each, in the order ``r+1, r+2, ...``); then ``reduce_slots`` as
     before: a memory pass reading the ``W`` slots and writing ``m*N*e``, once the last push has

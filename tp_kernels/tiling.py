@@ -14,33 +14,78 @@ from tp_kernels import config
 
 __all__ = [
     "CHUNK_ROW_ALIGN",
-    "GEMM_SHAPES",
+    "GEMM_KINDS",
     "GROUP_M",
     "INTERPRETER_BLOCK",
     "MAX_BS_PER_LAUNCH",
     "MIN_TRANSFER_BLOCK_BYTES",
     "chunk_rows",
-    "producer_blocks",
+    "gemm_shapes",
+    "producer_shape",
     "transfer_blocks",
 ]
 
-# The (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) the autotuned GEMM picks from on a GPU.
-# Per rank at TP=8, Llama-3 8B/70B/405B give N and K of 512 to 16384 (hidden 4096/8192/16384,
-# MLP 1792/3584/6656, q/kv/o of hidden / 8) and M of thousands of tokens: large tiles
-# (128x256 and 256x128 with two warpgroups, 3 stages of 144 KiB in 16 bits) for the wide
-# outputs, 128x128 and 64x256 (4 stages) where N / BLOCK_N leaves too few tiles for 132 SMs, and
-# small tiles for the decode-sized and test shapes. Configs whose stage buffers exceed a GPU's
-# shared memory (fp32 with the large tiles) fail to load there and the autotuner drops them.
-GEMM_SHAPES: tuple[tuple[int, int, int, int, int], ...] = (
-    (128, 256, 64, 8, 3),
-    (256, 128, 64, 8, 3),
-    (128, 128, 64, 8, 3),
-    (128, 128, 64, 4, 4),
-    (64, 256, 64, 4, 4),
-    (128, 64, 64, 4, 4),
-    (64, 128, 64, 4, 4),
-    (64, 64, 32, 4, 4),
-)
+# The kinds of GEMM operands, each with its own tile menu (:func:`gemm_shapes`): a tile that
+# wins for one kind spills, or does not fit shared memory, for another.
+GEMM_KINDS: tuple[str, ...] = ("fp32", "16bit", "fp8")
+# The (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) the tuned GEMMs pick from on a GPU,
+# per operand kind. Per rank at TP=8, Llama-3 8B/70B/405B give N and K of 512 to 16384 (hidden
+# 4096/8192/16384, MLP 1792/3584/6656, q/kv/o of hidden / 8) and M of thousands of tokens.
+#
+# 16-bit: large tiles with two warpgroups for the wide outputs (128x256 in 3 stages, 144 KiB,
+# which sm_80's 163 KiB holds, and in 4 stages, 192 KiB, for sm_90 and sm_100's 227 KiB; the
+# tuner skips a config that does not fit), 128x128 and 64x256 (4 stages) where N / BLOCK_N
+# leaves too few tiles for 132 SMs, and small tiles for the decode-sized and test shapes.
+#
+# fp8: the kernels add each K block's wgmma product into the fp32 accumulator
+# (``max_num_imprecise_acc = BLOCK_K``, see ``kernels._shared._accumulate``), so a thread holds
+# two accumulators: 128x256 with two warpgroups (2 x 128 fp32 registers) spills on sm_90, 128x128
+# with two (2 x 64) does not, and 128x64 with one makes ptxas serialize the wgmmas (the adds
+# read a wgmma's registers inside its pipeline stage). BLOCK_K = 128 (a 128-byte row, TMA's
+# widest swizzle) halves the promotions per tile against 64; 4 stages of 128x128x128: 128 KiB.
+# 64x64x128 takes 3 stages: with 4, Triton 3.7.1 spills 8 B per thread on sm_100.
+#
+# fp32 (TF32 tensor cores, or FMA without TF32): four bytes an element, so at most 128x128; two
+# tiles, so that a new shape's tuning compiles two kernels, not eight.
+#
+# Every menu ends with a tile of at most 64x64, the producer's smallest (producer_shape). Its
+# registers, and the FMA loop's, swing with warps, stages and the Triton version: ptxas spilled
+# 8 to 656 B per thread in some layout of B on sm_90 or sm_100 with Triton 3.6.0-3.9.0 for
+# 64x64x32 in 4 warps, 128x64 fp32 and 128x128x32 fp32; the small tiles here (8 warps) and
+# 128x128x16 fp32 spill in none (compile_check asserts it).
+_GEMM_SHAPES: dict[str, tuple[tuple[int, int, int, int, int], ...]] = {
+    "16bit": (
+        (128, 256, 64, 8, 3),
+        (128, 256, 64, 8, 4),
+        (256, 128, 64, 8, 3),
+        (128, 128, 64, 8, 3),
+        (128, 128, 64, 4, 4),
+        (64, 256, 64, 4, 4),
+        (128, 64, 64, 4, 4),
+        (64, 128, 64, 4, 4),
+        (64, 64, 32, 8, 4),
+    ),
+    "fp8": (
+        (128, 128, 128, 8, 4),
+        (64, 128, 128, 4, 4),
+        (64, 64, 128, 4, 3),
+    ),
+    "fp32": (
+        (128, 128, 16, 8, 3),
+        (64, 64, 32, 8, 2),
+    ),
+}
+
+
+def gemm_shapes(kind: str) -> tuple[tuple[int, int, int, int, int], ...]:
+    """The ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)`` menu of the GEMMs whose
+    operands are of ``kind`` (one of :data:`GEMM_KINDS`): ``"fp32"``, ``"16bit"`` (fp16, bf16)
+    or ``"fp8"`` (e4m3, e5m2; the scaled GEMMs)."""
+    if kind not in _GEMM_SHAPES:
+        raise ValueError(f"kind: got {kind!r}, expected one of {GEMM_KINDS}")
+    return _GEMM_SHAPES[kind]
+
+
 # BLOCK_M, BLOCK_N and BLOCK_K of every GEMM under Triton's interpreter: one small tile, so that
 # the CPU tests run several tiles per shard in reasonable time.
 INTERPRETER_BLOCK = 16
@@ -51,23 +96,25 @@ GROUP_M = 8
 MAX_BS_PER_LAUNCH = 3
 # The symm all-gather's chunk boundaries are multiples of the menu's largest BLOCK_M, so that a
 # consumer tile's rows lie in one chunk and the tile waits for that chunk's word alone.
-CHUNK_ROW_ALIGN = max(bm for bm, *_ in GEMM_SHAPES)
+CHUNK_ROW_ALIGN = max(bm for kind in GEMM_KINDS for bm, *_ in gemm_shapes(kind))
 # pipelined's row blocks: a block smaller than this is dominated by per-message latency on gloo
 # and NCCL alike; at most this many blocks per peer transfer.
 MIN_TRANSFER_BLOCK_BYTES = 1 << 20
 _MAX_TRANSFER_BLOCKS = 4
 
 
-def producer_blocks(m: int, n: int, *, fp32: bool) -> tuple[int, int, int]:
-    """``(BLOCK_M, BLOCK_N, BLOCK_K)`` of the matmul-reduce-scatter producer on a GPU for ``m``
-    rows per destination and ``N`` columns, chosen from the shape (the producer is not
-    autotuned: see ``kernels.matmul_rs._producer_config``). 16-bit operands take 128x256 tiles
-    once ``N >= 256``, as Llama's row-parallel Linears have at TP=8; fp32 keeps ``BLOCK_K = 32``
-    and ``BLOCK_N <= 128`` so that its stages fit in shared memory."""
-    bm = 128 if m >= 128 else 64
-    if fp32:
-        return bm, (128 if n >= 128 else 64), 32
-    return bm, (256 if n >= 256 else 128 if n >= 128 else 64), 64
+def producer_shape(m: int, n: int, kind: str) -> tuple[int, int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)`` of the matmul-reduce-scatter
+    producer on a GPU for ``m`` rows per destination, ``N`` columns and operands of ``kind``,
+    chosen from the shape (the producer is not tuned: see
+    ``kernels.matmul_rs._producer_config``): the first tile of the kind's menu
+    (:func:`gemm_shapes`) that is at most 128 rows (64 for ``m < 128``) by 256 columns (128 for
+    ``N < 256``, 64 for ``N < 128``), so the producer runs a config that the consumer may run
+    too and compile_check reads. 16-bit operands take 128x256 in 3 stages (sm_80 holds it) once
+    ``N >= 256``, as Llama's row-parallel Linears have at TP=8; fp8 and fp32 at most 128x128."""
+    rows = 128 if m >= 128 else 64
+    cols = 256 if n >= 256 else 128 if n >= 128 else 64
+    return next(s for s in gemm_shapes(kind) if s[0] <= rows and s[1] <= cols)
 
 
 def chunk_rows(m: int, chunks: int, *, interpret: bool) -> int:

@@ -33,7 +33,7 @@ import torch.distributed as dist
 HERE = Path(__file__).resolve().parent
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 COMMAND = "torchrun --nproc-per-node $(nvidia-smi -L | wc -l) -m pytest tests/gpu -m gpu"
-# Longer than any one collective or wait of these tests (compiling and autotuning a kernel on
+# Longer than any one collective or wait of these tests (compiling and tuning a kernel on
 # one rank while its peers wait included); past it, a stuck rank is ended, not waited for.
 PG_TIMEOUT_S = 600.0
 

@@ -82,7 +82,7 @@ copies, the GEMMs interpreted, the spinner interpreted and checked. Its times me
 proves is that every row runs and computes the right result, so the first GPU runs code that ran.
 
 Expected time on an H100 or H200 (not measured: no GPU has run this): the probe and each world's
-start some 10-20 s each; compiling and autotuning the two GEMMs at the 2 default shapes (the
+start some 10-20 s each; compiling and tuning the two GEMMs at the 2 default shapes (the
 first bf16 symm row took 48 s on an H200) 2-4 minutes; the timed rounds seconds. Every part has a
 deadline: the probe 90 s, the MPS ranks' first allocation 60 s, the measurements ``--timeout-s``
 (360 s), each MPS daemon start or stop ``--mps-timeout-s`` (30 s), each GEMM wait for a word

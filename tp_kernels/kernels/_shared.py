@@ -128,24 +128,25 @@ def dot_precision(dtype: torch.dtype) -> str | None:
 GROUP_M = tl.constexpr(tiling.GROUP_M)
 
 
-def gemm_configs(pre_hook=None) -> list[triton.Config]:
-    """Tile shapes the GEMM kernels pick from (:data:`tp_kernels.tiling.GEMM_SHAPES`): one small
-    fixed tile under the interpreter.
+def gemm_kind(dtype: torch.dtype) -> str:
+    """The kind of GEMM operands of ``dtype`` whose tile menu a GEMM picks from
+    (:func:`tp_kernels.tiling.gemm_shapes`): ``"fp8"``, ``"fp32"`` or ``"16bit"``."""
+    if dtype in FP8_DTYPES:
+        return "fp8"
+    return "fp32" if dtype == torch.float32 else "16bit"
 
-    ``pre_hook(nargs)`` runs before each launch with a config (it sets the block shapes of tensor
-    descriptors, which depend on the config)."""
+
+def gemm_configs(kind: str) -> list[triton.Config]:
+    """The configs of the tile menu of ``kind`` (:func:`tp_kernels.tiling.gemm_shapes`), which
+    :mod:`tp_kernels.kernels.tuning` chooses from per shape; one small fixed tile, the same for
+    every kind, under the interpreter."""
     if INTERPRET:
         block = tiling.INTERPRETER_BLOCK
         blocks = {"BLOCK_M": block, "BLOCK_N": block, "BLOCK_K": block}
-        return [triton.Config(blocks, num_warps=1, pre_hook=pre_hook)]
+        return [triton.Config(blocks, num_warps=1)]
     return [
-        triton.Config(
-            {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk},
-            num_warps=w,
-            num_stages=st,
-            pre_hook=pre_hook,
-        )
-        for bm, bn, bk, w, st in tiling.GEMM_SHAPES
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
+        for bm, bn, bk, w, st in tiling.gemm_shapes(kind)
     ]
 
 

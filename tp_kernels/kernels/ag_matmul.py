@@ -16,9 +16,11 @@ in order, one after another.
 (in ``A`` before the launch: stream order), then ``r+1``'s, ... . A tile of rank ``s``'s rows
 first waits (acquire, deadline) for the progress word of the chunk holding its last row (the
 copies run in order, so every earlier chunk is in place too), then reads ``A`` from local memory
-only, with TMA on sm_90 and newer. No SM moves bytes between GPUs and no tile waits for another
-tile: a tile waits only for the copy engine, which progresses whatever the SMs do, so the launch
-may be persistent (at most one program per SM, tiles strided over the programs) without a ticket.
+only, with TMA on sm_90 and newer, where it also stores its output tiles with TMA (through a
+descriptor over ``C`` viewed as [W, m, N], whose bounds clip a tile's rows at its shard's end).
+No SM moves bytes between GPUs and no tile waits for another tile: a tile waits only for the
+copy engine, which progresses whatever the SMs do, so the launch may be persistent (at most one
+program per SM, tiles strided over the programs) without a ticket.
 One launch takes up to three right-hand matrices (QKV's, w1/w3's), each shard's tiles of every
 one of them before the next shard's, so all their math overlaps the copies; a call with more runs
 further launches after the first on the same stream, which read the complete ``A`` without
@@ -63,6 +65,7 @@ from tp_kernels.kernels._shared import (
     check_world,
     dot_precision,
     gemm_configs,
+    gemm_kind,
     new_status,
     new_trace,
     on_device,
@@ -106,18 +109,31 @@ def _barrier_kernel(
         tl.atomic_xchg(word, 0, sem="relaxed", scope="sys")
 
 
+# The consumer's TMA stores go in two halves of BLOCK_N / 2 columns from this BLOCK_N on (the
+# second half's move into shared memory overlaps the first's store); narrower tiles store whole:
+# their epilogue is short, and halving 64x64 tiles made ptxas spill 8 B per thread on sm_100.
+_SPLIT_STORES_FROM = tl.constexpr(128)
+
+
+def store_columns(block_n: int) -> int:
+    """The columns of each TMA store of a consumer tile ``block_n`` wide (the block shape of
+    its output descriptors), as :func:`_store_tile` splits it."""
+    return block_n // 2 if block_n >= _SPLIT_STORES_FROM else block_n
+
+
 @triton.jit
 def _consumer_tile(
-    a, a_ptr, b, c_ptr, src, m_tile, col_tile, tiles_per_shard, m, K, N, stride_am, stride_bk,
+    a, a_ptr, b, c, src, m_tile, col_tile, tiles_per_shard, m, K, N, stride_am, stride_bk,
     stride_bn, a_scale_ptr, b_scale_ptr, stride_bsn,
-    DTYPE: tl.constexpr, A_LAYOUT: tl.constexpr, B_LAYOUT: tl.constexpr, SCALE: tl.constexpr,
-    BF16_BY_HAND: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    DTYPE: tl.constexpr, A_LAYOUT: tl.constexpr, B_LAYOUT: tl.constexpr, C_LAYOUT: tl.constexpr,
+    SCALE: tl.constexpr, BF16_BY_HAND: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """One output tile ``C[src*m + rows, cols] = A[src*m + rows, :] @ B[:, cols]`` (fp32
     accumulation), ``(rows, cols)`` tile ``(m_tile, col_tile)`` of an ``N``-wide ``C``; scaled
     (``SCALE != "none"``), ``acc * a_scale[rows, None] * b_scale[None, cols]`` before the one
-    rounding to ``DTYPE`` (see :func:`~._shared._scale_epilogue`)."""
+    rounding to ``DTYPE`` (see :func:`~._shared._scale_epilogue`); stored through ``c``, a
+    descriptor over C viewed as [W, m, N] (``C_LAYOUT == "tma"``) or C's pointer."""
     row0, rows64, cols64, row_ok, col_ok = _tile_span(
         m_tile, col_tile, tiles_per_shard, m, N, BLOCK_M, BLOCK_N
     )
@@ -143,8 +159,35 @@ def _consumer_tile(
         else:
             a_scale = tl.load(a_scale_ptr)
         acc = _scale_epilogue(acc, a_scale, SCALE == "row", b_scale_ptr, cols64, col_ok, stride_bsn)
-    c_tile = c_ptr + (src * m + rows64)[:, None] * N + cols64[None, :]
-    tl.store(c_tile, _round_to(acc, DTYPE, BF16_BY_HAND), mask=row_ok[:, None] & col_ok[None, :])
+    _store_tile(
+        c, _round_to(acc, DTYPE, BF16_BY_HAND), src, row0, col_tile * BLOCK_N, m, N, C_LAYOUT,
+        BLOCK_M, BLOCK_N,
+    )  # fmt: skip
+
+
+@triton.jit
+def _store_tile(
+    c, out, src, row0, col0, m, N,
+    C_LAYOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """``C[src*m + row0 + i, col0 + n] = out[i, n]`` for the tile's rows inside shard ``src``
+    (``row0 + i < m``) and columns inside C (``col0 + n < N``), nothing else: rows past ``m``
+    belong to shard ``src + 1``, whose tiles may already have stored them. ``c`` is a
+    descriptor over C's view [W, m, N] (``C_LAYOUT == "tma"``), or C's pointer."""
+    if C_LAYOUT == "tma":
+        # TMA clips a store at the view's bounds, so at m within block [src]; wide tiles in two
+        # halves (store_columns).
+        if BLOCK_N >= _SPLIT_STORES_FROM:
+            halves = out.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1).split()
+            c.store([src, row0, col0], halves[0].reshape(1, BLOCK_M, BLOCK_N // 2))
+            c.store([src, row0, col0 + BLOCK_N // 2], halves[1].reshape(1, BLOCK_M, BLOCK_N // 2))
+        else:
+            c.store([src, row0, col0], out.reshape(1, BLOCK_M, BLOCK_N))
+    else:
+        rows = row0 + tl.arange(0, BLOCK_M)
+        cols = col0 + tl.arange(0, BLOCK_N)
+        c_tile = c + (src * m + rows.to(tl.int64))[:, None] * N + cols.to(tl.int64)[None, :]
+        tl.store(c_tile, out, mask=(rows < m)[:, None] & (cols < N)[None, :])
 
 
 @triton.jit(do_not_specialize=["rank", "status_addr", "timeout_ns"])
@@ -188,6 +231,7 @@ def _ag_matmul_kernel(
     WAIT: tl.constexpr,
     A_LAYOUT: tl.constexpr,
     B_LAYOUT: tl.constexpr,
+    C_LAYOUT: tl.constexpr,
     NUM_B: tl.constexpr,
     SCALE: tl.constexpr,
     TRACE: tl.constexpr,
@@ -210,7 +254,8 @@ def _ag_matmul_kernel(
     fp8 and its one scale is ``*a_scale_ptr``. ``bj_scale[n * stride_bjs]`` is B_j's scale of
     column ``n`` (stride 0: one scale);
     ``b_j`` is B_j [K, N_j] as :func:`_load_block` reads it with ``B_LAYOUT`` (strides
-    ``stride_bjk``, ``stride_bjn`` for ``"pointer"``); C_j [W*m, N_j] is row-major (``c_j``).
+    ``stride_bjk``, ``stride_bjn`` for ``"pointer"``); C_j [W*m, N_j] is row-major: ``c_j`` is
+    a descriptor over its view [W, m, N_j] when ``C_LAYOUT == "tma"``, else its pointer.
     Tiles go shard by shard, rank ``s = (rank + step) % W`` at step ``step``, so the first tiles
     use this rank's own rows; inside a shard, B_0's tiles, then B_1's, then B_2's, each in
     :func:`_tile_coords`'s order. WAIT (the call's first launch): a tile of a peer's rows first
@@ -259,23 +304,24 @@ def _ag_matmul_kernel(
             _consumer_tile(
                 a, a_ptr, b0, c0, src, m_tile, col_tile, tiles_per_shard, m, K, N0, stride_am,
                 stride_b0k, stride_b0n, a_scale_ptr, b0_scale, stride_b0s, DTYPE, A_LAYOUT,
-                B_LAYOUT, SCALE, BF16_BY_HAND, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+                B_LAYOUT, C_LAYOUT, SCALE, BF16_BY_HAND, INPUT_PRECISION, BLOCK_M, BLOCK_N,
+                BLOCK_K,
             )  # fmt: skip
         if NUM_B >= 2:
             if j == 1:
                 _consumer_tile(
                     a, a_ptr, b1, c1, src, m_tile, col_tile, tiles_per_shard, m, K, N1,
                     stride_am, stride_b1k, stride_b1n, a_scale_ptr, b1_scale, stride_b1s,
-                    DTYPE, A_LAYOUT, B_LAYOUT, SCALE, BF16_BY_HAND, INPUT_PRECISION, BLOCK_M,
-                    BLOCK_N, BLOCK_K,
+                    DTYPE, A_LAYOUT, B_LAYOUT, C_LAYOUT, SCALE, BF16_BY_HAND, INPUT_PRECISION,
+                    BLOCK_M, BLOCK_N, BLOCK_K,
                 )  # fmt: skip
         if NUM_B >= 3:
             if j == 2:
                 _consumer_tile(
                     a, a_ptr, b2, c2, src, m_tile, col_tile, tiles_per_shard, m, K, N2,
                     stride_am, stride_b2k, stride_b2n, a_scale_ptr, b2_scale, stride_b2s,
-                    DTYPE, A_LAYOUT, B_LAYOUT, SCALE, BF16_BY_HAND, INPUT_PRECISION, BLOCK_M,
-                    BLOCK_N, BLOCK_K,
+                    DTYPE, A_LAYOUT, B_LAYOUT, C_LAYOUT, SCALE, BF16_BY_HAND, INPUT_PRECISION,
+                    BLOCK_M, BLOCK_N, BLOCK_K,
                 )  # fmt: skip
         tile += tl.num_programs(0)
 
@@ -290,6 +336,16 @@ def _launch_groups(layouts: Sequence[str]) -> list[list[int]]:
         else:
             groups.append([j])
     return groups
+
+
+def _c_operand(out: torch.Tensor, world_size: int, m: int, layout: str) -> object:
+    """What the consumer takes for the output ``out`` [W*m, N]: with ``layout == "tma"`` a
+    descriptor over its view [W, m, N] (its block shape set before each launch), else ``out``."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if layout != "tma":
+        return out
+    return TensorDescriptor.from_tensor(out.view(world_size, m, out.shape[1]), [1, 16, 16])
 
 
 def barrier(
@@ -448,12 +504,17 @@ class AgMatmulConsumer:
             ns = tuple(b.shape[1] for b in group_bs)
             unused = MAX_BS_PER_LAUNCH - len(group)
             b_args = [tma_operand(b, layouts[group[0]]) for b in group_bs]
+            # TMA stores where every output of the launch takes a descriptor over its
+            # [W, m, N_j] view (its rows 16-byte multiples), else pointer stores.
+            c_tma = tma and all(tma_layout(outs[j]) == "rc" for j in group)
+            c_layout = "tma" if c_tma else "pointer"
+            c_args = [_c_operand(outs[j], world_size, m, c_layout) for j in group]
             strides = [stride for b in group_bs for stride in (b.stride(0), b.stride(1))]
             a_scale_arg, b_scale_args, scale_strides = scale_args(group)
             wait = number == 0
             operands = [
                 self.a_arg, *b_args, *b_args[:1] * unused,  # unused: never read (NUM_B)
-                *[outs[j] for j in group], *[outs[group[0]]] * unused,
+                *c_args, *c_args[:1] * unused,
                 a_data, a_scale_arg, *b_scale_args, *b_scale_args[:1] * unused,
                 rank, world_size, m, K, *ns, *[0] * unused, a_data.stride(0),
                 *strides, *[0, 0] * unused, *scale_strides, *[0] * unused, chunk_rows, self.chunks,
@@ -464,18 +525,19 @@ class AgMatmulConsumer:
                 WAIT=wait,
                 A_LAYOUT=self.a_layout,
                 B_LAYOUT=layouts[group[0]],
+                C_LAYOUT=c_layout,
                 NUM_B=len(group),
                 SCALE=scale,
                 BF16_BY_HAND=INTERPRET and out_dtype == torch.bfloat16,
                 INPUT_PRECISION=dot_precision(dtype),
             )
             key = (world_size, m, K, ns, str(dtype), str(out_dtype), wait, self.a_layout,
-                   layouts[group[0]], scale, self.programs)  # fmt: skip
-            launch = _Launch(args, b_args, ns, wait)
+                   layouts[group[0]], c_layout, scale, self.programs)  # fmt: skip
+            launch = _Launch(args, b_args, c_args, ns, wait)
             launch.config = tuning.choose(
                 "ag_matmul_consumer",
                 key,
-                gemm_configs(),
+                gemm_configs(gemm_kind(dtype)),
                 lambda config, launch=launch: self._run_raised(launch, config),
                 self.device,
             )
@@ -526,6 +588,9 @@ class AgMatmulConsumer:
         set_block_shape(self.a_arg, self.a_layout, blocks["BLOCK_M"], blocks["BLOCK_K"])
         for b in launch.b_args:
             set_block_shape(b, launch.args["B_LAYOUT"], blocks["BLOCK_K"], blocks["BLOCK_N"])
+        if launch.args["C_LAYOUT"] == "tma":
+            for c in launch.c_args:
+                c.block_shape = [1, blocks["BLOCK_M"], store_columns(blocks["BLOCK_N"])]
         col_tiles = sum(triton.cdiv(n, blocks["BLOCK_N"]) for n in launch.ns)
         tiles = self.world_size * triton.cdiv(self.m, blocks["BLOCK_M"]) * col_tiles
         with on_device(self.device):
@@ -553,11 +618,14 @@ _OPERANDS = (
 
 
 class _Launch:
-    """One launch of :class:`AgMatmulConsumer`: its fixed arguments, right-hand operands, widths,
-    whether it waits (the first), and its chosen config."""
+    """One launch of :class:`AgMatmulConsumer`: its fixed arguments, right-hand and output
+    operands (descriptors take the config's block shapes), widths, whether it waits (the
+    first), and its chosen config."""
 
-    def __init__(self, args: dict, b_args: list, ns: tuple[int, ...], wait: bool) -> None:
-        self.args, self.b_args, self.ns, self.wait = args, b_args, ns, wait
+    def __init__(
+        self, args: dict, b_args: list, c_args: list, ns: tuple[int, ...], wait: bool
+    ) -> None:
+        self.args, self.b_args, self.c_args, self.ns, self.wait = args, b_args, c_args, ns, wait
         self.config: triton.Config | None = None
 
 

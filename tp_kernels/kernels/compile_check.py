@@ -27,11 +27,25 @@ configs (every config of the menus). Each PTX file is written to ``--out`` and c
   (``cp.async.bulk.tensor``): the all-gather consumer takes its (local) A so in every variant
   whose A rows are 16-byte multiples, and the ``B=ptr`` variants, whose B goes through pointers,
   show that those TMA copies are A's; no variant needs more shared memory than the architecture
-  has.
+  has;
+* the all-gather consumer whose outputs take descriptors (sm_90 and sm_100, rows of 16-byte
+  multiples) stores its tiles with TMA (``cp.async.bulk.tensor`` global from shared);
+* on sm_90 a GEMM whose B comes by TMA keeps wgmmas in flight across K steps (a
+  ``wgmma.wait_group.sync.aligned N`` with N > 0), but for tf32 with an N-major B, which wgmma
+  cannot read from shared memory;
+* every fp8 GEMM on sm_90 adds each K block's wgmma product into its fp32 accumulator once: its
+  PTX holds one ``add.f32`` per accumulator element of a thread (``BLOCK_M * BLOCK_N /
+  threads``; none would be the tensor cores' reduced-precision accumulation across all of K);
+* the all-gather consumer's waiting launch, reading A with TMA, issues a tile's loads of A only
+  after the tile's wait: the K loop is nested in the tile loop (not flattened into it), and in
+  the tile loop the acquire precedes the proxy fence, which precedes the first TMA load
+  (:func:`check_wait_order`).
 
-Each variant's PTX is also assembled by the ``ptxas`` that comes with Triton (``-v``), and the
-table reports its registers per thread, its spill stores and loads, its shared memory and
-whether it uses TMA. Which variants are compiled (not every combination): see :func:`variants`.
+Each variant's PTX is also assembled by the ``ptxas`` that comes with Triton (``-v``), which must
+report no advisory that it serialized wgmmas, and for a GEMM on sm_90 and sm_100 (every config
+of the tile menus) no spill stores or loads; the table reports each variant's registers per
+thread, its spill stores and loads, its shared memory and whether it uses TMA.
+Which variants are compiled (not every combination): see :func:`variants`.
 
 Exit status 0 when every variant compiles and passes, 1 naming each variant that does not, 2 for
 bad arguments (or ``TRITON_INTERPRET=1``, under which nothing is compiled for a GPU).
@@ -74,10 +88,24 @@ ASYNC_COPY_PATTERNS = (
 )
 TMA_PATTERN = r"cp\.async\.bulk\.tensor"
 TMA_PATTERNS = ((TMA_PATTERN, "TMA copies (cp.async.bulk.tensor) of the descriptor operands"),)
+# The all-gather consumer's epilogue, where its outputs take descriptors: TMA stores.
+TMA_STORE_PATTERNS = (
+    (r"cp\.async\.bulk\.tensor\.\S*global\.shared", "TMA stores (shared to global) of C"),
+)
 # A consumer that waits for a progress word and then reads A with TMA orders the two proxies.
 PROXY_FENCE_PATTERNS = (
     (r"fence\.proxy\.async\.global", "a proxy fence between the acquire and the TMA loads"),
 )
+# sm_90's MMAs overlap the next K step's: some wgmma.wait_group leaves MMAs in flight (N > 0),
+# where a wait for 0 after every wgmma would serialize them.
+ASYNC_WGMMA_PATTERNS = (
+    (r"wgmma\.wait_group\.sync\.aligned\s+[1-9]", "asynchronous wgmma (a wait_group with N > 0)"),
+)
+# TMA's copies into shared memory (loads; a TMA store runs the other way, shared to global).
+TMA_LOAD = r"cp\.async\.bulk\.tensor\.\S*shared::\w+\.global"
+# ptxas's advisory that it serialized the wgmmas (C7515 "Potential Performance Loss: wgmma.mma_async
+# instructions are serialized due to ..."): the pipeline Triton built is then lost.
+WGMMA_SERIALIZED = r"wgmma\S*.*serializ"
 GEMM16_PATTERNS = {
     90: ((r"wgmma\.mma_async", "wgmma (sm_90 warpgroup MMA) in the 16-bit GEMM"),),
     80: ((r"mma\.sync\.aligned", "mma.sync (tensor cores) in the 16-bit GEMM"),),
@@ -130,6 +158,15 @@ class Variant:
     num_warps: int = 4
     num_stages: int = 3
     required: tuple[tuple[str, str], ...] = field(default=())
+    # fp8 on sm_90: the fp32 adds of wgmma products into the accumulator the loop body holds
+    # (one per accumulator element and K block: max_num_imprecise_acc = BLOCK_K); 0: unchecked.
+    promotions: int = 0
+    # A waiting consumer reading A with TMA: its waits precede A's loads (check_wait_order).
+    wait_order: bool = False
+    # A GEMM on sm_90 or newer, the GPUs the tile menus are chosen for: ptxas must spill nothing
+    # (every config of the menus is one a launch may run). On sm_80, whose mma.sync holds the
+    # operands in registers too, the large 16-bit tiles spill, and the tuner weighs that.
+    no_spills: bool = False
 
 
 def _variant(name, kernel, types, constexprs, aligned, required, **options) -> Variant:
@@ -138,6 +175,15 @@ def _variant(name, kernel, types, constexprs, aligned, required, **options) -> V
     if missing:
         raise ValueError(f"{name}: no type or constexpr value for the arguments {missing}")
     return Variant(name, kernel, signature, constexprs, aligned, required=required, **options)
+
+
+def _promotions(arch: int, scale: str, config: dict) -> int:
+    """The fp32 adds an fp8 GEMM's loop body must hold on ``arch`` (:attr:`Variant.promotions`):
+    one per accumulator element of a thread, ``BLOCK_M * BLOCK_N / threads``, on sm_90; none
+    to check where the MMA accumulates in fp32 itself (sm_100) or unscaled."""
+    if arch != 90 or scale == "none":
+        return 0
+    return config["BLOCK_M"] * config["BLOCK_N"] // (32 * config["num_warps"])
 
 
 # How a GEMM operand [R, C] reaches the kernel (see tp_kernels.kernels.tma_layout): "rc" and "cr"
@@ -180,12 +226,13 @@ def variants(arch: int) -> list[Variant]:
     """The variants of every kernel the launchers can run on ``arch`` (80, 90 or 100).
 
     Not the full cross product, too long to compile for every Triton and arch in CI: every
-    GEMM config is compiled for every dtype (and fp32 precision) in the common layout, B=nk (the
-    first launch of the all-gather GEMM, which waits on the progress words, and a later one);
-    the other layouts of B are compiled with one config per dtype, as
-    the layout changes only the loads and not the tile loop. All-gather configs whose stage
-    buffers exceed the architecture's shared memory (fp32 with the large tiles) are left out: the
-    tuner skips them there (they fail to load). On sm_90 and newer the operands, all local,
+    config of a dtype's tile menu (:func:`tp_kernels.tiling.gemm_shapes`) is compiled for that
+    dtype (and fp32 precision) in the common layout, B=nk (the first launch of the all-gather
+    GEMM, which waits on the progress words, and a later one); the other layouts of B are
+    compiled with one config per dtype, as the layout changes only the loads and not the tile
+    loop. All-gather configs whose stage buffers exceed the architecture's shared memory (the
+    4-stage 128x256 16-bit tile on sm_80) are left out: the tuner skips them there (they fail
+    to load). On sm_90 and newer the operands, all local,
     are tensor descriptors (TMA) where their layout allows (not for fp32 without TF32); below
     sm_90 the launchers always read through pointers.
     """
@@ -193,7 +240,7 @@ def variants(arch: int) -> list[Variant]:
     import triton.language as tl
 
     from tp_kernels.kernels import ag_matmul, matmul_rs
-    from tp_kernels.kernels._shared import gemm_configs
+    from tp_kernels.kernels._shared import gemm_configs, gemm_kind
 
     gemm16 = GEMM16_PATTERNS[arch]
     tma = arch >= 90
@@ -250,17 +297,22 @@ def variants(arch: int) -> list[Variant]:
         a_scale = f"*{a_elem}" if scale in ("none", "row") else "*fp32"
         return a_scale, types, constants
 
-    def gemm_patterns(own, mma, a_layout, b_layout):
-        # What a GEMM's PTX must hold: its own protocol's, pipelined loads, the MMA, and TMA
-        # where an operand is a descriptor.
+    def gemm_patterns(own, mma, a_layout, b_layout, precision):
+        # What a GEMM's PTX must hold: its own protocol's, pipelined loads, the MMA, TMA where an
+        # operand is a descriptor, and on sm_90 asynchronous wgmma where B comes by TMA (B
+        # through pointers, and tf32's N-major B, which wgmma cannot read from shared memory
+        # for tf32, leave Triton a synchronous wgmma).
         tma_loads = TMA_PATTERNS if {a_layout, b_layout} != {"pointer"} else ()
-        return own + ASYNC_COPY_PATTERNS + mma + tma_loads
+        async_mma = arch == 90 and bool(mma) and b_layout != "pointer"
+        async_mma = async_mma and not (precision == "tf32" and b_layout == "rc")
+        return own + ASYNC_COPY_PATTERNS + mma + tma_loads + ASYNC_WGMMA_PATTERNS * async_mma
 
     def ag_variant(
         tag, elem, tl_type, precision, mma, config, b_name, wait, num_b=1, scale="none",
-        out=None, a_elem=None,
+        out=None, a_elem=None, c_pointer=False,
     ):  # fmt: skip
         # Scaled: ``elem`` is B's fp8 type, ``a_elem`` A's, ``out`` (elem, tl type) C's.
+        # ``c_pointer``: C's rows are no 16-byte multiples, so it takes pointer stores.
         out_elem, out_type = out or (elem, tl_type)
         a_elem = a_elem or elem
         b_layout, unit, other, other_aligned = _B_LAYOUTS[b_name]
@@ -269,8 +321,14 @@ def variants(arch: int) -> list[Variant]:
         # that are no multiple of 16 bytes (an odd K) would take neither TMA nor cp.async, for A
         # or for a weight's B=nk; no Llama shape has them.
         a_layout = layout_of("rc", precision)
+        # C [W*m, N] stored through a descriptor over its view [W, m, N], wide tiles in halves.
+        c_layout = "pointer" if c_pointer else layout_of("tma", precision)
         kw = config.kwargs
         b_type = _operand_type(b_layout, elem, kw["BLOCK_K"], kw["BLOCK_N"])
+        c_type = f"*{out_elem}"
+        if c_layout == "tma":
+            columns = ag_matmul.store_columns(kw["BLOCK_N"])
+            c_type = f"tensordesc<{out_elem}[1, {kw['BLOCK_M']}, {columns}]>"
         # Every right-hand matrix of a launch (up to 3: QKV) as the first: its own strides.
         units = [unit.replace("stride_b", f"stride_b{j}") for j in range(3)]
         others = [other.replace("stride_b", f"stride_b{j}") for j in range(3)]
@@ -285,12 +343,12 @@ def variants(arch: int) -> list[Variant]:
             **scale_types,
         }  # fmt: skip
         for j in range(3):
-            types |= {f"b{j}": b_type, f"c{j}": f"*{out_elem}", f"N{j}": i32, others[j]: i32}
+            types |= {f"b{j}": b_type, f"c{j}": c_type, f"N{j}": i32, others[j]: i32}
             # Unscaled, the launcher passes A (a tensor) as the unread scales.
             types[f"b{j}_scale"] = "*fp32" if scale != "none" else f"*{a_elem}"
         aligned = ["a_ptr", "trace_ptr", "m", "K", "stride_am", "chunk_rows"]
         aligned += ["a_scale_ptr"] + [f"b{j}_scale" for j in range(3)] * (scale != "none")
-        aligned += [f"{name}{j}" for name in ("c", "N") for j in range(3)]
+        aligned += [f"N{j}" for j in range(3)] + [f"c{j}" for j in range(3)] * (c_layout != "tma")
         aligned += others * other_aligned
         aligned += [f"b{j}" for j in range(3) if b_layout == "pointer"]
         aligned += ["a"] * (a_layout == "pointer")
@@ -298,8 +356,10 @@ def variants(arch: int) -> list[Variant]:
         own = WAIT_PATTERNS if wait else ()
         if wait and a_layout != "pointer":
             own += PROXY_FENCE_PATTERNS
-        required = gemm_patterns(own, mma, a_layout, b_layout)
+        required = gemm_patterns(own, mma, a_layout, b_layout, precision)
+        required += TMA_STORE_PATTERNS * (c_layout == "tma")
         a_tag = ",A=tma" if a_layout == "rc" else ",A=ptr"
+        a_tag += ",C=ptr" if c_pointer and tma else ""
         return _variant(
             f"ag_matmul[{tag},{b_name},{_blocks(kw)},w{config.num_warps}s{config.num_stages}"
             f"{a_tag}{',wait' if wait else ''}{f',{num_b}b' if num_b > 1 else ''}]",
@@ -311,6 +371,7 @@ def variants(arch: int) -> list[Variant]:
                 a_layout,
                 b_layout,
                 scale,
+                C_LAYOUT=c_layout,
                 **dict.fromkeys(units, 1),
                 **scale_constants,
                 WAIT=wait,
@@ -321,6 +382,9 @@ def variants(arch: int) -> list[Variant]:
             required,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
+            promotions=_promotions(arch, scale, {**kw, "num_warps": config.num_warps}),
+            wait_order=wait and a_layout != "pointer",
+            no_spills=arch >= 90,
         )
 
     def rs_variant(
@@ -349,7 +413,9 @@ def variants(arch: int) -> list[Variant]:
         aligned += ["stride_am"]
         aligned += [other] * other_aligned
         aligned += [arg for arg, lay in (("a", a_layout), ("b", b_layout)) if lay == "pointer"]
-        required = gemm_patterns(SIGNAL_PATTERNS + LOCAL_COUNT_PATTERNS, mma, a_layout, b_layout)
+        required = gemm_patterns(
+            SIGNAL_PATTERNS + LOCAL_COUNT_PATTERNS, mma, a_layout, b_layout, precision
+        )
         return _variant(
             f"matmul_rs_producer[{tag},{b_name},{_blocks(blocks)},w{config['num_warps']}"
             f"s{config['num_stages']},A={'ptr' if a_layout == 'pointer' else 'tma'}]",
@@ -370,13 +436,19 @@ def variants(arch: int) -> list[Variant]:
             required,
             num_warps=config["num_warps"],
             num_stages=config["num_stages"],
+            promotions=_promotions(arch, scale, config),
+            no_spills=arch >= 90,
         )
 
     for dname, (tl_type, torch_type, precisions) in dtypes.items():
         elem = dname
         mma = gemm16 if dname != "fp32" else ()
         itemsize = torch.tensor([], dtype=torch_type).element_size()
-        configs = [c for c in gemm_configs() if _stage_bytes(c, itemsize) <= SHARED_LIMIT[arch]]
+        configs = [
+            c
+            for c in gemm_configs(gemm_kind(torch_type))
+            if _stage_bytes(c, itemsize) <= SHARED_LIMIT[arch]
+        ]
         producer_configs = []
         for m, n in ((128, 256), (128, 128), (64, 256), (64, 128), (64, 64)):
             config = matmul_rs._producer_config(m, n, torch_type)
@@ -392,7 +464,9 @@ def variants(arch: int) -> list[Variant]:
             found.append(ag_variant(*args, configs[0], "B=nk", True, num_b=3))
             for b_name in ("B=kn", "B=ptr"):
                 for wait in (True, False):
-                    found.append(ag_variant(*args, configs[-1], b_name, wait))
+                    # B=ptr's rows are no 16-byte multiples, and then no C's are either.
+                    c_pointer = b_name == "B=ptr"
+                    found.append(ag_variant(*args, configs[-1], b_name, wait, c_pointer=c_pointer))
             for config in producer_configs:
                 found.append(rs_variant(*args, config, "rc", "B=nk"))
             found.append(rs_variant(*args, producer_configs[-1], "rc", "B=kn"))
@@ -429,8 +503,10 @@ def fp8_variants(arch: int, ag_variant, rs_variant) -> list[Variant]:
     sm_80 has none): e4m3 operands in the common layout (B=nk: a Linear's weight, K-major as the
     fp8 MMAs want both operands), bf16 out, the all-gather consumer's first launch reading packed
     rows (row-wise scales) or fp8 bytes (a tensor-wise scale), the reduce-scatter producer with
-    row-wise and tensor-wise scales; one config each (the scales change only the epilogue), and
-    a row-wise consumer with e5m2 A (the gradient's type) against e4m3 B on sm_90."""
+    row-wise and tensor-wise scales; every config of the fp8 menu for the row-wise consumer, one
+    for the others (the scales change only the epilogue), and a row-wise consumer with e5m2 A
+    (the gradient's type) against e4m3 B on sm_90."""
+    import torch
     import triton.language as tl
 
     from tp_kernels.kernels import matmul_rs
@@ -438,13 +514,16 @@ def fp8_variants(arch: int, ag_variant, rs_variant) -> list[Variant]:
 
     mma = GEMM8_PATTERNS[arch]
     e4m3, bf16 = ("fp8e4nv", tl.float8e4nv), ("bf16", tl.bfloat16)
-    config = gemm_configs()[0]
-    producer = matmul_rs._producer_config(128, 256, None)
+    configs = gemm_configs("fp8")
+    config = configs[0]
+    producer = matmul_rs._producer_config(128, 256, torch.float8_e4m3fn)
     found = []
     for scale in ("row", "tensor"):
         tag = f"fp8e4m3-{scale}"
         args = (tag, e4m3[0], e4m3[1], None, mma)
-        found.append(ag_variant(*args, config, "B=nk", True, scale=scale, out=bf16))
+        # Every config of the fp8 menu once (row-wise), for its registers and spills.
+        for menu_config in configs if scale == "row" else configs[:1]:
+            found.append(ag_variant(*args, menu_config, "B=nk", True, scale=scale, out=bf16))
         found.append(rs_variant(*args, producer, "rc", "B=nk", scale=scale, out=bf16))
     if arch == 90:
         args = ("fp8e5m2xe4m3-row", e4m3[0], e4m3[1], None, GEMM8_MIXED_PATTERNS[arch])
@@ -455,6 +534,38 @@ def fp8_variants(arch: int, ag_variant, rs_variant) -> list[Variant]:
 def check_ptx(ptx: str, required: Sequence[tuple[str, str]]) -> list[str]:
     """The descriptions of the ``required`` patterns that ``ptx`` lacks."""
     return [what for pattern, what in required if re.search(pattern, ptx) is None]
+
+
+def count_promotions(ptx: str) -> int:
+    """The fp32 adds (``add.f32``, ``add.rn.f32``) in ``ptx``: in an fp8 GEMM on sm_90, where
+    nothing else adds in fp32, the adds of each K block's wgmma product into the accumulator."""
+    return len(re.findall(r"^\s*(?:@%p\d+\s+)?add(?:\.rn)?\.f32\s", ptx, re.MULTILINE))
+
+
+def check_wait_order(ptx: str) -> list[str]:
+    """What breaks, in a waiting consumer's PTX, the order its tiles rest on: a tile's TMA loads
+    of A issued only after its progress word's acquire and the proxy fence after it.
+
+    Read from the text and LLVM's loop comments: the tile loop (``Loop Header: Depth=1``) holds
+    the K loop as a nested loop (``Inner Loop Header: Depth=2``), so the loads of a tile are
+    issued in that tile's iteration of the tile loop (a flattened or cross-tile pipelined loop
+    has no nested loop: it could issue a tile's loads in an earlier tile's iteration, before
+    the tile's wait); and in the text, from the tile loop's header, the first ``ld.acquire.sys``
+    comes before the first ``fence.proxy.async``, which comes before the first TMA load, and no
+    TMA load precedes the header (a prologue hoisted out of the tile loop, before any wait)."""
+    header = re.search(r"=>This Loop Header: Depth=1", ptx)
+    if header is None or re.search(r"This Inner Loop Header: Depth=2", ptx) is None:
+        return ["no tile loop with the K loop nested in it (a tile's loads may precede its wait)"]
+    problems = []
+    if re.search(TMA_LOAD, ptx[: header.start()]):
+        problems.append("a TMA load before the tile loop, ahead of every wait")
+    body = ptx[header.start() :]
+    firsts = [re.search(p, body) for p in (r"ld\.acquire\.sys", r"fence\.proxy\.async", TMA_LOAD)]
+    if None in firsts or not firsts[0].start() < firsts[1].start() < firsts[2].start():
+        problems.append(
+            "in the tile loop, the acquire, the proxy fence and A's TMA loads are not in that order"
+        )
+    return problems
 
 
 @dataclass
@@ -470,8 +581,9 @@ class Outcome:
     seconds: float = 0.0
 
 
-def ptxas_usage(ptx_path: Path, arch: int) -> tuple[int, int]:
-    """``(registers per thread, spill stores + loads in bytes)`` of the PTX at ``ptx_path``, as
+def ptxas_usage(ptx_path: Path, arch: int) -> tuple[int, int, list[str]]:
+    """``(registers per thread, spill stores + loads in bytes, advisories)`` of the PTX at
+    ``ptx_path``, the advisories being ptxas's lines that it serialized wgmmas; as
     Triton's own ``ptxas -v`` reports them for ``sm_<arch>`` (``sm_90a`` for Hopper's wgmma,
     ``sm_100a`` for Blackwell's tcgen05): the binary Triton itself assembles that architecture with
     (versions differ in which they bundle; sm_100 has its own, ``ptxas-blackwell``)."""
@@ -489,7 +601,8 @@ def ptxas_usage(ptx_path: Path, arch: int) -> tuple[int, int]:
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     if registers is None or spills is None:
         raise ValueError(f"ptxas -v printed no register or spill counts: {report[:300]!r}")
-    return int(registers.group(1)), int(spills.group(1)) + int(spills.group(2))
+    advisories = [line.strip() for line in report.splitlines() if re.search(WGMMA_SERIALIZED, line)]
+    return int(registers.group(1)), int(spills.group(1)) + int(spills.group(2)), advisories
 
 
 def compile_variant(variant: Variant, arch: int, out_dir: Path) -> Outcome:
@@ -520,7 +633,17 @@ def compile_variant(variant: Variant, arch: int, out_dir: Path) -> Outcome:
     shared = int(getattr(compiled.metadata, "shared", 0))
     if shared > SHARED_LIMIT[arch]:
         problems.append(f"needs {shared} B of shared memory, sm_{arch} has {SHARED_LIMIT[arch]}")
-    registers, spill_bytes = ptxas_usage(path, arch)
+    if variant.promotions and count_promotions(ptx) != variant.promotions:
+        problems.append(
+            f"{count_promotions(ptx)} fp32 adds of wgmma products, expected {variant.promotions}"
+            " (one per accumulator element and K block)"
+        )
+    if variant.wait_order:
+        problems += check_wait_order(ptx)
+    registers, spill_bytes, advisories = ptxas_usage(path, arch)
+    if spill_bytes and variant.no_spills:
+        problems.append(f"ptxas spills {spill_bytes} B per thread")
+    problems += [f"ptxas: {line}" for line in advisories]
     return Outcome(
         variant.name,
         problems,

@@ -59,6 +59,7 @@ from tp_kernels.kernels._shared import (
     check_tensor,
     check_world,
     dot_precision,
+    gemm_kind,
     new_status,
     new_trace,
     on_device,
@@ -76,17 +77,13 @@ from tp_kernels.kernels._shared import (
 
 def _producer_config(m: int, n: int, dtype: torch.dtype) -> dict:
     """Tile shape of the producer GEMM, chosen from the shape instead of tuned
-    (:func:`tp_kernels.tiling.producer_blocks`), so that the cost model simulates the very
-    tiles that run. Tiles of
-    128x128 and more take two warpgroups and 3 stages (144 KiB of shared memory at 128x256 in
-    16 bits, which fits sm_80 too), smaller ones 4 stages.
+    (:func:`tp_kernels.tiling.producer_shape`, a tile of the operands' menu), so that the cost
+    model simulates the very tiles that run.
     """
     if INTERPRET:
         block = tiling.INTERPRETER_BLOCK
         return {"BLOCK_M": block, "BLOCK_N": block, "BLOCK_K": block, "num_warps": 1}
-    bm, bn, bk = tiling.producer_blocks(m, n, fp32=dtype == torch.float32)
-    warps = 8 if bm * bn >= 128 * 128 else 4
-    stages = 3 if bm * bn >= 128 * 128 else 4
+    bm, bn, bk, warps, stages = tiling.producer_shape(m, n, gemm_kind(dtype))
     return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
 
 
