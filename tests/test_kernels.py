@@ -290,6 +290,42 @@ def test_launchers_grids_hold_a_share_of_the_sms(monkeypatch):
     assert grids == [(31,), (31,), (132,)]
 
 
+def test_the_producer_is_compiled_once_per_shape_not_per_call(monkeypatch):
+    """On a GPU the producer compiles its launch's variant before the call waits for anyone
+    (``warmup``), once per shape in the process: a later call of the shape only launches (the
+    kernels are not run here: a recorder stands in for the kernel, as on a GPU otherwise)."""
+    from tp_kernels.kernels import matmul_rs, tuning
+
+    compiled, launched = [], []
+
+    class Recorder:
+        def warmup(self, **kwargs):
+            compiled.append((kwargs["m"], kwargs["N"]))
+
+        def __getitem__(self, grid):
+            return lambda **kwargs: launched.append((kwargs["m"], kwargs["N"]))
+
+    monkeypatch.setattr(tuning, "INTERPRET", False)  # the tuner as on a GPU
+    monkeypatch.setattr(matmul_rs, "_matmul_rs_kernel", Recorder())
+    tuning.forget()
+    world_size = 2
+
+    def produce(m: int, n: int) -> None:
+        a, b = torch.zeros(world_size * m, 16), torch.zeros(16, n)
+        blocks = torch.empty(world_size, m, n)
+        kernels.matmul_rs_producer(
+            a, b, blocks, torch.empty_like(blocks), torch.zeros(world_size, dtype=torch.int32),
+            _pads(world_size)[1], counters=kernels.new_counters(world_size, torch.device("cpu")),
+            rank=0, world_size=world_size, channel=CHANNEL,
+        )  # fmt: skip
+
+    for m, n in ((32, 16), (32, 16), (48, 16), (32, 16)):
+        produce(m, n)
+    tuning.forget()
+    assert compiled == [(32, 16), (48, 16)]
+    assert launched == [(32, 16), (32, 16), (48, 16), (32, 16)]
+
+
 def _push_by_hand(staging, buffers, pads, rank: int) -> None:
     """What the pusher does for ``rank`` (tested in test_symm_backend.py): each peer's block of
     its staging into slot ``rank`` of the peer's buffer, then the peer's word."""

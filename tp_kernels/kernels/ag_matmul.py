@@ -487,7 +487,7 @@ class AgMatmulConsumer:
             raise ValueError(f"chunk_rows: got {chunk_rows!r}, expected a positive int")
         self.device, self.world_size = a.device, world_size
         self.m = m = a.shape[0] // world_size
-        self.chunk_rows, self.chunks = chunk_rows, triton.cdiv(m, chunk_rows)
+        self.chunks = triton.cdiv(m, chunk_rows)
         a_data, K, scale, scale_args = _scaled_operands(a, bs, a_dtype, a_scale, b_scales)
         dtype = a_data.dtype
         # Unscaled, A, the bs and the outs share one dtype; scaled, the outs' is the products'.
@@ -533,7 +533,7 @@ class AgMatmulConsumer:
             )
             key = (world_size, m, K, ns, str(dtype), str(out_dtype), wait, self.a_layout,
                    layouts[group[0]], c_layout, scale, self.programs)  # fmt: skip
-            launch = _Launch(args, b_args, c_args, ns, wait)
+            launch = _Launch(args, b_args, c_args, ns)
             launch.config = tuning.choose(
                 "ag_matmul_consumer",
                 key,
@@ -558,12 +558,10 @@ class AgMatmulConsumer:
         check_progress(progress, world_size * self.chunks, self.device)
         check_status(status, world_size)
         trace = new_trace(order_out, world_size, self.device)
+        wait_ns = timeout_ns(timeout_s)
         for launch in self.launches:
-            traced = launch.wait and trace is not None
-            self._run(
-                launch, launch.config, progress, status, timeout_ns(timeout_s),
-                trace if traced else None,
-            )  # fmt: skip
+            traced = launch.args["WAIT"] and trace is not None
+            self._run(launch, launch.config, progress, status, wait_ns, trace if traced else None)
         store_order(trace, order_out, world_size)
 
     def _run_raised(self, launch: _Launch, config: triton.Config) -> None:
@@ -618,14 +616,12 @@ _OPERANDS = (
 
 
 class _Launch:
-    """One launch of :class:`AgMatmulConsumer`: its fixed arguments, right-hand and output
-    operands (descriptors take the config's block shapes), widths, whether it waits (the
-    first), and its chosen config."""
+    """One launch of :class:`AgMatmulConsumer`: its fixed arguments (``WAIT`` among them: the
+    first launch waits), right-hand and output operands (descriptors take the config's block
+    shapes), widths, and its chosen config."""
 
-    def __init__(
-        self, args: dict, b_args: list, c_args: list, ns: tuple[int, ...], wait: bool
-    ) -> None:
-        self.args, self.b_args, self.c_args, self.ns, self.wait = args, b_args, c_args, ns, wait
+    def __init__(self, args: dict, b_args: list, c_args: list, ns: tuple[int, ...]) -> None:
+        self.args, self.b_args, self.c_args, self.ns = args, b_args, c_args, ns
         self.config: triton.Config | None = None
 
 

@@ -255,8 +255,9 @@ def new_counters(world_size: int, device: torch.device) -> torch.Tensor:
 class RsProducer:
     """One :func:`matmul_rs_producer` call in two steps, so that its kernel is compiled before
     the call waits for anyone (the ``symm`` backend: before its start barrier): constructing it
-    checks the operands, takes the shape's tile (:func:`_producer_config`) and, on a GPU, compiles
-    the launch's variant without running it (nothing to time: the tile is the shape's);
+    checks the operands, takes the shape's tile (:func:`_producer_config`) and, on a shape new to
+    the process on a GPU, compiles the launch's variant without running it (nothing to time: the
+    tile is the shape's; :func:`tp_kernels.kernels.tuning.choose` keeps it);
     :meth:`launch` then runs it on the call's words."""
 
     def __init__(
@@ -315,14 +316,25 @@ class RsProducer:
             BF16_BY_HAND=INTERPRET and out_dtype == torch.bfloat16,
             INPUT_PRECISION=dot_precision(a.dtype), **config,
         )  # fmt: skip
-        if not INTERPRET:  # the interpreter compiles nothing
-            words = torch.zeros(world_size, dtype=torch.int32, device=a.device)
-            table = torch.zeros(world_size, dtype=torch.int64, device=a.device)
-            with on_device(a.device):
-                _matmul_rs_kernel.warmup(
-                    **self.args, progress=words, signal_ptrs=table, counter_ptr=words,
-                    trace_ptr=words, TRACE=False, grid=self.grid,
-                )  # fmt: skip
+        # Compiled once per shape in the process (the tuner keeps its one config), not per call.
+        key = (world_size, m, N, K, str(a.dtype), str(out_dtype), a_layout, b_layout, scale,
+               a.stride(), b.stride(), self.grid)  # fmt: skip
+        blocks = {k: v for k, v in config.items() if k.startswith("BLOCK_")}
+        tile = triton.Config(
+            blocks, num_warps=config["num_warps"], num_stages=config.get("num_stages", 3)
+        )
+        tuning.choose("matmul_rs_producer", key, [tile], self._compile, a.device)
+
+    def _compile(self, config: triton.Config) -> None:
+        """Compile the launch's variant without running it (its tile is the shape's: nothing to
+        time), on scratch words of the launch's types."""
+        words = torch.zeros(self.world_size, dtype=torch.int32, device=self.device)
+        table = torch.zeros(self.world_size, dtype=torch.int64, device=self.device)
+        with on_device(self.device):
+            _matmul_rs_kernel.warmup(
+                **self.args, progress=words, signal_ptrs=table, counter_ptr=words,
+                trace_ptr=words, TRACE=False, grid=self.grid,
+            )  # fmt: skip
 
     def launch(
         self,

@@ -100,7 +100,10 @@ def choose(
     _chosen[(kernel, key)] = chosen
     if path is not None and stored != _describe(chosen):
         _store(path, _entry(kernel, key), _describe(chosen))
-    how = "from the tuning cache" if stored is not None and len(candidates) == 1 else "tuned"
+    if stored is not None and len(candidates) == 1:
+        how = "from the tuning cache"
+    else:
+        how = "tuned" if timings else "compiled (one config)"
     _log.info(
         "tp_kernels: first %s call of %s: %s, compiled %d config(s) in %.1f s, timed %d in "
         "%.1f s, chose %s%s",
