@@ -32,6 +32,7 @@ LAYERS: tuple[tuple[str, int, tuple[str, ...]], ...] = (
             "tp_kernels.api",
             "tp_kernels.float8",
             "tp_kernels.float8_tensor_parallel",
+            "tp_kernels.mxfp8",
         ),
     ),
     ("ops", 4, ("tp_kernels.ops",)),

@@ -63,6 +63,7 @@ taken: PyTorch's path runs, counted as a fallback.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -104,11 +105,37 @@ from tp_kernels.tiling import ROW_SCALE_BYTES
 __all__ = ["Float8ColwiseLinears", "Float8RowwiseLinear", "unfusable_reason"]
 
 
+def configs(module: nn.Module) -> tuple[Float8LinearConfig, LinearMMConfig] | None:
+    """The torchao configs of an fp8 Linear: torchao's Float8Linear, or an ``nn.Linear`` whose
+    weight ``quantize_(..., Float8TrainingOpConfig)`` wrapped (its matmul override runs
+    Float8Linear's autograd function with the configs the training config built); else None."""
+    if isinstance(module, Float8Linear):
+        return module.config, module.linear_mm_config
+    wrappers = sys.modules.get("torchao.prototype.moe_training.tensor")
+    weight = local_tensor(module.weight)
+    if wrappers is not None and isinstance(weight, wrappers.Float8TrainingWeightWrapperTensor):
+        return weight.config._float8_linear_config, weight.config._linear_mm_config
+    return None
+
+
+def plain_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The local weight as a plain tensor: ``quantize_``'s training wrappers (torchao's
+    ``TrainingWeightWrapperBaseTensor``, fp8 and MXFP8) hold it as ``_data``."""
+    w = local_tensor(weight)
+    wrappers = sys.modules.get("torchao.prototype.moe_training.tensor")
+    if wrappers is not None and isinstance(w, wrappers.TrainingWeightWrapperBaseTensor):
+        return w._data
+    return w
+
+
 def unfusable_reason(module: nn.Module) -> str | None:
-    """Why ``module`` (a Float8Linear) cannot take the fused fp8 path, or None."""
-    if not isinstance(module, Float8Linear):
-        return f"{type(module).__qualname__} is not torchao's Float8Linear"
-    c: Float8LinearConfig = module.config
+    """Why ``module`` (an fp8 Linear, :func:`configs`) cannot take the fused fp8 path, or None."""
+    found = configs(module)
+    if found is None:
+        return f"{type(module).__qualname__} is not an fp8 Linear of torchao's"
+    if type(module) not in (nn.Linear, Float8Linear):
+        return "a Linear subclass with its own forward is never fused"
+    c = found[0]
     forward = (c.cast_config_input, c.cast_config_weight)
     if any(cc.scaling_type is ScalingType.DISABLED for cc in forward):
         return "its forward casts are disabled"
@@ -290,7 +317,7 @@ class Float8ColwiseLinears(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call: _Call, x, *params):
         n = call.num_linears
-        weights = [local_tensor(w) for w in params[:n]]
+        weights = [plain_weight(w) for w in params[:n]]
         biases = params[n:]
         rows, lead = flatten_rows(local_tensor(x), call.dim)
         rows = rows.contiguous()
@@ -400,7 +427,7 @@ class Float8RowwiseLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, call: _Call, x, weight):
-        w = local_tensor(weight)
+        w = plain_weight(weight)
         rows, lead = flatten_rows(local_tensor(x), call.dim)
         rows = rows.contiguous()
         c = call.config
@@ -470,7 +497,7 @@ def call_for(
 ) -> _Call:
     """The :class:`_Call` of fused fp8 Linears ``modules`` (sharing one config) on the local
     ``x`` with its gathered or scattered ``dim``."""
-    first = modules[0]
+    config, mm = configs(modules[0])
     k = x.shape[-1]
     m = x.numel() // k if colwise else x.numel() // k // group.size()
     ns = [local_tensor(mod.weight).shape[0] for mod in modules]
@@ -480,7 +507,7 @@ def call_for(
     def needs() -> list[CaptureNeed]:
         grad_x = requires_grad([x])
         grad_w = requires_grad([mod.weight for mod in modules])
-        return _capture_needs(first.config, colwise, m, k, max(ns), out_dtype, group.size(),
+        return _capture_needs(config, colwise, m, k, max(ns), out_dtype, group.size(),
                               grad_x=grad_x, grad_w=grad_w)  # fmt: skip
 
     world = group.size()
@@ -489,11 +516,10 @@ def call_for(
         # custom ops resolve the backend by the call's key when the graph runs.
         name = check_backend_name(backend, argument="backend") if backend is not None else ""
         key = (op, [m, k, *ns], out_dtype)
-        mm = first.linear_mm_config
-        return _Call(None, group, dim, first.config, mm, len(modules), world,
+        return _Call(None, group, dim, config, mm, len(modules), world,
                      group.group_name, name, key)  # fmt: skip
     impl = scaled_backend(backend, group, op, m, k, ns, out_dtype, x.device, needs)
-    return _Call(impl, group, dim, first.config, first.linear_mm_config, len(modules), world)
+    return _Call(impl, group, dim, config, mm, len(modules), world)
 
 
 def _capture_needs(

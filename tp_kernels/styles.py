@@ -148,8 +148,9 @@ class _FusedLinear:
     # use_local_output, with output_layouts the placement the fused op produces): the fused
     # Linear then returns that local tensor itself (see ops/ag_matmul.py).
     local_output: bool
-    # A torchao Float8Linear, on tp_kernels/float8.py's fused fp8 path.
-    float8: bool = False
+    # A torchao low-precision Linear: "float8" (Float8Linear, on tp_kernels/float8.py's fused
+    # path) or "mxfp8" (an MXFP8 Linear, on tp_kernels/mxfp8.py's); None: high precision.
+    quantized: str | None = None
     # The grouping PrepareModuleInput of the parent module, once it has found this child.
     group: _GatherGroup | None = None
 
@@ -181,18 +182,36 @@ def _plain_linear(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
 
 
-def _float8_linear(module: nn.Module) -> bool:
-    """Whether ``module`` is torchao's Float8Linear (asked without importing torchao: a
-    Float8Linear exists only once its module is imported)."""
-    float8_linear = sys.modules.get("torchao.float8.float8_linear")
-    return float8_linear is not None and isinstance(module, float8_linear.Float8Linear)
+def _quantized_kind(module: nn.Module) -> str | None:
+    """``"float8"`` for an fp8 Linear (torchao's Float8Linear, or a Linear whose weight
+    ``quantize_`` wrapped for fp8 training), ``"mxfp8"`` for an MXFP8 Linear (torchao's
+    ``MXFP8Linear``, or a Linear whose weight ``quantize_`` wrapped for MXFP8 training), else
+    None. Asked without importing torchao: such a module exists only once torchao's module is."""
+    if "torchao.float8.float8_linear" in sys.modules:
+        from tp_kernels import float8
+
+        if float8.configs(module) is not None:
+            return "float8"
+    if "torchao.prototype.moe_training" in sys.modules:
+        from tp_kernels import mxfp8
+
+        if mxfp8.recipe_of(module) is not None:
+            return "mxfp8"
+    return None
 
 
-def _float8_unfusable(module: nn.Module) -> str | None:
-    """Why a Float8Linear cannot take the fused fp8 path (:mod:`tp_kernels.float8`), or None."""
-    from tp_kernels import float8
+def _quantized_unfusable(kind: str, module: nn.Module) -> str | None:
+    """Why a low-precision Linear never takes its fused path, or None."""
+    if kind == "float8":
+        from tp_kernels import float8
 
-    return float8.unfusable_reason(module)
+        return float8.unfusable_reason(module)
+    from tp_kernels import mxfp8
+
+    return mxfp8.unfusable_reason(module)
+
+
+_PLAIN_WEIGHTS = (torch.Tensor, nn.Parameter)
 
 
 class _FusableStyle:
@@ -242,10 +261,17 @@ class _FusableStyle:
 
     def _unfusable_reason(self, module: nn.Module) -> str | None:
         """Why ``module`` never takes the fused path under this style (None: its calls may)."""
-        if _float8_linear(module):
-            return _float8_unfusable(module)
+        kind = _quantized_kind(module)
+        if kind is not None:
+            return _quantized_unfusable(kind, module)
         if not _plain_linear(module):
             return "a Linear subclass with its own forward is never fused"
+        weight = local_tensor(module.weight)
+        if type(weight) not in _PLAIN_WEIGHTS:
+            # A tensor subclass may override the matmuls the fused ops run (torchao's training
+            # wrappers do): its own forward keeps its semantics.
+            kind = type(weight).__qualname__
+            return f"its weight is a {kind}, which the fused path does not know"
         return None
 
     def _hands_on_local(self, module: nn.Module) -> bool:
@@ -259,7 +285,6 @@ class _FusableStyle:
         return self.use_local_output and natural
 
     def _install(self, module: nn.Module, device_mesh: DeviceMesh, forward) -> None:
-        float8 = _float8_linear(module)
         why = self._unfusable_reason(module)
         if why is not None:
             if isinstance(module, nn.Linear) and self._has_fused_path():
@@ -274,7 +299,7 @@ class _FusableStyle:
             self.input_layouts,
             self.output_layouts,
             self._hands_on_local(module),
-            float8=float8,
+            quantized=_quantized_kind(module),
         )
         # An instance attribute shadows nn.Linear.forward for this module only; hooks still run.
         module.forward = forward.__get__(module)
@@ -303,18 +328,19 @@ def _colwise_forward(self: nn.Linear, x: Any) -> Any:
     # input_layouts.
     layout = x.placements[0] if isinstance(x, DTensor) else fused.input_layouts[0]
     dim = _sharded_dim(layout, x.ndim)
-    if dim is not None and fused.float8 and _float8_fuses(x, [self.weight], [self.bias]):
-        (y,) = _float8_colwise([self], x, dim, fused)
+    why = None if dim is None or not fused.quantized else _quantized_why_not([self], x, dim, fused)
+    if dim is not None and fused.quantized and why is None:
+        (y,) = _quantized_colwise([self], x, dim, fused)
         return _handed_on(y, fused, (Shard(y.ndim - 1),))
-    if dim is not None and _eager_linear(self, x):
+    if dim is not None and not fused.quantized and _eager_linear(self, x):
         _, (y,) = colwise_linears(
             x, [self.weight], [self.bias], dim, fused.process_group, fused.backend
         )
         return y
     if not isinstance(x, DTensor):
         x = DTensor.from_local(x, fused.mesh, fused.input_layouts, run_check=False)
-    if dim is not None and fused.float8:
-        _fall_back(f"ColwiseParallel on {type(self).__qualname__}", _NOT_EAGER)
+    if why is not None:
+        _fall_back(f"ColwiseParallel on {type(self).__qualname__}", why)
         # PyTorch's style gathers the input before the forward (desired_input_layouts): a
         # Float8Linear casts a sharded input itself, and its GEMM's redistribute of the fp8
         # tensor fails in torchao (no all-gather of a row-wise-scaled Float8TrainingTensor;
@@ -344,12 +370,13 @@ def _rowwise_forward(self: nn.Linear, x: Any) -> Any:
         why = f"input placements {x.placements} are not Shard(-1)"
     if why is None and x.shape[dim] % world:
         why = f"output dim {dim} of size {x.shape[dim]} is uneven over {world} ranks"
-    if why is None and fused.float8 and _float8_fuses(x, [self.weight], [self.bias]):
-        return _handed_on(_float8_rowwise(self, x, dim, fused), fused, fused.output_layouts)
+    if why is None and fused.quantized:
+        why = _quantized_why_not([self], x, dim, fused)
+        if why is None:
+            y = _quantized_rowwise(self, x, dim, fused)
+            return _handed_on(y, fused, fused.output_layouts)
     if why is None and _eager_linear(self, x):
         return rowwise_linear(x, self.weight, self.bias, dim, fused.process_group, fused.backend)
-    if why is None and fused.float8:
-        why = _NOT_EAGER
     if local:
         x = DTensor.from_local(x, fused.mesh, fused.input_layouts, run_check=False)
     if why is not None:
@@ -362,13 +389,35 @@ def _rowwise_forward(self: nn.Linear, x: Any) -> Any:
     return DTensor.from_local(y, fused.mesh, fused.output_layouts, run_check=False)
 
 
-_NOT_EAGER = "a Float8Linear does not fuse under a dispatch mode (it does eagerly and compiled)"
+_NOT_EAGER = {
+    "float8": "a Float8Linear does not fuse under a dispatch mode (it does eagerly and compiled)",
+    "mxfp8": "an MXFP8 Linear fuses eagerly only (not under torch.compile or a dispatch mode)",
+}
 
 
-def _float8_fuses(x: Any, weights: list[Any], biases: list[Any]) -> bool:
-    """Whether a fused fp8 call on these arguments may run: eagerly (:func:`_eager`) or while
-    torch.compile traces (``float8.py``'s Functions then call its custom ops)."""
-    return torch.compiler.is_compiling() or _eager(x, weights, biases)
+def _quantized_why_not(
+    children: list[nn.Module], x: Any, dim: int, fused: _FusedLinear
+) -> str | None:
+    """Why this call of low-precision Linears ``children`` (one kind, one config) on ``x``
+    gathered or scattered along ``dim`` takes PyTorch's path, or None: an fp8 call fuses eagerly
+    (:func:`_eager`) and while torch.compile traces (``float8.py``'s Functions then call its
+    custom ops); an MXFP8 call eagerly, when its shapes and backend allow
+    (:func:`tp_kernels.mxfp8.call_unfusable_reason`)."""
+    weights, biases = [c.weight for c in children], [c.bias for c in children]
+    from tp_kernels import float8
+
+    # quantize_'s weights are torchao's wrapper subclass: what the path reads is the tensor inside.
+    eager = _eager(x, [float8.plain_weight(w) for w in weights], biases)
+    if fused.quantized == "float8":
+        return None if torch.compiler.is_compiling() or eager else _NOT_EAGER["float8"]
+    if not eager:
+        return _NOT_EAGER["mxfp8"]
+    from tp_kernels import mxfp8
+
+    colwise = fused.style == "colwise"
+    world = fused.mesh.size()
+    return mxfp8.call_unfusable_reason(children, local_tensor(x), dim, fused.backend, world,
+                                       colwise=colwise)  # fmt: skip
 
 
 def _traced_group(fused: _FusedLinear) -> dist.ProcessGroup:
@@ -396,26 +445,36 @@ def _handed_on(y: torch.Tensor, fused: _FusedLinear, placements: tuple) -> Any:
     return DTensor.from_local(y, fused.mesh, placements, run_check=False)
 
 
-def _float8_colwise(children: list[nn.Module], x: Any, dim: int, fused: _FusedLinear) -> tuple:
-    """The local outputs of fused fp8 colwise Linears ``children`` (one torchao config) on the
-    input ``x`` (local or DTensor) gathered along ``dim``: ``float8.Float8ColwiseLinears``."""
-    from tp_kernels import float8
+def _quantized_path(fused: _FusedLinear):
+    """The module of a low-precision Linear's fused path (``float8`` or ``mxfp8``), its two
+    Functions and ``call_for``."""
+    if fused.quantized == "float8":
+        from tp_kernels import float8
 
+        return float8, float8.Float8ColwiseLinears, float8.Float8RowwiseLinear
+    from tp_kernels import mxfp8
+
+    return mxfp8, mxfp8.MXColwiseLinears, mxfp8.MXRowwiseLinear
+
+
+def _quantized_colwise(children: list[nn.Module], x: Any, dim: int, fused: _FusedLinear) -> tuple:
+    """The local outputs of fused low-precision colwise Linears ``children`` (one torchao config)
+    on the input ``x`` (local or DTensor) gathered along ``dim``."""
+    path, colwise, _ = _quantized_path(fused)
     group = _traced_group(fused)
-    call = float8.call_for(children, local_tensor(x), dim, group, fused.backend, colwise=True)
+    call = path.call_for(children, local_tensor(x), dim, group, fused.backend, colwise=True)
     args = _traced_locals(x, *[c.weight for c in children], *[c.bias for c in children])
-    return float8.Float8ColwiseLinears.apply(call, *args)
+    return colwise.apply(call, *args)
 
 
-def _float8_rowwise(module: nn.Module, x: Any, dim: int, fused: _FusedLinear) -> torch.Tensor:
-    """The local output of a fused fp8 rowwise Linear: ``float8.Float8RowwiseLinear`` (its
-    replicated bias added after the scatter, as :func:`rowwise_linear` adds it)."""
-    from tp_kernels import float8
-
+def _quantized_rowwise(module: nn.Module, x: Any, dim: int, fused: _FusedLinear) -> torch.Tensor:
+    """The local output of a fused low-precision rowwise Linear (its replicated bias added after
+    the scatter, as :func:`rowwise_linear` adds it)."""
+    path, _, rowwise = _quantized_path(fused)
     group = _traced_group(fused)
-    call = float8.call_for([module], local_tensor(x), dim, group, fused.backend, colwise=False)
+    call = path.call_for([module], local_tensor(x), dim, group, fused.backend, colwise=False)
     x, weight, bias = _traced_locals(x, module.weight, module.bias)
-    y = float8.Float8RowwiseLinear.apply(call, x, weight)
+    y = rowwise.apply(call, x, weight)
     if bias is not None:
         y = y + local_tensor(bias).to(y.dtype)
     return y
@@ -620,7 +679,7 @@ def _gathered_input(style: PrepareModuleInput) -> _Gathered | None:
 
 class _Deferred(NamedTuple):
     """A compiled fused fp8 gather's outputs, not yet computed (see
-    :meth:`_GatherGroup._gather_float8`): the children sharing it and the gathered dim."""
+    :meth:`_GatherGroup._gather_quantized`): the children sharing it and the gathered dim."""
 
     children: list[nn.Module]
     dim: int
@@ -671,7 +730,7 @@ class _GatherGroup:
             return None
         y = self._outputs.pop(id(child))[1]
         if isinstance(y, _Deferred):  # the compiled fp8 gather, run by its first child's call
-            ys = _float8_colwise(y.children, x, y.dim, y.children[0]._tpk_fused)
+            ys = _quantized_colwise(y.children, x, y.dim, y.children[0]._tpk_fused)
             for other, y_other in zip(y.children, ys):
                 if other is child:
                     y = self._handed(other, y_other, True)
@@ -696,10 +755,11 @@ class _GatherGroup:
         children = self.children(mod)
         x = kwargs.get(gathered.key) if gathered.index is None else args[gathered.index]
         reason = gathered.problem or _why_not_grouped(mod, children, x, gathered.layout, mesh)
-        if reason is None and style.use_local_output and children[0]._tpk_fused.float8:
+        if reason is None and style.use_local_output and children[0]._tpk_fused.quantized:
             reason = (
                 "use_local_output=True asks for the gathered input as a local tensor, and the "
-                "fused fp8 gather moves fp8 bytes: no high-precision gathered input exists"
+                "fused low-precision gather moves fp8 bytes: no high-precision gathered input "
+                "exists"
             )
         if reason is not None:
             _fall_back(f"PrepareModuleInput on {type(mod).__qualname__}", reason)
@@ -737,8 +797,8 @@ class _GatherGroup:
         backend = children[0]._tpk_fused.backend
         weights, biases = [c.weight for c in children], [c.bias for c in children]
         eager = _eager(x, weights, biases)
-        if children[0]._tpk_fused.float8:
-            return self._gather_float8(x, children, dim)
+        if children[0]._tpk_fused.quantized:
+            return self._gather_quantized(x, children, dim)
         if eager:
             gathered, ys = colwise_linears(
                 x, weights, biases, dim, self.process_group, backend, return_a=True
@@ -772,8 +832,8 @@ class _GatherGroup:
             return y  # the output hook takes the local y
         return DTensor.from_local(y, self.mesh, (Shard(y.ndim - 1),), run_check=False)
 
-    def _gather_float8(self, x: Any, children: list[nn.Module], dim: int) -> DTensor:
-        """The fused fp8 gather (:func:`_float8_colwise`): the gather moves fp8 bytes, so no
+    def _gather_quantized(self, x: Any, children: list[nn.Module], dim: int) -> DTensor:
+        """The fused low-precision gather (:func:`_quantized_colwise`): it moves fp8 bytes, so no
         high-precision gathered input exists to pass on. The module gets ``x`` itself as a
         DTensor sharded as declared: the same global tensor, which any use other than the
         children's redistributes by itself (only ``use_local_output=False`` styles group fp8
@@ -786,7 +846,7 @@ class _GatherGroup:
             if not isinstance(x, DTensor):
                 x = DTensor.from_local(x, self.mesh, (self.gathered.layout,), run_check=False)
             return self._keep(x, children, [_Deferred(children, dim)] * len(children), eager=True)
-        ys = _float8_colwise(children, x, dim, children[0]._tpk_fused)
+        ys = _quantized_colwise(children, x, dim, children[0]._tpk_fused)
         if not isinstance(x, DTensor):
             x = DTensor.from_local(x, self.mesh, (self.gathered.layout,), run_check=False)
         return self._keep(x, children, ys, eager=True)
@@ -816,21 +876,31 @@ def _why_not_grouped(module, children, x, layout, device_mesh) -> str | None:
         return f"{layout} shards the contracted (last) dim"
     if len({c._tpk_fused.backend for c in children}) > 1:
         return "its colwise children ask for different backends"
-    float8 = [c._tpk_fused.float8 for c in children]
-    if any(float8):
-        return _why_not_grouped_float8(children, float8, x)
+    kinds = {c._tpk_fused.quantized for c in children}
+    if kinds != {None}:
+        return _why_not_grouped_quantized(children, kinds, x, layout)
     return None
 
 
-def _why_not_grouped_float8(children, float8, x) -> str | None:
-    """Why fp8 children cannot share one fused fp8 gather (None: they can)."""
-    if not all(float8):
-        return "its colwise children mix Float8Linear and nn.Linear"
-    if len({(c.config, c.linear_mm_config) for c in children}) > 1:
-        return "its Float8Linear children differ in their torchao config"
-    if not _float8_fuses(x, [c.weight for c in children], [c.bias for c in children]):
-        return _NOT_EAGER
-    return None
+def _why_not_grouped_quantized(children, kinds, x, layout) -> str | None:
+    """Why low-precision children cannot share one fused gather (None: they can)."""
+    if len(kinds) > 1:
+        return f"its colwise children mix Linears of kinds {sorted(map(str, kinds))}"
+    fused = children[0]._tpk_fused
+    if len({_quantized_config(c, fused.quantized) for c in children}) > 1:
+        return "its low-precision children differ in their torchao config"
+    return _quantized_why_not(children, x, layout.dim % x.ndim, fused)
+
+
+def _quantized_config(module: nn.Module, kind: str) -> tuple:
+    """What must be the same for low-precision Linears to share one fused call."""
+    if kind == "float8":
+        from tp_kernels import float8
+
+        return float8.configs(module)
+    from tp_kernels import mxfp8
+
+    return mxfp8.recipe_of(module)
 
 
 class PrepareModuleInputOutput(_torch_style.PrepareModuleInputOutput):

@@ -141,3 +141,15 @@ ROW_SCALE_BYTES = 16
 shard, :mod:`tp_kernels.backends.scaled`): its fp32 scale, then padding to 16 bytes, so that every
 row starts 16-byte aligned for TMA and vector loads. The backends pack by it, the consumer kernel
 reads by it and the cost model counts it on the wire."""
+
+MX_BLOCK = 32
+"""Elements per MX scale (OCP MX v1.0; torchao's MXFP8 recipes): one e8m0 scale byte per 32
+consecutive elements along the dim a cast reduces."""
+
+
+def mx_row_bytes(k: int) -> int:
+    """Bytes of one packed MXFP8 row of ``k`` elements (a block-scaled all-gather's shard,
+    :mod:`tp_kernels.backends.scaled`): ``k`` e4m3 bytes, then its ``k / 32`` e8m0 scale bytes,
+    padded to 16 so that every row starts 16-byte aligned. About 0.52 of a bf16 row at any
+    ``k`` of 512 or more."""
+    return k + -(-(k // MX_BLOCK) // 16) * 16

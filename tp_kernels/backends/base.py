@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from tp_kernels import deadline
 from tp_kernels._compat import all_gather_single
-from tp_kernels.backends.scaled import Scaling
+from tp_kernels.backends.scaled import Scaled
 
 
 class CaptureUnreadyError(RuntimeError):
@@ -75,6 +75,8 @@ class Backend(ABC):
     """Base class: the interface, and the plain asynchronous gather that the backward pass uses."""
 
     name: str = ""
+    # Why this backend cannot run a block-scaled (MXFP8) call, or None: it can.
+    block_scales_reason: str | None = None
 
     def unavailable_reason(
         self, group: dist.ProcessGroup | None, device: torch.device
@@ -130,7 +132,7 @@ class Backend(ABC):
         group: dist.ProcessGroup,
         *,
         return_a: bool,
-        scaling: Scaling | None = None,
+        scaling: Scaled | None = None,
     ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         """``(A if return_a else None, [A @ b for b in bs])`` with ``A`` gathered along dim 0.
         With ``scaling`` (:mod:`tp_kernels.backends.scaled`): ``a_shard`` is fp8 bytes
@@ -145,7 +147,7 @@ class Backend(ABC):
         group: dist.ProcessGroup,
         *,
         addend: torch.Tensor | None = None,
-        scaling: Scaling | None = None,
+        scaling: Scaled | None = None,
     ) -> torch.Tensor:
         """This rank's rows of ``sum over ranks of (a @ b + addend)``, summed over the group.
         With ``scaling``: ``a`` and ``b`` fp8, ``a @ b`` is ``scaling``'s product."""

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from tp_kernels import config, deadline, tiling
 from tp_kernels.backends import schedule
 from tp_kernels.backends.base import Backend
-from tp_kernels.backends.scaled import Scaling
+from tp_kernels.backends.scaled import Scaled
 
 
 def set_chunks(chunks: int | None) -> None:
@@ -107,7 +107,7 @@ class PipelinedBackend(Backend):
         group: dist.ProcessGroup,
         *,
         return_a: bool,
-        scaling: Scaling | None = None,
+        scaling: Scaled | None = None,
     ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         world, rank = group.size(), group.rank()
         m = a_shard.shape[0]
@@ -129,7 +129,7 @@ class PipelinedBackend(Backend):
         group: dist.ProcessGroup,
         *,
         addend: torch.Tensor | None = None,
-        scaling: Scaling | None = None,
+        scaling: Scaled | None = None,
     ) -> torch.Tensor:
         world, rank = group.size(), group.rank()
         out_dtype = a.dtype if scaling is None else scaling.out_dtype

@@ -15,7 +15,7 @@ from tp_kernels import deadline
 from tp_kernels._compat import reduce_scatter_single
 from tp_kernels.backends import schedule
 from tp_kernels.backends.base import Backend
-from tp_kernels.backends.scaled import Scaling
+from tp_kernels.backends.scaled import Scaled
 
 
 class ReferenceBackend(Backend):
@@ -28,7 +28,7 @@ class ReferenceBackend(Backend):
         group: dist.ProcessGroup,
         *,
         return_a: bool,
-        scaling: Scaling | None = None,
+        scaling: Scaled | None = None,
     ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         a = self.all_gather_async(a_shard, group).wait()
         if scaling is not None:
@@ -42,7 +42,7 @@ class ReferenceBackend(Backend):
         group: dist.ProcessGroup,
         *,
         addend: torch.Tensor | None = None,
-        scaling: Scaling | None = None,
+        scaling: Scaled | None = None,
     ) -> torch.Tensor:
         if scaling is not None:
             partial = scaling.block(a, 0, b)

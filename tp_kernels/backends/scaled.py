@@ -30,11 +30,12 @@ row-wise products are made in bf16 and cast, as ``_scaled_mm`` has no fp32 row-w
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from tp_kernels.tiling import ROW_SCALE_BYTES
+from tp_kernels.tiling import MX_BLOCK, ROW_SCALE_BYTES, mx_row_bytes
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -56,6 +57,9 @@ class Scaling:
     fast_accum: bool = True
     a_dtype: torch.dtype = torch.float8_e4m3fn
     post_scale: bool = False
+
+    # The symm backend's Triton GEMMs take these operands (per-row or per-tensor scales).
+    kernel_ready = True
 
     @property
     def packed(self) -> bool:
@@ -137,3 +141,66 @@ def unpack_rows(
     data = packed[:, :k].view(dtype)
     scale = packed[:, k : k + 4].view(torch.float32)
     return data, scale
+
+
+@dataclass(frozen=True)
+class BlockScaling:
+    """What makes a fused call block-scaled (MXFP8: e4m3 data, one e8m0 scale per
+    :data:`~tp_kernels.tiling.MX_BLOCK` elements along K), with the same face as
+    :class:`Scaling` for the backends: ``packed`` rows for the all-gather (each row's data, then
+    its scales, :func:`pack_mx_rows`), else ``a_scale`` ``[rows, K / 32]`` beside the
+    reduce-scatter's ``a``; :meth:`block` gives a block's product in ``out_dtype``.
+
+    The product itself is ``products[j](data, scale)``: given by the caller (the styles' layer
+    owns torchao, whose MX GEMM it runs: ``tp_kernels/mxfp8.py``), so that a fused call's rows
+    meet exactly the GEMM torchao would run on them. ``b`` (the right-hand side's e4m3 data,
+    ``[K, N_j]``) is what the backends size outputs by; the product holds its scales."""
+
+    a_scale: torch.Tensor | None
+    products: tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor], ...]
+    out_dtype: torch.dtype
+    a_dtype: torch.dtype = torch.float8_e4m3fn
+    # No Triton GEMM of the symm backend takes block scales: its torch schedule runs them.
+    kernel_ready = False
+
+    @property
+    def packed(self) -> bool:
+        return self.a_scale is None
+
+    def block(
+        self, a: torch.Tensor, j: int, b: torch.Tensor, rows: slice | None = None
+    ) -> torch.Tensor:
+        """The product of left-operand rows ``a`` (packed bytes when :attr:`packed`, else
+        rows ``rows`` of the reduce-scatter's e4m3 ``a``) and right-hand side ``j``."""
+        if self.packed:
+            data, scale = unpack_mx_rows(a, b.shape[0], self.a_dtype)
+        else:
+            data = a.view(self.a_dtype) if a.dtype == torch.uint8 else a
+            scale = self.a_scale if rows is None else self.a_scale[rows]
+        out = self.products[j](data, scale)
+        return out if out.dtype == self.out_dtype else out.to(self.out_dtype)
+
+
+def pack_mx_rows(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``[m, mx_row_bytes(K)]`` uint8: each row's e4m3 bytes (``data [m, K]``), then its e8m0
+    ``scale [m, K / 32]`` bytes, then zeros."""
+    m, k = data.shape
+    packed = data.new_zeros((m, mx_row_bytes(k)), dtype=torch.uint8)
+    packed[:, :k] = data.view(torch.uint8)
+    packed[:, k : k + k // MX_BLOCK] = scale.reshape(m, k // MX_BLOCK).view(torch.uint8)
+    return packed
+
+
+def unpack_mx_rows(
+    packed: torch.Tensor, k: int, dtype: torch.dtype = torch.float8_e4m3fn
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(data [rows, K] as dtype, scale [rows, K / 32] e8m0)``, contiguous (torchao's MX GEMMs
+    want them so)."""
+    data = packed[:, :k].contiguous().view(dtype)
+    scale = packed[:, k : k + k // MX_BLOCK].contiguous().view(torch.float8_e8m0fnu)
+    return data, scale
+
+
+Scaled = Scaling | BlockScaling
+"""What a backend's ``scaling`` argument may be: both answer ``packed``, ``block``,
+``out_dtype``, ``a_dtype`` and ``kernel_ready``."""

@@ -28,7 +28,7 @@ from typing import Protocol
 
 import torch
 
-from tp_kernels.backends.scaled import Scaling
+from tp_kernels.backends.scaled import Scaled
 
 Block = tuple[int, int, torch.Tensor]
 """``(begin, end, rows)``: rows ``[begin, end)`` of one rank's block, as a tensor."""
@@ -78,7 +78,7 @@ def all_gather_matmul(
     rank: int,
     world: int,
     transport: GatherTransport,
-    scaling: Scaling | None = None,
+    scaling: Scaled | None = None,
 ) -> None:
     """``outs[j][s*m:(s+1)*m] = A_s @ bs[j]`` (or ``scaling``'s product) for every rank ``s`` in
     :func:`gather_order`, and ``gathered[s*m:(s+1)*m] = A_s`` when ``gathered`` is given (a
@@ -104,7 +104,7 @@ def matmul_reduce_scatter(
     rank: int,
     world: int,
     transport: ScatterTransport,
-    scaling: Scaling | None = None,
+    scaling: Scaled | None = None,
 ) -> torch.Tensor:
     """This rank's rows of ``sum over ranks of (a @ b + addend)`` (``a @ b``: ``scaling``'s
     product when given, to which ``addend`` is added in its dtype): partial blocks produced in

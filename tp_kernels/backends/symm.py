@@ -118,7 +118,7 @@ import torch.distributed as dist
 from tp_kernels import config, deadline, signals, symmetric_memory
 from tp_kernels.backends import base, schedule, symm_gather, symm_scatter
 from tp_kernels.backends.base import Backend, CaptureNeed, PendingGather
-from tp_kernels.backends.scaled import Scaling
+from tp_kernels.backends.scaled import Scaled
 
 T = TypeVar("T")
 
@@ -656,7 +656,7 @@ class SymmBackend(Backend):
         group: dist.ProcessGroup,
         *,
         return_a: bool,
-        scaling: Scaling | None = None,
+        scaling: Scaled | None = None,
     ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         """``A = cat_s A_s`` [W*m, K] from every rank's ``a_shard`` [m, K]; ``outs[j] = A @ bs[j]``
         [W*m, N_j] (``scaling``'s product when given); ``(A if return_a else None, outs)``."""
@@ -669,7 +669,9 @@ class SymmBackend(Backend):
         m, k = a_shard.shape
         dtype = a_shard.dtype
         # A scaled call's kernels take its fp8 bytes as they come and make its out_dtype.
-        use_kernels = _use_triton(a_shard.device, dtype if scaling is None else scaling.out_dtype)
+        use_kernels = (scaling is None or scaling.kernel_ready) and _use_triton(
+            a_shard.device, dtype if scaling is None else scaling.out_dtype
+        )
         round_, half = _begin(
             group, a_shard.device, _AG, dtype, (m, k, 0), a_shard.nbytes, kernels=use_kernels
         )
@@ -715,7 +717,7 @@ class SymmBackend(Backend):
         group: dist.ProcessGroup,
         *,
         addend: torch.Tensor | None = None,
-        scaling: Scaling | None = None,
+        scaling: Scaled | None = None,
     ) -> torch.Tensor:
         """This rank's rows ``[r*m, (r+1)*m)`` of ``sum over ranks s of (a @ b + addend)(s)``:
         ``a`` [W*m, K], ``b`` [K, N], ``addend`` None or [W*m, N]; returns [m, N]. With
@@ -728,7 +730,11 @@ class SymmBackend(Backend):
             return a @ b if addend is None else torch.addmm(addend, a, b)
         m, n = a.shape[0] // world, b.shape[1]
         dtype = a.dtype if scaling is None else scaling.out_dtype
-        use_kernels = addend is None and _use_triton(a.device, dtype)
+        use_kernels = (
+            addend is None
+            and (scaling is None or scaling.kernel_ready)
+            and _use_triton(a.device, dtype)
+        )
         round_, half = _begin(
             group,
             a.device,
@@ -829,7 +835,7 @@ def _ag_triton(
     bs: list[torch.Tensor],
     outs: list[torch.Tensor],
     a: torch.Tensor,
-    scaling: Scaling | None = None,
+    scaling: Scaled | None = None,
 ) -> None:
     """The all-gather-matmul of :class:`SymmBackend` on the copy-engine protocol
     (:mod:`tp_kernels.backends.symm_gather`): the start barrier, publish the shard, the publish
@@ -883,7 +889,7 @@ def _rs_triton(
     b: torch.Tensor,
     m: int,
     n: int,
-    scaling: Scaling | None = None,
+    scaling: Scaled | None = None,
 ) -> torch.Tensor:
     """The matmul-reduce-scatter of :class:`SymmBackend` on the copy-engine protocol
     (:mod:`tp_kernels.backends.symm_scatter`): the start barrier (after which no peer reads its

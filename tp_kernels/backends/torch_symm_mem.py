@@ -97,7 +97,7 @@ from tp_kernels import symmetric_memory
 from tp_kernels._compat import reduce_scatter_single
 from tp_kernels.backends import base
 from tp_kernels.backends.base import Backend, CaptureNeed, CaptureUnreadyError
-from tp_kernels.backends.scaled import Scaling, unpack_rows
+from tp_kernels.backends.scaled import BlockScaling, Scaled, unpack_rows
 
 _OPS = ("fused_all_gather_matmul", "fused_matmul_reduce_scatter")
 
@@ -295,6 +295,10 @@ def first_contact_facts(device: torch.device) -> list[tuple[str, str]]:
 
 class TorchSymmMemBackend(Backend):
     name = "torch_symm_mem"
+    block_scales_reason = (
+        "PyTorch's fused scaled ops take row-wise or tensor-wise fp32 scales, not MX blocks of "
+        "e8m0 scales"
+    )
 
     def unavailable_reason(
         self, group: dist.ProcessGroup | None, device: torch.device
@@ -325,6 +329,12 @@ class TorchSymmMemBackend(Backend):
             return super().capture_unready_reason(group, device, need)
         return _workspace_short_reason(group, need)
 
+    def _refuse_block_scales(self, scaling: Scaled | None) -> None:
+        # The ops layer never hands one here (ops/scaled.py's scaled_backend): a caller of the
+        # backend itself learns why.
+        if isinstance(scaling, BlockScaling):
+            raise ValueError(f"torch_symm_mem cannot run this call: {self.block_scales_reason}")
+
     def reserve(self, group: dist.ProcessGroup, device: torch.device, nbytes: int) -> None:
         """Grow torch's workspace of ``group`` to what calls of up to ``nbytes`` ask for: the
         all-gather's shard (``nbytes``) is the larger of the two (a reduce-scatter asks for
@@ -343,8 +353,9 @@ class TorchSymmMemBackend(Backend):
         group: dist.ProcessGroup,
         *,
         return_a: bool,
-        scaling: Scaling | None = None,
+        scaling: Scaled | None = None,
     ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        self._refuse_block_scales(scaling)
         if scaling is not None:
             return self._all_gather_scaled_matmul(a_shard, bs, group, scaling)
         if group.size() == 1:
@@ -367,8 +378,9 @@ class TorchSymmMemBackend(Backend):
         group: dist.ProcessGroup,
         *,
         addend: torch.Tensor | None = None,
-        scaling: Scaling | None = None,
+        scaling: Scaled | None = None,
     ) -> torch.Tensor:
+        self._refuse_block_scales(scaling)
         world = group.size()
         if world == 1 and scaling is not None:
             out = scaling.block(a, 0, b)
@@ -412,7 +424,7 @@ class TorchSymmMemBackend(Backend):
         a_shard: torch.Tensor,
         bs: Sequence[torch.Tensor],
         group: dist.ProcessGroup,
-        scaling: Scaling,
+        scaling: Scaled,
     ) -> tuple[None, list[torch.Tensor]]:
         if group.size() == 1:
             return None, [scaling.block(a_shard, j, b) for j, b in enumerate(bs)]
@@ -436,7 +448,7 @@ class TorchSymmMemBackend(Backend):
         return None, list(outs)
 
 
-def _torch_dtype_out(scaling: Scaling, call: Any) -> Any:
+def _torch_dtype_out(scaling: Scaled, call: Any) -> Any:
     """``call(mm_dtype)`` with the dtype torch's row-wise scaled GEMM can produce (bf16 for an
     fp16/fp32 ``out_dtype``), its products cast to ``out_dtype`` afterwards."""
     rowwise = scaling.packed or (scaling.a_scale is not None and scaling.a_scale.dim() == 2)

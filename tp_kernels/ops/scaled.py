@@ -25,10 +25,10 @@ import torch
 import torch.distributed as dist
 
 from tp_kernels import config, deadline
-from tp_kernels.backends import base, get_backend, resolve
+from tp_kernels.backends import base, capture_order, current_backend, get_backend, resolve
 from tp_kernels.backends.auto import Shape
 from tp_kernels.backends.base import Backend, CaptureNeed
-from tp_kernels.backends.scaled import FP8_DTYPES, Scaling, pack_rows
+from tp_kernels.backends.scaled import FP8_DTYPES, Scaled, Scaling, pack_rows
 from tp_kernels.ops import capture
 from tp_kernels.ops._checks import GroupLike
 from tp_kernels.ops.planning import (
@@ -43,6 +43,8 @@ __all__ = [
     "all_gather_scaled_matmul",
     "gather_scaled",
     "reduce_scatter_scaled",
+    "run_gather",
+    "run_reduce_scatter",
     "scaled_backend",
     "scaled_matmul_reduce_scatter",
 ]
@@ -59,7 +61,7 @@ _MAX_CHOSEN_PER_GROUP = 1024
 def scaled_backend(
     backend: str | None, group: dist.ProcessGroup, op: str, m: int, k: int, ns: Sequence[int],
     out_dtype: torch.dtype, device: torch.device,
-    capture_needs: Callable[[], Sequence[CaptureNeed]] = tuple,
+    capture_needs: Callable[[], Sequence[CaptureNeed]] = tuple, *, block_scaled: bool = False,
 ) -> Backend:  # fmt: skip
     """The backend a scaled call runs on: the one named (or in force), ``auto``'s choice for the
     unscaled call of the same shape and output dtype (it times no fp8 call), raising where the
@@ -67,8 +69,12 @@ def scaled_backend(
 
     Under CUDA graph capture (as the unscaled ops' plans, ``ops/capture.py``): a call key no eager
     call chose for is refused, and the kept backend must be able to capture ``capture_needs()``
-    (the call's and its backward's buffers), else ``CaptureUnreadyError``, before anything runs."""
-    key = (backend, op, m, k, tuple(ns), out_dtype, device, config.settings_key())
+    (the call's and its backward's buffers), else ``CaptureUnreadyError``, before anything runs.
+
+    ``block_scaled`` (an MXFP8 call): a backend that cannot take block scales
+    (``Backend.block_scales_reason``) raises where named; ``auto`` takes the next of its ranking
+    that can (the same on every rank)."""
+    key = (backend, op, m, k, tuple(ns), out_dtype, device, block_scaled, config.settings_key())
     chosen = _chosen.setdefault(group, {})
     impl = chosen.get(key)
     if base.capturing(device):
@@ -83,6 +89,12 @@ def scaled_backend(
     shape = Shape(op_name, m, k, tuple(ns), out_dtype, device)
     name = resolve(backend, shape, group)
     impl = get_backend(name)
+    if block_scaled and impl.block_scales_reason is not None:
+        if (backend or current_backend()) != "auto":
+            raise RuntimeError(f"backend={name!r} cannot run {op}: {impl.block_scales_reason}")
+        name = next(n for n in capture_order(shape, group)
+                    if get_backend(n).block_scales_reason is None)  # fmt: skip
+        impl = get_backend(name)
     why = impl.unavailable_reason(group, device)
     if why is not None:
         raise RuntimeError(f"backend={name!r} cannot run {op} here: {why}")
@@ -114,6 +126,21 @@ def gather_scaled(
     scaling = Scaling(
         None if rowwise else a_scale, tuple(b_scales), out_dtype, fast_accum, a.dtype, post_scale
     )
+    return run_gather(impl, group, shard, bs, scaling, phase=phase)
+
+
+def run_gather(
+    impl: Backend,
+    group: dist.ProcessGroup,
+    shard: torch.Tensor,
+    bs: Sequence[torch.Tensor],
+    scaling: Scaled,
+    *,
+    phase: str,
+) -> list[torch.Tensor]:
+    """``[C_j [W*m, N_j]]``: ``scaling``'s products of the gathered ``shard`` (its rows' bytes,
+    as :func:`gather_scaled` or ``tp_kernels/mxfp8.py`` packs them) with ``bs[j]``; counted
+    under ``phase`` with the bytes it sends."""
     record(phase, _AG, impl.name, sent_bytes=gather_bytes(shard, group))
     with deadline.fused_call(group, _AG, phase):
         _, outs = impl.all_gather_matmul(shard, bs, group, return_a=False, scaling=scaling)
@@ -137,10 +164,25 @@ def reduce_scatter_scaled(
     """This rank's ``[m, N]`` rows of the sum over ranks of ``scaled(a [W*m, K]) @ scaled(b
     [K, N]) (+ addend [W*m, N], added in ``out_dtype``)``; counted under ``phase`` with the
     partials it sends."""
-    world = group.size()
-    sent = (world - 1) * (a.shape[0] // world) * b.shape[1] * out_dtype.itemsize
-    record(phase, _RS, impl.name, sent_bytes=sent)
     scaling = Scaling(a_scale, (b_scale,), out_dtype, fast_accum, a.dtype, post_scale)
+    return run_reduce_scatter(impl, group, a, b, scaling, phase=phase, addend=addend)
+
+
+def run_reduce_scatter(
+    impl: Backend,
+    group: dist.ProcessGroup,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scaling: Scaled,
+    *,
+    phase: str,
+    addend: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """This rank's rows of the sum over ranks of ``scaling``'s product of ``a [W*m, K]`` and
+    ``b [K, N]`` (``+ addend``); counted under ``phase`` with the partials it sends."""
+    world = group.size()
+    sent = (world - 1) * (a.shape[0] // world) * b.shape[1] * scaling.out_dtype.itemsize
+    record(phase, _RS, impl.name, sent_bytes=sent)
     with deadline.fused_call(group, _RS, phase):
         return impl.matmul_reduce_scatter(a, b, group, addend=addend, scaling=scaling)
 

@@ -1,0 +1,401 @@
+"""torchao's MXFP8 Linears on the fused path: e4m3 bytes and their e8m0 block scales on the wire.
+
+torchao's MXFP8 training (``torchao.prototype.moe_training``: ``MXFP8Linear``, and the weights
+``quantize_(model, MXFP8TrainingOpConfig...)`` wraps in ``MXFP8TrainingWeightWrapperTensor``)
+quantizes each operand of a Linear's three GEMMs in blocks of 32 elements along the GEMM's
+reduction dim, one power-of-two (e8m0) scale per block (``mx_mm`` in
+torchao/prototype/moe_training/mxfp8_linear.py). Under sequence parallelism every such block
+lies within one rank's shard, so every cast is made on the shard with torchao's own functions
+(``MXTensor.to_mx`` and its dim-1 cast, RCEIL or FLOOR as the recipe says) and no scale needs an
+all-reduce:
+
+=========================  ==================================================  =================
+colwise (gathered input)   cast (blocks of 32 along)                           GEMM
+=========================  ==================================================  =================
+forward                    x [m, K]: K (the row: local); w [N, K]: K           fused all-gather-
+                                                                               matmul: e4m3 rows
+                                                                               + e8m0 scales
+dgrad                      dY [W*m, N]: N (local); w: N                        fused matmul-
+                                                                               reduce-scatter
+                                                                               (partials hp)
+wgrad                      dY: M (local); x: M, cast on the shard (whole        local GEMM on the
+                           blocks when m % 32 == 0), its bytes gathered        gathered x
+                           (``wgrad_with_hp``: hp x gathered, hp GEMM)
+=========================  ==================================================  =================
+
+=========================  ==================================================  =================
+rowwise (scattered out)    cast                                                GEMM
+=========================  ==================================================  =================
+forward                    x [W*m, K_r]: K_r; w [N, K_r]: K_r                  fused matmul-
+                                                                               reduce-scatter
+dgrad                      dY [m, N]: N (local); w: N                          fused all-gather-
+                                                                               matmul
+wgrad                      dY: M, cast on the shard, its bytes gathered;       local GEMM on the
+                           x: M (local)                                        gathered dY
+=========================  ==================================================  =================
+
+A gathered row moves ``K`` e4m3 bytes and ``K / 32`` scale bytes, padded to 16
+(:func:`tp_kernels.tiling.mx_row_bytes`: 0.52 of a bf16 row); a gather along M moves each
+column's bytes and scales the same way. The GEMMs are torchao's: ``torch.mm`` of its
+``MXTensor``\\ s, on the rows a backend hands over
+(:class:`tp_kernels.backends.scaled.BlockScaling`), so on ``reference`` a fused call equals
+torchao's unsharded Linear wherever the same rows meet the same GEMM (the reduce-scatter sums
+partials in fp32 in rank order: within a rounding there).
+
+What fuses (:func:`unfusable_reason`): block size 32, e4m3 elements, every shard a whole number
+of 32-token blocks (``m % 32 == 0``; else the call takes PyTorch's path, counted: padding would
+move and cast rows torchao never sees), the features a multiple of 32 (torchao's own
+requirement), eagerly (under torch.compile or a dispatch mode PyTorch's path runs, counted), on a
+backend that takes block scales (``torch_symm_mem`` does not: named, the call falls back; under
+``auto`` the next backend of its ranking runs it).
+
+Under PyTorch's own styles, ``quantize_``'s wrapped weights become DTensors whose local tensor
+is the wrapper: DTensor dispatches below ``__torch_function__``, where the wrapper's matmul
+override lives, so those Linears run in high precision there (measured with torchao 0.18). The
+fused path quantizes them as torchao does on one GPU, so it is compared with the unsharded model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
+from torchao.prototype.moe_training.tensor import MXFP8TrainingWeightWrapperTensor
+from torchao.prototype.mx_formats.config import (
+    MXFP8Dim0CastKernelChoice,
+    MXFP8Dim1CastKernelChoice,
+    ScaleCalculationMode,
+)
+from torchao.prototype.mx_formats.mx_tensor import MXTensor
+from torchao.prototype.mx_formats.utils import _to_mxfp8_dim1_kernel_wrapper
+from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+from tp_kernels.backends import current_backend, get_backend
+from tp_kernels.backends.base import Backend
+from tp_kernels.backends.scaled import BlockScaling, pack_mx_rows, unpack_mx_rows
+from tp_kernels.float8 import plain_weight
+from tp_kernels.ops.planning import (
+    as_grad,
+    dtensor_specs,
+    flatten_rows,
+    gather_bytes,
+    local_tensor,
+    record,
+    unflatten_rows,
+)
+from tp_kernels.ops.scaled import run_gather, run_reduce_scatter, scaled_backend
+from tp_kernels.tiling import MX_BLOCK
+
+__all__ = ["MXColwiseLinears", "MXRowwiseLinear", "call_for", "recipe_of", "unfusable_reason"]
+
+_E4M3 = torch.float8_e4m3fn
+
+
+class Recipe(NamedTuple):
+    """What an MXFP8 Linear's casts and GEMMs are (torchao's ``mx_mm`` arguments that vary)."""
+
+    kernel_preference: KernelPreference
+    scaling_mode: ScaleCalculationMode
+    wgrad_with_hp: bool
+
+
+def _weight(module: nn.Module) -> torch.Tensor:
+    return local_tensor(module.weight)
+
+
+def recipe_of(module: nn.Module) -> Recipe | None:
+    """The recipe of an MXFP8 Linear (torchao's ``MXFP8Linear``, or an ``nn.Linear`` whose weight
+    ``quantize_`` wrapped for MXFP8 training), else None."""
+    if isinstance(module, MXFP8Linear):
+        return Recipe(module.kernel_preference, module.scale_calculation_mode,
+                      module.wgrad_with_hp)  # fmt: skip
+    weight = _weight(module)
+    if isinstance(weight, MXFP8TrainingWeightWrapperTensor):
+        c = weight.config
+        return Recipe(c.kernel_preference, c.scale_calculation_mode, c.wgrad_with_hp)
+    return None
+
+
+def unfusable_reason(module: nn.Module) -> str | None:
+    """Why ``module`` (an MXFP8 Linear) never takes the fused MXFP8 path, or None."""
+    if recipe_of(module) is None:
+        return f"{type(module).__qualname__} is not an MXFP8 Linear torchao's recipes make"
+    if type(module) not in (nn.Linear, MXFP8Linear):
+        return "a Linear subclass with its own forward is never fused"
+    k = _weight(module).shape[1]
+    if k % MX_BLOCK:
+        return f"its input features ({k}) are not a multiple of the MX block ({MX_BLOCK})"
+    return None
+
+
+def call_unfusable_reason(
+    modules: Sequence[nn.Module], x: torch.Tensor, dim: int, backend: str | None, world: int,
+    *, colwise: bool,
+) -> str | None:  # fmt: skip
+    """Why this call (local ``x``, gathered or scattered along ``dim``) of MXFP8 Linears
+    ``modules`` takes PyTorch's path, or None."""
+    _, run = _tokens(x, dim)
+    if not colwise:  # x holds every rank's tokens; its output shard's are gathered in backward
+        run //= world
+    if run % MX_BLOCK:
+        return (f"its shard holds runs of {run} consecutive tokens, not whole MX blocks of "
+                f"{MX_BLOCK} (the weight grad's cast along them would span ranks)")  # fmt: skip
+    widths = [_weight(mod).shape[0] for mod in modules] + [x.shape[-1]]
+    if any(n % MX_BLOCK for n in widths):
+        return f"a GEMM dim of {widths} is not a multiple of the MX block ({MX_BLOCK})"
+    name = backend if backend is not None else current_backend()
+    if name != "auto":
+        why = get_backend(name).block_scales_reason
+        if why is not None:
+            return f"backend={name!r}: {why}"
+    return None
+
+
+class _Call(NamedTuple):
+    """One fused MXFP8 call: its backend, group and size, the gathered (colwise) or scattered
+    (rowwise) ``dim`` of ``x``, the Linears' recipe (one for all of them) and how many Linears
+    share the gathered input (colwise)."""
+
+    impl: Backend
+    group: dist.ProcessGroup
+    world: int
+    dim: int
+    recipe: Recipe
+    num_linears: int
+
+
+def call_for(
+    modules: Sequence[nn.Module],
+    x: torch.Tensor,
+    dim: int,
+    group: dist.ProcessGroup,
+    backend: str | None,
+    *,
+    colwise: bool,
+) -> _Call:
+    """The :class:`_Call` of fused MXFP8 Linears ``modules`` on the local ``x``."""
+    k = x.shape[-1]
+    world = group.size()
+    m = x.numel() // k if colwise else x.numel() // k // world
+    ns = [_weight(mod).shape[0] for mod in modules]
+    op = "scaled_all_gather_matmul" if colwise else "scaled_matmul_reduce_scatter"
+    impl = scaled_backend(backend, group, op, m, k, ns, x.dtype, x.device, block_scaled=True)
+    recipe = recipe_of(modules[0])
+    return _Call(impl, group, world, dim, recipe, len(modules))
+
+
+# torchao's mx_mm casts dim-0 operands with its Triton kernel (the torch cast where emulated)
+# and dim-1 operands with its CUDA kernel.
+_DIM0_KERNEL = MXFP8Dim0CastKernelChoice.TRITON
+_DIM1_KERNEL = MXFP8Dim1CastKernelChoice.CUDA
+
+
+def _dim0(t: torch.Tensor, recipe: Recipe) -> MXTensor:
+    """``t`` cast in blocks along its last dim, as torchao's ``mx_mm`` casts its dim-0 operands."""
+    return MXTensor.to_mx(t, _E4M3, MX_BLOCK, recipe.scaling_mode, recipe.kernel_preference,
+                          mxfp8_dim0_cast_kernel_choice=_DIM0_KERNEL)  # fmt: skip
+
+
+def _dim1(t: torch.Tensor, recipe: Recipe) -> MXTensor:
+    """``t.t()`` cast in blocks along ``t``'s first dim (``[cols, rows]``), as torchao's
+    ``mx_mm`` casts its dim-1 operands: the torch cast where emulated, its CUDA kernel else."""
+    kp, mode = recipe.kernel_preference, recipe.scaling_mode
+    if kp == KernelPreference.EMULATED:
+        return MXTensor.to_mx(t.t().contiguous(), _E4M3, MX_BLOCK, mode, kp,
+                              mxfp8_dim0_cast_kernel_choice=_DIM0_KERNEL)  # fmt: skip
+    return _to_mxfp8_dim1_kernel_wrapper(t, MX_BLOCK, _E4M3, t.dtype, kp, _DIM1_KERNEL, mode)
+
+
+def _token_cast(t: torch.Tensor, recipe: Recipe) -> torch.Tensor:
+    """A weight grad's operand ``t [M, C]``: ``t`` itself under ``wgrad_with_hp``, else
+    :func:`_dim1`'s ``[C, M]`` cast along the tokens."""
+    return t if recipe.wgrad_with_hp else _dim1(t, recipe)
+
+
+def _wgrad(grad: torch.Tensor, x: torch.Tensor, recipe: Recipe) -> torch.Tensor:
+    """``dY^T @ x`` [N, K] as torchao's ``mx_mm`` makes the weight grad, from
+    :func:`_token_cast`'s forms of ``dY [M, N]`` and ``x [M, K]``."""
+    return torch.mm(grad.t(), x) if recipe.wgrad_with_hp else torch.mm(grad, x.t())
+
+
+def _like(data: torch.Tensor, scale: torch.Tensor, like: MXTensor) -> MXTensor:
+    """An MXTensor of ``data`` and ``scale`` (rows of ``like``, or its gathered form) cast as
+    ``like`` is."""
+    return MXTensor(data, scale, like.elem_dtype, like.block_size, like.orig_dtype,
+                    like.kernel_preference, None, False)  # fmt: skip
+
+
+def _products(left: MXTensor, rights: Sequence[MXTensor]) -> BlockScaling:
+    """The backends' face of torchao's GEMMs ``rows of left @ rights[j]`` (``rights[j]`` an
+    ``[K, N_j]`` MXTensor), for rows handed over as their e4m3 data and e8m0 scales."""
+
+    def product(right: MXTensor):
+        return lambda data, scale: torch.mm(_like(data, scale, left), right)
+
+    return BlockScaling(None, tuple(product(r) for r in rights), left.orig_dtype)
+
+
+def _gather(call: _Call, x: MXTensor, rights: Sequence[MXTensor], *, phase: str) -> list:
+    """``[gathered rows of x @ rights[j]]``: the fused all-gather-matmul of ``x``'s packed rows."""
+    shard = pack_mx_rows(x.qdata, x.scale)
+    bs = [r.qdata for r in rights]
+    return run_gather(call.impl, call.group, shard, bs, _products(x, rights), phase=phase)
+
+
+def _reduce_scatter(
+    call: _Call, x: MXTensor, right: MXTensor, *, phase: str, addend: torch.Tensor | None = None
+) -> torch.Tensor:
+    """This rank's rows of the sum over ranks of ``x @ right (+ addend)``: the fused
+    matmul-reduce-scatter."""
+    products = _products(x, [right])
+    scaling = BlockScaling(x.scale, products.products, products.out_dtype)
+    return run_reduce_scatter(call.impl, call.group, x.qdata, right.qdata, scaling, phase=phase,
+                              addend=addend)  # fmt: skip
+
+
+def _tokens(t: torch.Tensor, dim: int) -> tuple[int, int]:
+    """``(outer, run)`` of a token tensor ``t`` (``[..., C]``, sharded on ``dim``) in torchao's
+    order, the row-major flattening ``t.reshape(-1, C)``: ``outer`` runs of ``run`` consecutive
+    tokens, each run within this rank's shard."""
+    outer = math.prod(t.shape[:dim])
+    return outer, t.numel() // t.shape[-1] // outer
+
+
+class _PendingTokens(NamedTuple):
+    """A weight grad operand's gather along the tokens, in flight (:func:`_gather_tokens`):
+    ``like`` is this rank's cast ``[C, outer*run]`` (its rows packed), or None for high
+    precision ``[outer*run, C]`` rows."""
+
+    pending: object
+    like: MXTensor | None
+    world: int
+    outer: int
+
+    def wait(self) -> torch.Tensor:
+        """The gathered operand in torchao's token order (every rank's run of each outer index
+        side by side): ``[outer*W*run, C]``, or the MXTensor ``[C, outer*W*run]``."""
+        gathered = self.pending.wait()
+        w, outer = self.world, self.outer
+        if self.like is None:
+            c = gathered.shape[-1]
+            return gathered.view(w, outer, -1, c).transpose(0, 1).reshape(-1, c)
+        rows, cols = self.like.qdata.shape
+        data, scale = unpack_mx_rows(gathered, cols)
+
+        def in_order(t: torch.Tensor) -> torch.Tensor:  # [W*C, outer*r] -> [C, outer*W*r]
+            return t.view(w, rows, outer, -1).permute(1, 2, 0, 3).reshape(rows, -1)
+
+        return _like(in_order(data), in_order(scale), self.like)
+
+
+def _gather_tokens(call: _Call, t: torch.Tensor, *, phase: str) -> _PendingTokens:
+    """Start gathering the token tensor ``t`` (``[..., C]``, this rank's shard along
+    ``call.dim``) as a weight grad's operand: :func:`_token_cast` of the gathered tokens in
+    torchao's order, cast on the shard (each block of 32 tokens lies in one run of the shard:
+    :func:`call_unfusable_reason`), its bytes and scales gathered; high precision under
+    ``wgrad_with_hp``. Runs while the caller computes."""
+    outer, _ = _tokens(t, call.dim)
+    flat = t.reshape(-1, t.shape[-1]).contiguous()
+    cast = _token_cast(flat, call.recipe)
+    like = None if cast is flat else cast
+    data = flat if like is None else pack_mx_rows(like.qdata.contiguous(), like.scale.contiguous())
+    record(phase, "all_gather", call.impl.name, sent_bytes=gather_bytes(data, call.group))
+    return _PendingTokens(call.impl.all_gather_async(data, call.group), like, call.world, outer)
+
+
+class MXColwiseLinears(torch.autograd.Function):
+    """``apply(call, x, *weights, *biases)`` -> ``y_j = MXFP8Linear_j(all_gather(x))`` for the
+    ``call.num_linears`` Linears (weights ``[N_j, K]``, biases ``[N_j]`` or None; local or
+    DTensor), laid out as ``x`` with the gathered dim ``W`` times longer. See the module
+    docstring's first table."""
+
+    @staticmethod
+    def forward(ctx, call: _Call, x, *params):
+        n = call.num_linears
+        weights = [plain_weight(w) for w in params[:n]]
+        biases = params[n:]
+        rows, lead = flatten_rows(local_tensor(x), call.dim)
+        rows = rows.contiguous()
+        x_mx = _dim0(rows, call.recipe)
+        outs = _gather(call, x_mx, [_dim0(w, call.recipe).t() for w in weights], phase="forward")
+        outs = [out if b is None else out + local_tensor(b).to(out.dtype)
+                for out, b in zip(outs, biases)]  # fmt: skip
+        need = ctx.needs_input_grad
+        ctx.call, ctx.lead, ctx.specs = call, lead, dtensor_specs(x, *params)
+        ctx.need_x, ctx.need_w, ctx.need_bias = need[1], need[2 : 2 + n], need[2 + n :]
+        ctx.save_for_backward(local_tensor(x) if any(ctx.need_w) else None,
+                              *(weights if ctx.need_x else ()))  # fmt: skip
+        ctx.set_materialize_grads(False)
+        gathered_lead = (call.world * lead[0], *lead[1:])
+        return tuple(unflatten_rows(out, gathered_lead, call.dim) for out in outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        call = ctx.call
+        x, *weights = ctx.saved_tensors
+        used = [j for j, g in enumerate(grads) if g is not None]
+        gs = {j: flatten_rows(grads[j], call.dim)[0].contiguous() for j in used}
+        need_w = [j for j in used if ctx.need_w[j]]
+        # Gathered while the input grad's reduce-scatter runs.
+        gathered_x = _gather_tokens(call, x, phase="backward") if need_w else None
+        grad_x = None
+        if ctx.need_x and used:
+            products = [(_dim0(gs[j], call.recipe), _dim1(weights[j], call.recipe).t())
+                        for j in used]  # fmt: skip
+            addend = None
+            for g_mx, w_mx in products[1:]:  # the other Linears', added before the scatter
+                product = torch.mm(g_mx, w_mx)
+                addend = product if addend is None else addend + product
+            grad_x = _reduce_scatter(call, *products[0], phase="backward", addend=addend)
+            grad_x = unflatten_rows(grad_x, ctx.lead, call.dim)
+        grad_w = [None] * call.num_linears
+        if need_w:
+            x_all = gathered_x.wait()
+            for j in need_w:  # dY in torchao's token order, as x_all
+                g = grads[j].reshape(-1, grads[j].shape[-1]).contiguous()
+                grad_w[j] = _wgrad(_token_cast(g, call.recipe), x_all, call.recipe)
+        grad_b = [gs[j].sum(0) if j in gs and need else None
+                  for j, need in enumerate(ctx.need_bias)]  # fmt: skip
+        return None, *map(as_grad, (grad_x, *grad_w, *grad_b), ctx.specs)
+
+
+class MXRowwiseLinear(torch.autograd.Function):
+    """``apply(call, x, weight)`` -> this rank's rows (along ``call.dim``) of
+    ``MXFP8Linear(x)`` summed over the group: ``x [..., K_r]`` sharded on its last dim
+    (``weight [N, K_r]``, local or DTensor). See the module docstring's second table."""
+
+    @staticmethod
+    def forward(ctx, call: _Call, x, weight):
+        w = plain_weight(weight)
+        rows, lead = flatten_rows(local_tensor(x), call.dim)
+        rows = rows.contiguous()
+        out = _reduce_scatter(call, _dim0(rows, call.recipe), _dim0(w, call.recipe).t(),
+                              phase="forward")  # fmt: skip
+        need = ctx.needs_input_grad
+        ctx.call, ctx.lead, ctx.specs = call, lead, dtensor_specs(x, weight)
+        ctx.need_x, ctx.need_w = need[1], need[2]
+        ctx.save_for_backward(local_tensor(x) if ctx.need_w else None,
+                              w if ctx.need_x else None)  # fmt: skip
+        return unflatten_rows(out, (lead[0] // call.world, *lead[1:]), call.dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        call = ctx.call
+        x, w = ctx.saved_tensors
+        g = flatten_rows(grad, call.dim)[0].contiguous()
+        # Gathered while the input grad's fused call runs.
+        gathered_g = _gather_tokens(call, grad, phase="backward") if ctx.need_w else None
+        grad_x = grad_w = None
+        if ctx.need_x:
+            right = _dim1(w, call.recipe).t()
+            (grad_rows,) = _gather(call, _dim0(g, call.recipe), [right], phase="backward")
+            grad_x = unflatten_rows(grad_rows, ctx.lead, call.dim)
+        if ctx.need_w:
+            rows = x.reshape(-1, x.shape[-1]).contiguous()  # torchao's token order, as g_all
+            grad_w = _wgrad(gathered_g.wait(), _token_cast(rows, call.recipe), call.recipe)
+        return None, *map(as_grad, (grad_x, grad_w), ctx.specs)
