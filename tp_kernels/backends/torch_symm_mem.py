@@ -247,7 +247,8 @@ def _takes_return_a() -> bool:
 def first_contact_facts(device: torch.device) -> list[tuple[str, str]]:
     """``(what, value)`` for what a first run of torch's fused ops on ``device`` depends on: each
     op's schema, whether the device reports multicast (which picks torch's multicast all-gather),
-    the symmetric-memory backend selected, and :data:`_ALLOW_OVERLAPPING` in this process. A fact
+    what the driver reports of its NVLink fabric (which decides groups across hosts), the
+    symmetric-memory backend selected, and :data:`_ALLOW_OVERLAPPING` in this process. A fact
     that cannot be read says why instead. Asking for multicast support marks torch's allocator
     backend as used, after which ``set_backend`` cannot change it: ask in a process that does not
     choose one (gpu_check's parent process, whose ranks are processes of their own)."""
@@ -274,8 +275,15 @@ def first_contact_facts(device: torch.device) -> list[tuple[str, str]]:
         symm_mem, why = _symm_mem_module()
         return why or repr(symmetric_memory._symm_mem_backend(symm_mem, device))
 
+    def fabric() -> Any:
+        if device.type != "cuda":
+            return f"n/a ({device.type})"
+        index = torch.cuda.current_device() if device.index is None else device.index
+        return symmetric_memory.read_fabric_facts(index)
+
     facts = [(f"torch.ops.symm_mem.{name}", read(lambda n=name: schema(n))) for name in _OPS]
     facts.append((f"has_multicast_support({device})", read(multicast)))
+    facts.append((f"NVLink fabric of {device}", read(fabric)))
     facts.append((f"symmetric-memory backend for {device}", read(backend)))
     facts.append((_ALLOW_OVERLAPPING, os.environ.get(_ALLOW_OVERLAPPING, "unset")))
     return facts
