@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import re
 import sys
 import types
+import uuid as uuid_module
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -45,6 +47,7 @@ class FakeGroup:
         global_ranks: list[int] | None = None,
         hosts: list[str] | None = None,
         devices: list[int] | None = None,
+        fabrics: list[Any] | None = None,
         name: str = "fake",
     ) -> None:
         self._rank, self._size = rank, size
@@ -52,6 +55,7 @@ class FakeGroup:
         self.global_ranks = list(range(size)) if global_ranks is None else global_ranks
         self.hosts = hosts
         self.devices = devices
+        self.fabrics = fabrics
         self.group_name = name
 
     def rank(self) -> int:
@@ -96,6 +100,8 @@ class FakeDist:
                 info["host"] = group.hosts[r]
             if group.devices is not None:
                 info["index"] = group.devices[r]
+            if group.fabrics is not None:
+                info["fabric"] = group.fabrics[r]
             out[r] = obj if r == group.rank() else info
 
 
@@ -230,6 +236,12 @@ class World:
         self.symm_mem: FakeSymmMem | None = None
         self.dist(rank=0, world_size=2)
         monkeypatch.setattr(symmetric_memory, "torch", FakeTorch(self.cuda))
+        # No NVML here, whatever the machine running the tests has (section 5 gives fabrics).
+        self.fabric("no NVML in the fake world")
+
+    def fabric(self, facts: symmetric_memory.FabricFacts | str) -> None:
+        """What the driver reports of this rank's GPU's NVLink fabric, whatever the device."""
+        self._monkeypatch.setattr(symmetric_memory, "read_fabric_facts", lambda index: facts)
 
     def dist(self, *, rank: int, world_size: int) -> None:
         """This process's global rank and the default world's size; the setup's object exchange
@@ -478,3 +490,161 @@ def test_workspace_is_made_on_its_own_device(fake_world):
     assert symmetric_memory.symm_unavailable_reason("cuda:2") == (
         "cuda:2 does not exist: this process sees 2 GPUs"
     )
+
+
+# --- 5. hosts of one NVLink domain: a GB200/GB300 NVL72 tray holds 4 GPUs, so TP=8 spans two ------
+
+CLUSTER = "6f4a4bf1-07a0-79a1-939a-0a887f4bffa6"
+OTHER_CLUSTER = "224467fd-15a8-f9eb-2bba-f6192ec16dbe"
+TRAYS = ["tray-a"] * 4 + ["tray-b"] * 4
+
+
+def _facts(**changes: Any) -> symmetric_memory.FabricFacts:
+    """A GPU registered with the fabric as NVML reports it on an NVL72 (clique 3 of CLUSTER)."""
+    fields = dict(
+        state=3, status=0, cluster_uuid=CLUSTER, clique_id=3, handles=True, imex_channel=True
+    )
+    return symmetric_memory.FabricFacts(**{**fields, **changes})
+
+
+def _two_trays(world: World, monkeypatch: pytest.MonkeyPatch, fabrics: list[Any]) -> FakeGroup:
+    """torchrun on two trays of 4 GPUs (global ranks 0-3 on tray-a, 4-7 on tray-b), this process
+    global rank 0; the group of all 8, whose rank r reports ``fabrics[r]``."""
+    world.dist(rank=0, world_size=8)
+    for name, value in (
+        ("LOCAL_WORLD_SIZE", "4"),
+        ("LOCAL_RANK", "0"),
+        ("GROUP_WORLD_SIZE", "2"),
+        ("GROUP_RANK", "0"),
+    ):
+        monkeypatch.setenv(name, value)
+    world.fabric(fabrics[0])
+    monkeypatch.setattr(symmetric_memory.socket, "gethostname", lambda: TRAYS[0])
+    return FakeGroup(0, 8, hosts=TRAYS, devices=[0, 1, 2, 3] * 2, fabrics=fabrics)
+
+
+def _torch_ops_reason(group: FakeGroup) -> str | None:
+    """The question torch_symm_mem asks of a group (the same function as symm's)."""
+    return symmetric_memory.group_unavailable_reason(
+        group, torch.device("cuda", 0), "torch's ops", unknown_hosts_are_a_reason=True
+    )
+
+
+def test_two_trays_of_one_nvlink_domain_share_memory(fake_world, monkeypatch):
+    fake_world.torch_release("2.13")
+    group = _two_trays(fake_world, monkeypatch, [_facts()] * 8)
+    assert symmetric_memory.symm_unavailable_reason("cuda:0", group=group) is None
+    assert _torch_ops_reason(group) is None
+    # The exchange agrees; the same GPU index on two trays is two GPUs, as torch counts them.
+    ws = symmetric_memory.get_workspace(group, 4096, "cuda:0", tag="nvl72")
+    assert (ws.rank, ws.world_size) == (0, 8)
+    assert ("rendezvous", "fake", 0) in fake_world.symm_mem.calls
+    # The CPU heap maps POSIX shared memory: one host, whatever the fabric.
+    why = symmetric_memory.symm_unavailable_reason("cpu", group=group)
+    assert why is not None and "the group has 8 ranks but only LOCAL_WORLD_SIZE=4" in why, why
+
+
+def test_torch_symm_mem_counts_the_gpus_of_this_tray(fake_world, monkeypatch):
+    """8 ranks, 4 GPUs seen here: on two trays of one domain no two ranks share a GPU."""
+    from tp_kernels.backends import torch_symm_mem
+
+    _two_trays(fake_world, monkeypatch, [_facts()] * 8)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert torch_symm_mem._shared_gpu_reason(FakeGroup(0, 8)) is None
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # the 8 ranks on one host with 4 GPUs
+    why = torch_symm_mem._shared_gpu_reason(FakeGroup(0, 8))
+    assert why is not None and "8 ranks on this host share 4 GPU(s)" in why, why
+
+
+@pytest.mark.parametrize(
+    ("other", "named"),
+    [
+        (_facts(clique_id=7), f"clique 7 of cluster {CLUSTER}"),
+        # The same clique id in another cluster is another domain (GB200 hosts of unrelated
+        # racks report the same clique id; torch's own check compares the clique id alone).
+        (_facts(cluster_uuid=OTHER_CLUSTER), f"clique 3 of cluster {OTHER_CLUSTER}"),
+    ],
+)
+def test_different_nvlink_domains_are_named(fake_world, monkeypatch, other, named):
+    fake_world.torch_release("2.13")
+    group = _two_trays(fake_world, monkeypatch, [_facts()] * 4 + [other] * 4)
+    # Locally, this GPU can join a domain: only the exchange can tell the peers' apart.
+    assert symmetric_memory.symm_unavailable_reason("cuda:0", group=group) is None
+    with pytest.raises(RuntimeError) as raised:
+        symmetric_memory.get_workspace(group, 4096, "cuda:0")
+    why = str(raised.value)
+    assert "in different NVLink domains" in why, why
+    assert f"ranks [0, 1, 2, 3] in clique 3 of cluster {CLUSTER}" in why, why
+    assert f"ranks [4, 5, 6, 7] in {named}" in why, why
+    assert f"the ranks run on {TRAYS}" in why, why
+    assert fake_world.symm_mem.calls[-1][0] != "empty"  # refused before allocating
+
+
+@pytest.mark.parametrize(
+    ("facts", "said"),
+    [
+        (_facts(state=2), "NVLink fabric state 'in progress', not 'completed'"),
+        (_facts(state=0), "NVLink fabric state 'not supported'"),
+        (_facts(status=22), "registration failed (status 22)"),
+        (_facts(cluster_uuid=str(uuid_module.UUID(int=0))), "a zero cluster UUID"),
+        (_facts(handles=False), "CUDA reports no fabric handle support"),
+        (_facts(handles=None), "cannot be asked (no libcuda)"),
+        (_facts(imex_channel=False), "no IMEX channel in /dev/nvidia-caps-imex-channels"),
+    ],
+)
+def test_a_gpu_that_cannot_join_a_domain(fake_world, monkeypatch, facts, said):
+    """This rank's GPU: refused locally, with LOCAL_WORLD_SIZE's reason and the fabric's. A
+    peer's GPU (rank 5): refused by the exchange, naming the rank and its host."""
+    fake_world.torch_release("2.13")
+    group = _two_trays(fake_world, monkeypatch, [facts] * 8)
+    for why in (
+        symmetric_memory.symm_unavailable_reason("cuda:0", group=group),
+        _torch_ops_reason(group),
+    ):
+        assert why is not None and "only LOCAL_WORLD_SIZE=4 run on this host" in why, why
+        assert "nor can cuda:0 join a multi-node NVLink domain: " in why and said in why, why
+    group = _two_trays(fake_world, monkeypatch, [_facts()] * 5 + [facts] + [_facts()] * 2)
+    assert symmetric_memory.symm_unavailable_reason("cuda:0", group=group) is None
+    with pytest.raises(
+        RuntimeError, match=f"not every GPU can join one: rank 5 \\(tray-b\\): .*{re.escape(said)}"
+    ):
+        symmetric_memory.get_workspace(group, 4096, "cuda:0")
+
+
+def test_unknown_fabric_keeps_the_one_host_rule(fake_world, monkeypatch):
+    """No NVML (or a driver before 550): what LOCAL_WORLD_SIZE proves stands, and the exchange
+    refuses ranks on two hosts, as before fabrics were read."""
+    fake_world.torch_release("2.13")
+    unknown = "NVML cannot be asked about cuda:0 (OSError: libnvidia-ml.so.1: not found)"
+    group = _two_trays(fake_world, monkeypatch, [unknown] * 8)
+    why = symmetric_memory.symm_unavailable_reason("cuda:0", group=group)
+    assert why is not None and "the group has 8 ranks but only LOCAL_WORLD_SIZE=4" in why, why
+    assert unknown in why, why
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_RANK", "GROUP_WORLD_SIZE", "GROUP_RANK"):
+        monkeypatch.delenv(name)
+    assert symmetric_memory.symm_unavailable_reason("cuda:0", group=group) is None
+    why = _torch_ops_reason(group)  # without LOCAL_WORLD_SIZE, torch's ops are refused
+    assert why is not None and "LOCAL_WORLD_SIZE is ''" in why and unknown in why, why
+    with pytest.raises(RuntimeError, match="needs every rank on one host, or every rank in one"):
+        symmetric_memory.get_workspace(group, 4096, "cuda:0")
+
+
+def test_torch_before_fabric_handles(fake_world, monkeypatch):
+    """torch 2.7 and 2.8 map peers over file descriptors only: one host, whatever the driver."""
+    from torch.torch_version import TorchVersion
+
+    fake_world.torch_release("2.8")
+    monkeypatch.setattr(symmetric_memory.torch, "__version__", TorchVersion("2.8.0"))
+    group = _two_trays(fake_world, monkeypatch, [_facts()] * 8)
+    why = symmetric_memory.symm_unavailable_reason("cuda:0", group=group)
+    assert why is not None and "exchanges fabric handles from torch 2.9 on" in why, why
+
+
+def test_the_real_reader_says_why_it_cannot_read(monkeypatch):
+    """On a machine without a GPU or NVML the driver's reader answers with a reason, not an
+    error (the fakes above replace it; this is the real one)."""
+    read = symmetric_memory.read_fabric_facts.__wrapped__
+    got = read(0)
+    if not isinstance(got, str):  # a GPU with NVML: whatever it reports is well formed
+        assert isinstance(got, symmetric_memory.FabricFacts), got
+        uuid_module.UUID(got.cluster_uuid)

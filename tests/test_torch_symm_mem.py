@@ -137,16 +137,23 @@ def _group_reasons() -> dict[str, str | None]:
     group = dist.group.WORLD
     backend = torch_symm_mem.BACKEND
     saved = os.environ.get("LOCAL_WORLD_SIZE")
+
+    def hosts_reason() -> str | None:
+        # The question torch_symm_mem asks of its group; on the CPU no fabric can excuse it.
+        return symmetric_memory.group_unavailable_reason(
+            group, torch.device("cpu"), "torch's ops", unknown_hosts_are_a_reason=True
+        )
+
     try:
         out = {
             "cpu": backend.unavailable_reason(group, torch.device("cpu")),
             "cuda": backend.unavailable_reason(group, torch.device("cuda")),
-            "one_host": torch_symm_mem._hosts_reason(group),
+            "one_host": hosts_reason(),
         }
         os.environ["LOCAL_WORLD_SIZE"] = "1"  # one rank per host: the group spans every host
-        out["one_rank_per_host"] = torch_symm_mem._hosts_reason(group)
+        out["one_rank_per_host"] = hosts_reason()
         del os.environ["LOCAL_WORLD_SIZE"]
-        out["unset"] = torch_symm_mem._hosts_reason(group)
+        out["unset"] = hosts_reason()
     finally:
         if saved is not None:
             os.environ["LOCAL_WORLD_SIZE"] = saved

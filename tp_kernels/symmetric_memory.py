@@ -9,7 +9,8 @@ views) or through raw addresses (:meth:`SymmWorkspace.buffer_ptrs`,
 Two implementations sit behind the one interface:
 
 - CUDA: ``torch.distributed._symmetric_memory`` (``empty`` + ``rendezvous``) with torch's ``CUDA``
-  backend, on a group of any backend (gloo or NCCL) whose ranks all run on this host. Signal
+  backend, on a group of any backend (gloo or NCCL) whose ranks all run on this host or in one
+  multi-node NVLink domain (:func:`nvlink_domain_reason`). Signal
   operations are kernels queued on the current stream; a wait past its timeout traps on the device
   (a CUDA error from torch), it cannot raise :class:`~tp_kernels.deadline.PeerTimeoutError`.
 - CPU: the POSIX shared-memory heap of the native extension ``tp_kernels._C``: one segment per rank,
@@ -39,6 +40,8 @@ import abc
 import atexit
 import contextlib
 import ctypes
+import dataclasses
+import functools
 import importlib
 import math
 import os
@@ -173,6 +176,232 @@ def _spans_hosts_reason(group: dist.ProcessGroup | None, what: str) -> str | Non
     )
 
 
+# --- NVLink domains: hosts whose GPUs map each other's memory -------------------------------------
+
+# On a multi-node NVLink system (GB200/GB300 NVL72: 4 GPUs per compute tray, 18 trays on one
+# NVLink fabric) torch's CUDA symmetric memory maps peers on other hosts by exporting fabric
+# handles (CU_MEM_HANDLE_TYPE_FABRIC) through the group's store, where it would pass POSIX file
+# descriptors over Unix sockets between the processes of one host. It chooses fabric handles per
+# process, when NVML reports the GPU in a fabric and a trial allocation, export and import of a
+# fabric handle works (c10/cuda PeerToPeerAccess.cpp, get_fabric_access), and its rendezvous
+# refuses ranks whose NVML clique ids differ. What decides here is read from the same driver
+# facts, per GPU, by read_fabric_facts.
+
+# NVML's fabric states (nvml.h, NVML_GPU_FABRIC_STATE_*): the fabric manager has registered the GPU,
+# and so given it its cluster and clique, once the state is "completed".
+_FABRIC_STATES = {0: "not supported", 1: "not started", 2: "in progress", 3: "completed"}
+_FABRIC_STATE_COMPLETED = 3
+# CUdevice_attribute CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED (cuda.h, CUDA 12.3 on).
+_CU_FABRIC_HANDLES_SUPPORTED = 128
+# Where the driver's IMEX channels are: a process that can open none can neither create nor import
+# a fabric handle (cuda.h, cuMemCreate and cuMemImportFromShareableHandle).
+_IMEX_CHANNELS = "/dev/nvidia-caps-imex-channels"
+# The first torch release whose CUDA symmetric memory exchanges fabric handles (pytorch#159319,
+# July 2025, before 2.9's branch cut); earlier ones pass file descriptors only, one host's worth.
+_TORCH_FABRIC_HANDLES = (2, 9)
+
+
+class _NvmlFabricInfoV2(ctypes.Structure):
+    """NVML's ``nvmlGpuFabricInfo_v2_t`` (nvml.h), which ``nvmlDeviceGetGpuFabricInfoV`` fills
+    (drivers 550 on)."""
+
+    _fields_ = [
+        ("version", ctypes.c_uint),
+        ("cluster_uuid", ctypes.c_ubyte * 16),
+        ("status", ctypes.c_int),
+        ("clique_id", ctypes.c_uint),
+        ("state", ctypes.c_ubyte),
+        ("health_mask", ctypes.c_uint),
+    ]
+
+
+@dataclasses.dataclass(frozen=True)
+class FabricFacts:
+    """What the driver reports of one GPU's place in a multi-node NVLink fabric.
+
+    ``state``, ``status``, ``cluster_uuid`` and ``clique_id``: NVML's
+    ``nvmlDeviceGetGpuFabricInfoV`` (two GPUs share memory over the fabric when both are
+    registered with the same cluster UUID and clique id; a clique id alone is not unique across
+    clusters). ``handles``: CUDA's ``CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED`` (``None``:
+    libcuda could not be asked). ``imex_channel``: whether this process can open an IMEX channel.
+    """
+
+    state: int
+    status: int
+    cluster_uuid: str
+    clique_id: int
+    handles: bool | None
+    imex_channel: bool
+
+    @property
+    def domain(self) -> str:
+        """The NVLink domain, in words: GPUs with the same one share memory over the fabric."""
+        return f"clique {self.clique_id} of cluster {self.cluster_uuid}"
+
+    def unjoinable_reason(self) -> str | None:
+        """Why this GPU cannot map memory of GPUs on other hosts; ``None`` if it can."""
+        if self.state != _FABRIC_STATE_COMPLETED:
+            state = _FABRIC_STATES.get(self.state, f"unknown ({self.state})")
+            return f"NVML reports its NVLink fabric state {state!r}, not 'completed'"
+        if self.status != 0:
+            return f"NVML reports its fabric registration failed (status {self.status})"
+        if uuid.UUID(self.cluster_uuid).int == 0:
+            return "NVML reports no fabric cluster for it (a zero cluster UUID)"
+        if self.handles is None:
+            return "whether CUDA supports fabric handles on it cannot be asked (no libcuda)"
+        if not self.handles:
+            return "CUDA reports no fabric handle support on it"
+        if not self.imex_channel:
+            return (
+                f"this process can open no IMEX channel in {_IMEX_CHANNELS}, and CUDA creates "
+                "and imports fabric handles only through one"
+            )
+        return None
+
+
+def _cuda_fabric_handles(index: int) -> bool | None:
+    """CUDA's ``CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED`` for device ``index`` (the
+    driver's ordinal, which is torch's), or ``None`` where libcuda cannot be asked."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    device, value = ctypes.c_int(), ctypes.c_int()
+    if cuda.cuInit(0) or cuda.cuDeviceGet(ctypes.byref(device), index):
+        return None
+    if cuda.cuDeviceGetAttribute(ctypes.byref(value), _CU_FABRIC_HANDLES_SUPPORTED, device):
+        return None
+    return bool(value.value)
+
+
+def _imex_channel() -> bool:
+    try:
+        names = os.listdir(_IMEX_CHANNELS)
+    except OSError:
+        return False
+    return any(
+        os.access(os.path.join(_IMEX_CHANNELS, name), os.R_OK | os.W_OK)
+        for name in names
+        if name.startswith("channel")
+    )
+
+
+@functools.cache
+def read_fabric_facts(index: int) -> FabricFacts | str:
+    """The :class:`FabricFacts` of CUDA device ``index`` of this process, or why they cannot be
+    read (no NVML, a driver before 550, ...). Read once per process: a GPU's registration with
+    the fabric is done before jobs start. The one place tp_kernels asks the driver about fabrics
+    (the tests replace it with fakes).
+
+    torch's Python exposes nothing of it (2.13: neither device properties nor
+    ``torch.distributed._symmetric_memory``), so NVML and libcuda are asked through ``ctypes``,
+    as ``torch.cuda`` asks NVML for device counts; the device is found by its UUID.
+    """
+    try:
+        gpu = f"GPU-{torch.cuda.get_device_properties(index).uuid}"
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except Exception as exc:  # a fact that cannot be read is reported, not raised
+        return f"NVML cannot be asked about cuda:{index} ({type(exc).__name__}: {exc})"
+    get_info = getattr(nvml, "nvmlDeviceGetGpuFabricInfoV", None)
+    if get_info is None:
+        return "this driver's NVML has no nvmlDeviceGetGpuFabricInfoV (drivers 550 on have it)"
+    handle, info = ctypes.c_void_p(), _NvmlFabricInfoV2()
+    info.version = ctypes.sizeof(info) | 2 << 24  # NVML_STRUCT_VERSION(GpuFabricInfo, 2)
+    if nvml.nvmlInit_v2():
+        return "NVML's nvmlInit_v2 failed"
+    if nvml.nvmlDeviceGetHandleByUUID(gpu.encode(), ctypes.byref(handle)):
+        return f"NVML finds no {gpu}"
+    if get_info(handle, ctypes.byref(info)):
+        return "NVML's nvmlDeviceGetGpuFabricInfoV failed"
+    return FabricFacts(
+        state=info.state,
+        status=info.status,
+        cluster_uuid=str(uuid.UUID(bytes=bytes(info.cluster_uuid))),
+        clique_id=info.clique_id,
+        handles=_cuda_fabric_handles(index),
+        imex_channel=_imex_channel(),
+    )
+
+
+def _local_fabric(device: torch.device) -> FabricFacts | str:
+    """This process's :class:`FabricFacts` for ``device``, or why it cannot span hosts over
+    them (a torch that exchanges no fabric handles, facts that cannot be read)."""
+    if torch.__version__ < _TORCH_FABRIC_HANDLES:
+        return (
+            f"torch {torch.__version__}'s CUDA symmetric memory passes file descriptors between "
+            "the processes of one host; it exchanges fabric handles from torch 2.9 on"
+        )
+    return read_fabric_facts(torch.cuda.current_device() if device.index is None else device.index)
+
+
+def _unjoinable_reason(fabric: FabricFacts | str) -> str | None:
+    return fabric if isinstance(fabric, str) else fabric.unjoinable_reason()
+
+
+def nvlink_domain_reason(
+    hosts: Sequence[str], fabrics: Sequence[FabricFacts | str], what: str
+) -> str | None:
+    """The rule, over what every rank of a group reported (rank ``r`` runs on ``hosts[r]`` with
+    ``fabrics[r]``: :class:`FabricFacts`, or why it has none): why the ranks cannot map each
+    other's memory, naming what differs or is unknown; ``None`` when they can.
+
+    They can when all run on one host (CUDA IPC between its processes), or when every GPU is
+    registered with the NVLink fabric (state completed, no error, fabric handles and an IMEX
+    channel usable) and all report the same cluster UUID and clique id. ``what`` names who needs
+    it.
+    """
+    if len(set(hosts)) <= 1:
+        return None
+    head = (
+        f"{what} needs every rank on one host, or every rank in one multi-node NVLink domain, "
+        f"but the ranks run on {list(hosts)}"
+    )
+    cannot = {r: why for r, f in enumerate(fabrics) if (why := _unjoinable_reason(f)) is not None}
+    if cannot:
+        details = "; ".join(f"rank {r} ({hosts[r]}): {why}" for r, why in cannot.items())
+        return f"{head}, and not every GPU can join one: {details}"
+    domains: dict[str, list[int]] = {}
+    for r, fabric in enumerate(fabrics):
+        if isinstance(fabric, FabricFacts):  # every rank's, as none was a reason above
+            domains.setdefault(fabric.domain, []).append(r)
+    if len(domains) > 1:
+        details = "; ".join(f"ranks {ranks} in {domain}" for domain, ranks in domains.items())
+        return f"{head}, in different NVLink domains: {details}"
+    return None
+
+
+def group_unavailable_reason(
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    what: str,
+    *,
+    unknown_hosts_are_a_reason: bool = False,
+) -> str | None:
+    """Why ``group``'s ranks are known not to map each other's memory on ``device``, from local
+    facts only; ``None`` otherwise. The question both ``symm`` and ``torch_symm_mem`` ask.
+
+    A group that ``LOCAL_WORLD_SIZE`` shows to span hosts (:func:`_spans_hosts_reason`; with
+    ``unknown_hosts_are_a_reason``, one for which it is not set either) is refused unless
+    ``device`` is a GPU that can join a multi-node NVLink domain: then whether every peer is in
+    the same one is decided by an exchange, :func:`get_workspace`'s for ``symm``, torch's
+    rendezvous for its own ops. The CPU heap maps POSIX shared memory: one host only.
+    """
+    spans = _spans_hosts_reason(group, what)
+    local = _env_int("LOCAL_WORLD_SIZE")
+    if spans is None and unknown_hosts_are_a_reason and group is not None and not local:
+        spans = (
+            f"LOCAL_WORLD_SIZE is {os.environ.get('LOCAL_WORLD_SIZE', '')!r}, so whether every "
+            "rank of the group runs on this host cannot be told without communication (torchrun "
+            "sets it)"
+        )
+    if spans is None or device.type != "cuda":
+        return spans
+    why = _unjoinable_reason(_local_fabric(device))
+    if why is None:
+        return None
+    return f"{spans}; nor can {device} join a multi-node NVLink domain: {why}"
+
+
 def _cpu_unavailable_reason(group: dist.ProcessGroup | None) -> str | None:
     if not sys.platform.startswith("linux"):
         return f"the CPU heap needs Linux (POSIX shared memory in /dev/shm); this is {sys.platform}"
@@ -297,11 +526,10 @@ def _cuda_unavailable_reason(device: torch.device, group: dist.ProcessGroup | No
             "tp_kernels uses (present from torch 2.7 on)"
         )
     # No check of the group's backend: the CUDA backend's rendezvous exchanges what it needs
-    # through the group's store (any group: gloo or NCCL) and passes CUDA IPC handles (file
-    # descriptors) over Unix sockets between the ranks' processes, which is why all of them must
-    # run on one host. (Recent torch can also use fabric handles across the hosts of one NVLink
-    # domain; tp_kernels keeps to the one-host rule, which it can check.)
-    return _spans_hosts_reason(group, "CUDA symmetric memory (peers' memory mapped over CUDA IPC)")
+    # through the group's store (any group: gloo or NCCL), and passes CUDA IPC handles (file
+    # descriptors) over Unix sockets between the processes of one host, or fabric handles
+    # through the store across the hosts of one NVLink domain.
+    return group_unavailable_reason(group, device, "CUDA symmetric memory")
 
 
 def symm_unavailable_reason(
@@ -310,8 +538,10 @@ def symm_unavailable_reason(
     """Why symmetric memory cannot be used on ``device`` (and ``group``); ``None`` if it can.
 
     Only local facts are checked (no communication). That every rank of the group runs on this
-    host is checked here from torchrun's ``LOCAL_WORLD_SIZE`` when it is set (see
-    :func:`_spans_hosts_reason`), and for certain (a hostname exchange) by :func:`get_workspace`.
+    host (or, on CUDA, in this GPU's NVLink domain) is checked here from torchrun's
+    ``LOCAL_WORLD_SIZE`` when it is set and the GPU's fabric facts (see
+    :func:`group_unavailable_reason`), and for certain (an exchange of hostnames and fabric
+    facts, :func:`nvlink_domain_reason`) by :func:`get_workspace`.
     On CUDA, the group may have any backend (gloo or NCCL); torch's symmetric memory must use its
     ``CUDA`` backend.
     """
@@ -668,8 +898,13 @@ def _agree(group: dist.ProcessGroup, nbytes: int, device: torch.device, tag: str
         "device": device.type,
         "index": device.index,
         "host": socket.gethostname(),
+        # Read only where torch could map a peer on another host, and only once the local checks
+        # passed (the reader asks the driver of a device that exists).
+        "fabric": None,
         "uid": uuid.uuid4().hex,
     }
+    if device.type == "cuda" and mine["reason"] is None:
+        mine["fabric"] = _local_fabric(device)
     infos = gather_objects(group, mine, "symmetric memory setup")
     where = f"get_workspace(tag={tag!r}) on group {label}"
     bad = {r: i["reason"] for r, i in enumerate(infos) if i["reason"] is not None}
@@ -684,17 +919,26 @@ def _agree(group: dist.ProcessGroup, nbytes: int, device: torch.device, tag: str
                 "group must ask for the same workspace"
             )
     hosts = [i["host"] for i in infos]
-    if len(set(hosts)) > 1:
+    if device.type == "cpu" and len(set(hosts)) > 1:
         raise RuntimeError(
             f"{where}: symmetric memory needs every rank on one host, but the ranks run on {hosts}"
         )
+    if device.type == "cuda":
+        why = nvlink_domain_reason(hosts, [i["fabric"] for i in infos], "CUDA symmetric memory")
+        if why is not None:
+            raise RuntimeError(f"{where}: {why}")
     if device.type == "cuda" and os.environ.get(_ALLOW_SHARED_GPU) != "1":
         # torch's rendezvous refuses two ranks on one GPU unless told otherwise; say how here.
-        indices = [i["index"] for i in infos]
-        shared = {d: [r for r, x in enumerate(indices) if x == d] for d in set(indices)}
-        shared = {d: ranks for d, ranks in shared.items() if len(ranks) > 1}
+        # A GPU is a (host, index) pair, as torch's rendezvous counts them: the hosts of one NVLink
+        # domain number their GPUs alike.
+        gpus = [(i["host"], i["index"]) for i in infos]
+        shared = {g: [r for r, x in enumerate(gpus) if x == g] for g in set(gpus)}
+        shared = {g: ranks for g, ranks in shared.items() if len(ranks) > 1}
         if shared:
-            details = "; ".join(f"ranks {ranks} use cuda:{d}" for d, ranks in shared.items())
+            details = "; ".join(
+                f"ranks {ranks} use cuda:{index} of {host}"
+                for (host, index), ranks in shared.items()
+            )
             raise RuntimeError(
                 f"{where}: {details}, and CUDA symmetric memory refuses ranks that share a GPU "
                 f"unless {_ALLOW_SHARED_GPU}=1 is set in every rank (as for several ranks on one "

@@ -28,8 +28,10 @@ ops; torch's ``CUDA`` symmetric-memory backend (the ops barrier on the handle's 
 from peers' buffers, which the NVSHMEM and NCCL backends do not provide that way; what torch's
 symmetric memory offers on the device is asked as the ``symm`` backend asks it,
 :func:`tp_kernels.symmetric_memory.torch_symm_mem_unavailable_reason`); every rank of
-the group on this host (an NVLink domain; from ``LOCAL_WORLD_SIZE``), and, when this process sees
-fewer GPUs than the group has ranks, ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1`` (torch's
+the group on this host (from ``LOCAL_WORLD_SIZE``) or, across hosts, in one multi-node NVLink
+domain (the question ``symm`` asks too,
+:func:`tp_kernels.symmetric_memory.group_unavailable_reason`); and, when this process sees fewer
+GPUs than the group has ranks here, ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1`` (torch's
 rendezvous refuses two ranks with the same device index on one host without it). Any group with a
 store will do for the rendezvous (NCCL on GPU nodes; gloo where ranks share one GPU).
 Torch 2.7 .. 2.15 differ in two ways, both feature-detected: before ``return_A`` existed, the
@@ -129,23 +131,6 @@ def _missing_ops_reason() -> str | None:
     return None
 
 
-def _hosts_reason(group: dist.ProcessGroup) -> str | None:
-    """Why ``group`` may span more than one host (``None`` when all its ranks are on this one).
-
-    Local facts only, as for our own symmetric memory
-    (:func:`tp_kernels.symmetric_memory._spans_hosts_reason`);
-    without ``LOCAL_WORLD_SIZE`` nothing is known, and unlike our workspaces torch's ops have no
-    hostname check of ours behind them, so that counts as a reason too.
-    """
-    local = os.environ.get("LOCAL_WORLD_SIZE", "")
-    if not local.isdigit() or int(local) < 1:
-        return (
-            f"LOCAL_WORLD_SIZE is {local!r}, so whether every rank of the group runs on this host "
-            "cannot be told without communication (torchrun sets it)"
-        )
-    return symmetric_memory._spans_hosts_reason(group, "torch's fused symmetric-memory ops")
-
-
 def _overlapping_devices_allowed() -> bool:
     return os.environ.get(_ALLOW_OVERLAPPING) == "1"
 
@@ -153,15 +138,18 @@ def _overlapping_devices_allowed() -> bool:
 def _shared_gpu_reason(group: dist.ProcessGroup) -> str | None:
     """Why torch's rendezvous will refuse the group's ranks for sharing a device index.
 
-    Called once every rank of ``group`` is known to run on this host: when this process sees fewer
-    GPUs than the group has ranks, two of them use the same index (as every rank sees the same
-    GPUs), which torch refuses unless :data:`_ALLOW_OVERLAPPING` is ``"1"``.
+    Called once the group's ranks are known not to span hosts beyond one NVLink domain. The ranks
+    on this host are the group's, or at most ``LOCAL_WORLD_SIZE`` where the group spans the hosts
+    of a domain (torch tells GPUs apart by host and index): when this process sees fewer GPUs than
+    that, two of them use the same index (as every rank sees the same GPUs), which torch refuses
+    unless :data:`_ALLOW_OVERLAPPING` is ``"1"``.
     """
     gpus, world = torch.cuda.device_count(), group.size()
-    if world <= gpus or _overlapping_devices_allowed():
+    here = min(world, symmetric_memory._env_int("LOCAL_WORLD_SIZE") or world)
+    if here <= gpus or _overlapping_devices_allowed():
         return None
     return (
-        f"the group's {world} ranks on this host share {gpus} GPU(s), and torch's CUDA "
+        f"the group's {here} ranks on this host share {gpus} GPU(s), and torch's CUDA "
         f"symmetric memory refuses ranks on the same device unless {_ALLOW_OVERLAPPING}=1 is set "
         "in every rank"
     )
@@ -259,7 +247,8 @@ def _takes_return_a() -> bool:
 def first_contact_facts(device: torch.device) -> list[tuple[str, str]]:
     """``(what, value)`` for what a first run of torch's fused ops on ``device`` depends on: each
     op's schema, whether the device reports multicast (which picks torch's multicast all-gather),
-    the symmetric-memory backend selected, and :data:`_ALLOW_OVERLAPPING` in this process. A fact
+    what the driver reports of its NVLink fabric (which decides groups across hosts), the
+    symmetric-memory backend selected, and :data:`_ALLOW_OVERLAPPING` in this process. A fact
     that cannot be read says why instead. Asking for multicast support marks torch's allocator
     backend as used, after which ``set_backend`` cannot change it: ask in a process that does not
     choose one (gpu_check's parent process, whose ranks are processes of their own)."""
@@ -286,8 +275,15 @@ def first_contact_facts(device: torch.device) -> list[tuple[str, str]]:
         symm_mem, why = _symm_mem_module()
         return why or repr(symmetric_memory._symm_mem_backend(symm_mem, device))
 
+    def fabric() -> Any:
+        if device.type != "cuda":
+            return f"n/a ({device.type})"
+        index = torch.cuda.current_device() if device.index is None else device.index
+        return symmetric_memory.read_fabric_facts(index)
+
     facts = [(f"torch.ops.symm_mem.{name}", read(lambda n=name: schema(n))) for name in _OPS]
     facts.append((f"has_multicast_support({device})", read(multicast)))
+    facts.append((f"NVLink fabric of {device}", read(fabric)))
     facts.append((f"symmetric-memory backend for {device}", read(backend)))
     facts.append((_ALLOW_OVERLAPPING, os.environ.get(_ALLOW_OVERLAPPING, "unset")))
     return facts
@@ -314,8 +310,14 @@ class TorchSymmMemBackend(Backend):
         if why is not None or group is None:
             return why
         # Any group with a store: torch's rendezvous exchanges handles through it (NCCL for real
-        # GPU nodes; gloo where several ranks share one GPU, which NCCL refuses).
-        return _hosts_reason(group) or _shared_gpu_reason(group)
+        # GPU nodes; gloo where several ranks share one GPU, which NCCL refuses). Unlike our
+        # workspaces, torch's ops have no exchange of ours behind them, so a group whose hosts
+        # are unknown (no LOCAL_WORLD_SIZE) is refused too, unless this GPU can join a
+        # multi-node NVLink domain: then torch's rendezvous compares the ranks' cliques.
+        why = symmetric_memory.group_unavailable_reason(
+            group, device, "torch's fused symmetric-memory ops", unknown_hosts_are_a_reason=True
+        )
+        return why or _shared_gpu_reason(group)
 
     def capture_unready_reason(
         self, group: dist.ProcessGroup, device: torch.device, need: CaptureNeed
