@@ -118,14 +118,15 @@ def configs(module: nn.Module) -> tuple[Float8LinearConfig, LinearMMConfig] | No
     return None
 
 
-def plain_weight(weight: torch.Tensor) -> torch.Tensor:
-    """The local weight as a plain tensor: ``quantize_``'s training wrappers (torchao's
-    ``TrainingWeightWrapperBaseTensor``, fp8 and MXFP8) hold it as ``_data``."""
-    w = local_tensor(weight)
+def plain_param(param: torch.Tensor | None) -> torch.Tensor | None:
+    """A Linear's weight or bias, local, as a plain tensor: ``quantize_``'s training wrappers
+    (torchao's ``TrainingWeightWrapperBaseTensor``, fp8 and MXFP8: every parameter of a converted
+    Linear, its bias too) hold it as ``_data``."""
+    t = local_tensor(param)
     wrappers = sys.modules.get("torchao.prototype.moe_training.tensor")
-    if wrappers is not None and isinstance(w, wrappers.TrainingWeightWrapperBaseTensor):
-        return w._data
-    return w
+    if wrappers is not None and isinstance(t, wrappers.TrainingWeightWrapperBaseTensor):
+        return t._data
+    return t
 
 
 def unfusable_reason(module: nn.Module) -> str | None:
@@ -317,7 +318,7 @@ class Float8ColwiseLinears(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call: _Call, x, *params):
         n = call.num_linears
-        weights = [plain_weight(w) for w in params[:n]]
+        weights = [plain_param(w) for w in params[:n]]
         biases = params[n:]
         rows, lead = flatten_rows(local_tensor(x), call.dim)
         rows = rows.contiguous()
@@ -348,7 +349,7 @@ class Float8ColwiseLinears(torch.autograd.Function):
             fast_accum=call.mm.output.use_fast_accum,
             phase="forward",
         )
-        outs = [out if b is None else out + local_tensor(b).to(out.dtype)
+        outs = [out if b is None else out + plain_param(b).to(out.dtype)
                 for out, b in zip(outs, biases)]  # fmt: skip
         need = ctx.needs_input_grad
         ctx.call, ctx.lead, ctx.specs = call, lead, dtensor_specs(x, *params)
@@ -419,15 +420,32 @@ def _colwise_dgrad(
     )
 
 
+def bias_grad(call, grad_rows: torch.Tensor) -> torch.Tensor:
+    """``d bias [N]`` of a rowwise Linear whose output is scattered: the sum of every rank's rows
+    of ``dY`` (``grad_rows``, this rank's). Each rank's fp32 column sums are gathered (one
+    ``[W, N]`` gather) and added in rank order, so every rank holds the same replicated grad.
+    ``call``: this module's or :mod:`tp_kernels.mxfp8`'s (its ``impl`` and ``group``; traced
+    when ``impl`` is None)."""
+    partial = grad_rows.float().sum(0, keepdim=True)
+    if call.impl is None:
+        sums = scaled_compiled.scaled_all_gather(partial, *call.op_args("backward"))
+    else:
+        sent = gather_bytes(partial, call.group)
+        record("backward", "all_gather", call.impl.name, sent_bytes=sent)
+        sums = call.impl.all_gather_async(partial, call.group).wait()
+    return sums.sum(0).to(grad_rows.dtype)
+
+
 class Float8RowwiseLinear(torch.autograd.Function):
-    """``apply(call, x, weight)`` -> this rank's rows (along ``call.dim``) of
-    ``Float8Linear(x)`` summed over the group: ``x [..., K_r]`` sharded on its last dim
-    (``weight [N, K_r]``, local or DTensor), the result ``[..., s, ..., N]`` with ``s`` the
-    scattered dim's size over ``W``. See the module docstring's second table."""
+    """``apply(call, x, weight, bias)`` -> this rank's rows (along ``call.dim``) of
+    ``Float8Linear(x)`` summed over the group, plus ``bias``: ``x [..., K_r]`` sharded on its
+    last dim (``weight [N, K_r]``, local or DTensor; ``bias [N]``, replicated, or None), the
+    result ``[..., s, ..., N]`` with ``s`` the scattered dim's size over ``W``. See the module
+    docstring's second table."""
 
     @staticmethod
-    def forward(ctx, call: _Call, x, weight):
-        w = plain_weight(weight)
+    def forward(ctx, call: _Call, x, weight, bias):
+        w = plain_param(weight)
         rows, lead = flatten_rows(local_tensor(x), call.dim)
         rows = rows.contiguous()
         c = call.config
@@ -446,9 +464,11 @@ class Float8RowwiseLinear(torch.autograd.Function):
             fast_accum=call.mm.output.use_fast_accum,
             phase="forward",
         )
+        if bias is not None:  # added once, after the sum
+            out = out + plain_param(bias).to(out.dtype)
         need = ctx.needs_input_grad
-        ctx.call, ctx.lead, ctx.specs = call, lead, dtensor_specs(x, weight)
-        ctx.need_x, ctx.need_w = need[1], need[2]
+        ctx.call, ctx.lead, ctx.specs = call, lead, dtensor_specs(x, weight, bias)
+        ctx.need_x, ctx.need_w, ctx.need_bias = need[1], need[2], need[3]
         ctx.save_for_backward(rows if ctx.need_w else None, w if ctx.need_x else None)
         return unflatten_rows(out, (lead[0] // call.world, *lead[1:]), call.dim)
 
@@ -483,7 +503,8 @@ class Float8RowwiseLinear(torch.autograd.Function):
             x8 = _cast(rows, c.cast_config_input_for_grad_weight, 0, GemmInputRole.INPUT, call,
                        sharded_dim=1, phase="backward")  # fmt: skip
             grad_w = torch.mm(gathered_g.wait().t(), x8)
-        return None, *map(as_grad, (grad_x, grad_w), ctx.specs)
+        grad_b = bias_grad(call, g) if ctx.need_bias else None
+        return None, *map(as_grad, (grad_x, grad_w, grad_b), ctx.specs)
 
 
 def call_for(

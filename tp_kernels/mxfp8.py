@@ -78,7 +78,7 @@ from torchao.quantization.quantize_.common.kernel_preference import KernelPrefer
 from tp_kernels.backends import current_backend, get_backend
 from tp_kernels.backends.base import Backend
 from tp_kernels.backends.scaled import BlockScaling, pack_mx_rows, unpack_mx_rows
-from tp_kernels.float8 import plain_weight
+from tp_kernels.float8 import bias_grad, plain_param
 from tp_kernels.ops.planning import (
     as_grad,
     dtensor_specs,
@@ -317,13 +317,13 @@ class MXColwiseLinears(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call: _Call, x, *params):
         n = call.num_linears
-        weights = [plain_weight(w) for w in params[:n]]
+        weights = [plain_param(w) for w in params[:n]]
         biases = params[n:]
         rows, lead = flatten_rows(local_tensor(x), call.dim)
         rows = rows.contiguous()
         x_mx = _dim0(rows, call.recipe)
         outs = _gather(call, x_mx, [_dim0(w, call.recipe).t() for w in weights], phase="forward")
-        outs = [out if b is None else out + local_tensor(b).to(out.dtype)
+        outs = [out if b is None else out + plain_param(b).to(out.dtype)
                 for out, b in zip(outs, biases)]  # fmt: skip
         need = ctx.needs_input_grad
         ctx.call, ctx.lead, ctx.specs = call, lead, dtensor_specs(x, *params)
@@ -365,20 +365,23 @@ class MXColwiseLinears(torch.autograd.Function):
 
 
 class MXRowwiseLinear(torch.autograd.Function):
-    """``apply(call, x, weight)`` -> this rank's rows (along ``call.dim``) of
-    ``MXFP8Linear(x)`` summed over the group: ``x [..., K_r]`` sharded on its last dim
-    (``weight [N, K_r]``, local or DTensor). See the module docstring's second table."""
+    """``apply(call, x, weight, bias)`` -> this rank's rows (along ``call.dim``) of
+    ``MXFP8Linear(x)`` summed over the group, plus ``bias``: ``x [..., K_r]`` sharded on its last
+    dim (``weight [N, K_r]``, local or DTensor; ``bias [N]`` or None). See the module
+    docstring's second table."""
 
     @staticmethod
-    def forward(ctx, call: _Call, x, weight):
-        w = plain_weight(weight)
+    def forward(ctx, call: _Call, x, weight, bias):
+        w = plain_param(weight)
         rows, lead = flatten_rows(local_tensor(x), call.dim)
         rows = rows.contiguous()
         out = _reduce_scatter(call, _dim0(rows, call.recipe), _dim0(w, call.recipe).t(),
                               phase="forward")  # fmt: skip
+        if bias is not None:  # added once, after the sum
+            out = out + plain_param(bias).to(out.dtype)
         need = ctx.needs_input_grad
-        ctx.call, ctx.lead, ctx.specs = call, lead, dtensor_specs(x, weight)
-        ctx.need_x, ctx.need_w = need[1], need[2]
+        ctx.call, ctx.lead, ctx.specs = call, lead, dtensor_specs(x, weight, bias)
+        ctx.need_x, ctx.need_w, ctx.need_bias = need[1], need[2], need[3]
         ctx.save_for_backward(local_tensor(x) if ctx.need_w else None,
                               w if ctx.need_x else None)  # fmt: skip
         return unflatten_rows(out, (lead[0] // call.world, *lead[1:]), call.dim)
@@ -398,4 +401,5 @@ class MXRowwiseLinear(torch.autograd.Function):
         if ctx.need_w:
             rows = x.reshape(-1, x.shape[-1]).contiguous()  # torchao's token order, as g_all
             grad_w = _wgrad(gathered_g.wait(), _token_cast(rows, call.recipe), call.recipe)
-        return None, *map(as_grad, (grad_x, grad_w), ctx.specs)
+        grad_b = bias_grad(call, g) if ctx.need_bias else None
+        return None, *map(as_grad, (grad_x, grad_w, grad_b), ctx.specs)

@@ -406,8 +406,8 @@ def _quantized_why_not(
     weights, biases = [c.weight for c in children], [c.bias for c in children]
     from tp_kernels import float8
 
-    # quantize_'s weights are torchao's wrapper subclass: what the path reads is the tensor inside.
-    eager = _eager(x, [float8.plain_weight(w) for w in weights], biases)
+    # quantize_'s parameters are torchao's wrapper subclass: the path reads the tensor inside.
+    eager = _eager(x, [float8.plain_param(p) for p in weights + biases], [])
     if fused.quantized == "float8":
         return None if torch.compiler.is_compiling() or eager else _NOT_EAGER["float8"]
     if not eager:
@@ -473,11 +473,7 @@ def _quantized_rowwise(module: nn.Module, x: Any, dim: int, fused: _FusedLinear)
     path, _, rowwise = _quantized_path(fused)
     group = _traced_group(fused)
     call = path.call_for([module], local_tensor(x), dim, group, fused.backend, colwise=False)
-    x, weight, bias = _traced_locals(x, module.weight, module.bias)
-    y = rowwise.apply(call, x, weight)
-    if bias is not None:
-        y = y + local_tensor(bias).to(y.dtype)
-    return y
+    return rowwise.apply(call, *_traced_locals(x, module.weight, module.bias))
 
 
 def _sharded_last(placement: Placement, ndim: int) -> bool:
