@@ -320,12 +320,13 @@ def _float8_functions() -> tuple[type, type]:
 
     @spmd.register_autograd_function
     class Float8Scatter(float8.Float8RowwiseLinear):
-        """:class:`LinearReduceScatter`'s contract (no bias), fp8."""
+        """:class:`LinearReduceScatter`'s contract, fp8 (the replicated bias added once, after
+        the scatter, as LinearReduceScatter adds it)."""
 
         @staticmethod
-        def typecheck_forward(call, x, weight):
+        def typecheck_forward(call, x, weight, bias):
             want = _types_in(x, [(x, spmd.S(1)), (weight, spmd.S(1))], call.group)
-            out = Float8Scatter.apply(call, x, weight)
+            out = Float8Scatter.apply(call, x, weight, bias)
             spmd.assert_type(out, {**want, call.group: spmd.S(0)})
             return out
 
@@ -368,6 +369,4 @@ class Routed:
         from tp_kernels import float8
 
         call = float8.call_for(mods, x, 0, group, current_backend(), colwise=False)
-        y = _float8_functions()[1].apply(call, x, weights[0])
-        # the replicated bias added once, after the scatter (as LinearReduceScatter adds it)
-        return y if bias is None else y + bias.to(y.dtype)
+        return _float8_functions()[1].apply(call, x, weights[0], bias)
