@@ -508,3 +508,62 @@ def test_a_captured_float8_step_does_nothing_forbidden(worlds):
             ("all_gather", m * H),  # dY's fp8 bytes for its weight grad
         ], got["needs"]
         assert "new shape class" in got["refused"] and "nothing was launched" in got["refused"]
+
+
+def _mxfp8_hygiene(backend: str) -> dict:
+    """test_mxfp8's SwiGLU block of MXFP8Linears on tp_kernels' styles: an eager step, then the
+    same step captured."""
+    import test_mxfp8 as mx
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    block = mx._convert(mx.SwiGLU(64, 64 * world).to(torch.bfloat16), "MXFP8Linear")
+    ours = tpk.parallelize_module(block, mx._mesh(), mx._block_plan(tpk))
+    x = torch.randn(mx.B, mx.TOKENS * world, 64).to(torch.bfloat16).chunk(world, dim=1)[rank]
+    needs: list[tuple[str, int]] = []
+    impl = get_backend(backend)
+    ask = impl.capture_unready_reason
+
+    def spy(group, device, need):
+        needs.append((need.op, need.nbytes))
+        return ask(group, device, need)
+
+    def step() -> list[torch.Tensor]:
+        ours.zero_grad(set_to_none=True)
+        return mx._block_step(ours, x)
+
+    with tpk.use_backend(backend):
+        warm = step()
+        with _forbidding() as seen, _capturing() as asked:
+            with _patched([(impl, "capture_unready_reason", spy)]):
+                try:
+                    captured = step()
+                except Forbidden:
+                    captured = []
+    return {
+        "forbidden": seen,
+        "probes": asked[0],
+        "same": len(captured) == len(warm) and all(map(torch.equal, captured, warm)),
+        "needs": needs,
+        "tokens": x.shape[0] * x.shape[1],
+    }
+
+
+def test_a_captured_mxfp8_step_does_nothing_forbidden(worlds):
+    """The fused MXFP8 path (tp_kernels/mxfp8.py) under capture: the eager step's backend, asked
+    for every buffer the step and its backward need (packed e4m3 rows with their e8m0 scales,
+    ``K + K/32`` bytes padded to 16; the partials; the weight grads' operands gathered along the
+    tokens), no host synchronization or exchange, the eager step's values."""
+    from tp_kernels.tiling import mx_row_bytes
+
+    for got in worlds(2).run(_mxfp8_hygiene, "reference"):
+        assert got["forbidden"] == [] and got["probes"] >= 2 and got["same"], got
+        m, h = got["tokens"], 64
+        assert got["needs"] == [
+            ("all_gather_matmul", m * mx_row_bytes(h)),  # w1/w3's gather of x
+            ("matmul_reduce_scatter", 2 * m * h * 2),  # its dgrad: [W*m, H] bf16 partials
+            ("all_gather", h * mx_row_bytes(m)),  # x along the tokens, for the weight grads
+            ("matmul_reduce_scatter", 2 * m * h * 2),  # w2: [W*m, H] bf16 partials
+            ("all_gather_matmul", m * mx_row_bytes(h)),  # its dgrad's gather of dY
+            ("all_gather", h * mx_row_bytes(m)),  # dY along the tokens, for its weight grad
+        ], got["needs"]

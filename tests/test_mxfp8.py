@@ -174,7 +174,7 @@ def _one_linear(conversion: str, style: str, backend: str) -> dict:
     }
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 @pytest.mark.parametrize("backend", ["reference", "pipelined", "symm"])
 def test_an_mxfp8_linear_is_torchao_s_bit_for_bit_but_its_reduce_scatter(
     worlds, world_size, backend

@@ -420,6 +420,9 @@ def _colwise_dgrad(
     )
 
 
+BIAS_SUM_BYTES = torch.float32.itemsize  # a rank's column sum of dY, gathered by bias_grad
+
+
 def bias_grad(call, grad_rows: torch.Tensor) -> torch.Tensor:
     """``d bias [N]`` of a rowwise Linear whose output is scattered: the sum of every rank's rows
     of ``dY`` (``grad_rows``, this rank's). Each rank's fp32 column sums are gathered (one
@@ -528,8 +531,9 @@ def call_for(
     def needs() -> list[CaptureNeed]:
         grad_x = requires_grad([x])
         grad_w = requires_grad([mod.weight for mod in modules])
+        grad_b = not colwise and requires_grad([mod.bias for mod in modules])
         return _capture_needs(config, colwise, m, k, max(ns), out_dtype, group.size(),
-                              grad_x=grad_x, grad_w=grad_w)  # fmt: skip
+                              grad_x=grad_x, grad_w=grad_w, grad_b=grad_b)  # fmt: skip
 
     world = group.size()
     if torch.compiler.is_compiling():
@@ -545,13 +549,14 @@ def call_for(
 
 def _capture_needs(
     c: Float8LinearConfig, colwise: bool, m: int, k: int, n: int, out_dtype: torch.dtype,
-    world: int, *, grad_x: bool, grad_w: bool,
+    world: int, *, grad_x: bool, grad_w: bool, grad_b: bool,
 ) -> list[CaptureNeed]:  # fmt: skip
     """What a fused fp8 call and the backward parts autograd will run for it need of a backend
     under CUDA graph capture (``m`` local rows, ``K`` the input's features, ``n`` the widest
     output): the gather of fp8 rows (``+16`` bytes a row where each carries its scale), the
-    reduce-scatter of ``[W*m, .]`` ``out_dtype`` partials, and the wgrad operand's re-gather
-    (fp8 bytes, or high precision where the recipe disables that cast)."""
+    reduce-scatter of ``[W*m, .]`` ``out_dtype`` partials, the wgrad operand's re-gather
+    (fp8 bytes, or high precision where the recipe disables that cast) and the rowwise bias
+    grad's gather of ``[N]`` fp32 sums (:func:`bias_grad`)."""
 
     def row_bytes(width: int, cc) -> int:
         rowwise = cc.scaling_granularity is ScalingGranularity.AXISWISE
@@ -579,4 +584,6 @@ def _capture_needs(
     if grad_w:
         wgrad = wgrad_bytes(n, c.cast_config_grad_output_for_grad_weight)
         needs.append(CaptureNeed("all_gather", wgrad, fp8))
+    if grad_b:
+        needs.append(CaptureNeed("all_gather", BIAS_SUM_BYTES * n, torch.float32))
     return needs

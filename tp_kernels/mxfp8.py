@@ -76,9 +76,10 @@ from torchao.prototype.mx_formats.utils import _to_mxfp8_dim1_kernel_wrapper
 from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
 
 from tp_kernels.backends import current_backend, get_backend
-from tp_kernels.backends.base import Backend
+from tp_kernels.backends.base import Backend, CaptureNeed
 from tp_kernels.backends.scaled import BlockScaling, pack_mx_rows, unpack_mx_rows
-from tp_kernels.float8 import bias_grad, plain_param
+from tp_kernels.float8 import BIAS_SUM_BYTES, bias_grad, plain_param
+from tp_kernels.ops.capture import requires_grad
 from tp_kernels.ops.planning import (
     as_grad,
     dtensor_specs,
@@ -89,7 +90,7 @@ from tp_kernels.ops.planning import (
     unflatten_rows,
 )
 from tp_kernels.ops.scaled import run_gather, run_reduce_scatter, scaled_backend
-from tp_kernels.tiling import MX_BLOCK
+from tp_kernels.tiling import MX_BLOCK, mx_row_bytes
 
 __all__ = ["MXColwiseLinears", "MXRowwiseLinear", "call_for", "recipe_of", "unfusable_reason"]
 
@@ -184,9 +185,52 @@ def call_for(
     m = x.numel() // k if colwise else x.numel() // k // world
     ns = [_weight(mod).shape[0] for mod in modules]
     op = "scaled_all_gather_matmul" if colwise else "scaled_matmul_reduce_scatter"
-    impl = scaled_backend(backend, group, op, m, k, ns, x.dtype, x.device, block_scaled=True)
     recipe = recipe_of(modules[0])
+
+    def needs() -> list[CaptureNeed]:
+        grad_x = requires_grad([x])
+        grad_w = requires_grad([mod.weight for mod in modules])
+        grad_b = not colwise and requires_grad([mod.bias for mod in modules])
+        return _capture_needs(recipe, colwise, m, k, max(ns), x.dtype, world,
+                              grad_x=grad_x, grad_w=grad_w, grad_b=grad_b)  # fmt: skip
+
+    impl = scaled_backend(backend, group, op, m, k, ns, x.dtype, x.device, needs,
+                          block_scaled=True)  # fmt: skip
     return _Call(impl, group, world, dim, recipe, len(modules))
+
+
+def _capture_needs(
+    recipe: Recipe, colwise: bool, m: int, k: int, n: int, out_dtype: torch.dtype, world: int,
+    *, grad_x: bool, grad_w: bool, grad_b: bool,
+) -> list[CaptureNeed]:  # fmt: skip
+    """What a fused MXFP8 call and the backward parts autograd will run for it need of a backend
+    under CUDA graph capture (``m`` local tokens, ``K`` the input's features, ``n`` the widest
+    output): the gathers of packed rows, the reduce-scatters of ``[W*m, .]`` partials, the weight
+    grad operand's gather along the tokens (``C`` rows of ``m`` tokens packed, or ``m`` high
+    precision rows) and the rowwise bias grad's sums."""
+
+    def tokens(width: int) -> int:
+        if recipe.wgrad_with_hp:
+            return m * width * out_dtype.itemsize
+        return width * mx_row_bytes(m)
+
+    product = world * m * out_dtype.itemsize
+    if colwise:  # forward gather of x [m, K]; dgrad scatter of [W*m, K]; x gathered for wgrad
+        needs = [CaptureNeed("all_gather_matmul", m * mx_row_bytes(k), _E4M3)]
+        if grad_x:
+            needs.append(CaptureNeed("matmul_reduce_scatter", product * k, _E4M3))
+        if grad_w:
+            needs.append(CaptureNeed("all_gather", tokens(k), _E4M3))
+        return needs
+    # forward scatter of [W*m, N]; dgrad gather of dY [m, N]; dY gathered for wgrad
+    needs = [CaptureNeed("matmul_reduce_scatter", product * n, _E4M3)]
+    if grad_x:
+        needs.append(CaptureNeed("all_gather_matmul", m * mx_row_bytes(n), _E4M3))
+    if grad_w:
+        needs.append(CaptureNeed("all_gather", tokens(n), _E4M3))
+    if grad_b:
+        needs.append(CaptureNeed("all_gather", BIAS_SUM_BYTES * n, torch.float32))
+    return needs
 
 
 # torchao's mx_mm casts dim-0 operands with its Triton kernel (the torch cast where emulated)
