@@ -380,6 +380,36 @@ def test_a_backend_that_takes_no_block_scales_falls_back_counted(worlds):
         assert result["error"] == 0.0  # the modules' own forward under PyTorch's layouts
 
 
+def _block_scaled_choice() -> dict:
+    """``scaled_backend`` for a block-scaled call when the choice lands on a backend that takes
+    no block scales (torch_symm_mem, which cannot run on this CPU: its choice is faked)."""
+    from tp_kernels.ops import scaled
+
+    group = dist.group.WORLD
+    order = ("torch_symm_mem", "pipelined", "reference")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(scaled, "resolve", lambda name, shape, group: name or order[0])
+        patch.setattr(scaled, "current_backend", lambda: "auto")
+        patch.setattr(scaled, "capture_order", lambda shape, group: order)
+        args = (group, "scaled_all_gather_matmul", 32, 64, [64], torch.bfloat16)
+        chosen = scaled.scaled_backend(None, *args, torch.device("cpu"), block_scaled=True)
+        try:
+            scaled.scaled_backend("torch_symm_mem", *args, torch.device("cpu"), block_scaled=True)
+            named = "ran"
+        except RuntimeError as exc:
+            named = str(exc)
+    return {"auto": chosen.name, "named": named}
+
+
+def test_auto_passes_over_a_backend_that_takes_no_block_scales(worlds):
+    """Under ``auto`` the next backend of its ranking that takes block scales runs the call
+    (the same on every rank); named, the backend that cannot raises naming why (the styles
+    fall back before asking: test above)."""
+    (got,) = worlds(1).run(_block_scaled_choice)
+    assert got["auto"] == "pipelined", got
+    assert "torch_symm_mem" in got["named"] and "e8m0" in got["named"], got
+
+
 def _unknown_weight_subclass() -> dict:
     """A Linear whose weight is a wrapper subclass the fused path does not know (a training
     wrapper of torchao's that changes nothing: what a new recipe's would look like)."""
