@@ -9,9 +9,10 @@ Usage::
     styles and the _scaled_mm roof, K and N multiples of 16, torchao installed; see
     tp_kernels.bench.ops_fp8)
     python -m tp_kernels.bench model [--gpu h100] [--tp 8] [--tokens 2048 8192]
-        [--model llama3-70b | --fp8] [--param NAME=VALUE]   (the cost model's schedules for
-        Llama-3's fused ops, with --model its plan of a whole model, with --fp8 fused fp8
-        against torchao's unfused fp8 and fused bf16; see tp_kernels.bench.model)
+        [--model llama3-70b | --fp8 | --mxfp8] [--param NAME=VALUE]   (the cost model's
+        schedules for Llama-3's fused ops, with --model its plan of a whole model, with --fp8
+        fused fp8 against torchao's unfused fp8 and fused bf16, with --mxfp8 the MXFP8 path
+        against torchtitan's on B200 and GB200; see tp_kernels.bench.model)
     python -m tp_kernels.bench overhead [--world-sizes 1 2]   (the host's microseconds per fused
         call and TP Linear, see tp_kernels.bench.overhead)
 
