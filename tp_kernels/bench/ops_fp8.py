@@ -1,4 +1,6 @@
-"""The fp8 cases of the op benchmarks (``--dtype fp8-rowwise`` / ``fp8-tensorwise``, issue 27).
+"""The scaled cases of the op benchmarks: ``--dtype fp8-rowwise`` / ``fp8-tensorwise`` (issue 27)
+and ``--dtype mxfp8`` (issue 36), one code by operand kind (:class:`_Fp8Operands`,
+:class:`_MXOperands`).
 
 On each rank ``r`` of ``W`` (``K`` and ``N`` multiples of 16, which ``torch._scaled_mm`` needs and
 the CLI checks), with ``cast`` torchao's dynamic cast to ``float8_e4m3fn`` (``x8 = x * s``,
@@ -40,6 +42,18 @@ per rank for every provider. The providers and what each one's timed region hold
   output ``[M, N]``; the rowwise Linear's ``[N, W*K]`` weight is ``cat_r B_r^T``.
 * ``roof``: ``_scaled_mm`` of the full ``[M, K] x [K, N]`` operands (``ag_matmul``: the gathered
   ``a8``; ``matmul_rs``: the rank's own), no communication and no cast.
+
+``--dtype mxfp8`` (``K`` and ``N`` multiples of 32): the same, with torchao's MXFP8 recipe
+(RCEIL): every operand cast by ``MXTensor.to_mx`` in blocks of 32 along ``K`` with an e8m0
+scale each (:func:`tp_kernels.mxfp8.cast_rows`), on each rank's own rows: no block spans ranks,
+so no amax is all-reduced. The fused providers are tp_kernels' block-scaled path on ready MX
+operands (:func:`tp_kernels.mxfp8.all_gather_mx_matmul`, :func:`~tp_kernels.mxfp8.
+mx_matmul_reduce_scatter`: the packed rows, ``mx_row_bytes(K)`` each, on the wire) on each
+backend that takes block scales (``torch_symm_mem`` does not: skipped, named); ``torchao`` is
+``MXFP8Linear`` under the same PyTorch styles (its communication in bf16, as torchtitan's MXFP8
+TP); ``roof`` torchao's MX GEMM (``torch.mm`` of the MXTensors). torchao's kernels are AUTO on
+a CUDA GPU of compute capability 10.x and EMULATED elsewhere (the table says which): emulated
+times are not MXFP8 speeds.
 
 The check: every provider against ``reference``. The fp8 operands and scales are the same bytes
 for every provider (torchao's casts of the same tensors with the same amaxes; ``torchao`` and
