@@ -302,10 +302,14 @@ def _torchao_linear(
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """torchao's ``module`` (the full, unsharded weight; the same on every rank) parallelized by
     PyTorch's ``style``; returns its forward without autograd, its output as a local tensor."""
+    import warnings
+
     import torch.distributed.tensor.parallel as torch_tp
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
     from torch.distributed.tensor import DTensor
 
+    # torchao warns about its own deprecations; they are not this benchmark's.
+    warnings.filterwarnings("ignore", module="torchao")
     module = torch_tp.parallelize_module(module, mesh, style)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
