@@ -434,14 +434,14 @@ def _fp8_outputs(dtype: str) -> dict[str, list[torch.Tensor]]:
     return {name: case.providers[name]() for name in case.providers}
 
 
-@pytest.mark.parametrize("dtype", ["fp8-rowwise", "fp8-tensorwise"])
+@pytest.mark.parametrize("dtype", ["fp8-rowwise", "fp8-tensorwise", "mxfp8"])
 def test_fp8_outputs_are_the_scaled_product_of_the_bf16_inputs(dtype, worlds):
     """The check above compares providers with one another; this one ties them to the inputs:
     the reference's fp8 all-gather-matmul is within fp8's quantization error of the bf16
     product it stands for (e4m3 keeps 3 mantissa bits: each operand within 2^-4 relative;
     the products' errors add up like a random walk, so 2^-3 of the output's rms bounds it), and
-    torchao's Float8Linear under PyTorch's styles gives the reference's output bit for bit (the
-    same casts, the same _scaled_mm rows)."""
+    torchao's Float8Linear (MXFP8Linear) under PyTorch's styles gives the reference's output bit
+    for bit (the same casts, the same GEMM rows)."""
     pytest.importorskip("torchao.float8")
     outs = worlds(2).run(_fp8_outputs, dtype)[0]
     gen = torch.Generator().manual_seed(0)
@@ -495,3 +495,71 @@ def test_fp8_predictions_on_a_gpu_the_model_knows(monkeypatch):
     assert times["torchao"] == pytest.approx(want)
     assert times["roof"] == pytest.approx(fused.compute_s * 1e3) and "H100" in note
     assert times["torchao"] > times["auto+cast"]  # a bf16 gather and 8x the rows to cast
+
+
+# --- MXFP8 (issue 36) -----------------------------------------------------------------------
+
+MX_ARGV = ["ag_matmul", "matmul_rs", "--M", "64", "--K", "64", "--N", "32", "--rounds", "2",
+           "--warmup", "1", "--dtype", "mxfp8"]  # fmt: skip
+
+
+def test_cli_mxfp8_every_provider_runs_and_passes_its_check(worlds, tmp_path, capsys):
+    """``--dtype mxfp8``, W=2 on gloo: tp_kernels' block-scaled path on each backend that takes
+    block scales (operands cast by torchao's MXTensor.to_mx), auto with its casts, torchao's
+    MXFP8Linear under PyTorch's styles and the MX GEMM roof run, each checked against the
+    reference; the table says the kernels are EMULATED here and the model has no rate."""
+    pytest.importorskip("torchao.prototype.moe_training")
+    from tp_kernels.bench.ops_fp8 import fp8_tolerance
+
+    path = tmp_path / "mxfp8.json"
+    assert main([*MX_ARGV, "--out", str(path)], world=worlds(2)) == 0
+    printed = capsys.readouterr().out
+    assert "== ag_matmul  a_shard[32,64]  b[64,32]  out[64,32]  mxfp8  world=2" in printed
+    assert "== matmul_rs  a[64,64]  b[64,32]  out[32,32]  mxfp8  world=2" in printed
+    assert printed.count("(EMULATED: torchao's MX casts and GEMMs in torch's ops") == 2
+    report = json.loads(path.read_text())
+    symm_ok = tp_kernels.available_backends()["symm"] == "ok"
+    expected = ["reference", "pipelined", *(["symm"] if symm_ok else []), "auto", "auto+cast",
+                "torchao", "roof"]  # fmt: skip
+    for bench, roundings in zip(report["benchmarks"], (1, 2 + 1)):
+        assert bench["mismatches"] == {}, bench["name"]
+        assert list(bench["providers"]) == expected
+        assert bench["tolerance"] == pytest.approx(fp8_tolerance(64, roundings))
+        assert "no mxfp8 rate" in bench["model_note"] and "EMULATED" in bench["note"]
+        for name, rec in bench["providers"].items():
+            assert rec["checked"] is (name != "roof")
+            assert rec["max_abs_err"] <= bench["tolerance"]
+            assert len(rec["times_ms"]) == 2 and all(t > 0 for t in rec["times_ms"])
+
+
+def test_cli_mxfp8_takes_whole_mx_blocks(capsys):
+    for flag in ("--K", "--N"):
+        with pytest.raises(SystemExit):
+            parse_args(["ag_matmul", "--dtype", "mxfp8", flag, "48"])
+        err = capsys.readouterr().err
+        assert f"{flag} 48: --dtype mxfp8 needs a multiple of 32 (the fused MXFP8 path" in err
+    assert parse_args(["--dtype", "mxfp8"]).benchmarks == ["ag_matmul", "matmul_rs"]
+
+
+def test_mxfp8_predictions_on_blackwell_and_none_on_hopper(monkeypatch):
+    """On a B200 the mxfp8 rows get ``bench model --mxfp8``'s times: the block-scaled schedules
+    the model has (reference, pipelined; symm's torch schedule has none), torchao's path as
+    torchtitan's (bf16 gather, the MX cast of all W*m rows); on an H100 none (no MX tensor
+    cores)."""
+    from tp_kernels import cost
+    from tp_kernels.bench.ops_fp8 import fp8_predictions_ms
+
+    b200 = cost.DEVICES["b200"]
+    monkeypatch.setattr(cost, "device_spec", lambda device: b200)
+    m, k, n, w = 1024, 8192, 7168, 8
+    runnable = ["reference", "pipelined", "symm"]
+    times, note = fp8_predictions_ms(cost.AG, m, k, n, w, CPU, runnable, dtype="mxfp8")
+    fused = cost.op_cost(cost.AG, m, k, n, w, "mxfp8", b200)
+    titan = cost.op_cost(cost.AG, m, k, n, w, "mxfp8", b200, wire="bf16")
+    assert "symm" not in times and "mxfp8" in note
+    assert times["auto"] == pytest.approx(min(fused.backends_s.values()) * 1e3)
+    cast_all = cost.quantize_s(w * m, k, b200, "mxfp8")
+    assert times["torchao"] == pytest.approx((titan.backends_s["reference"] + cast_all) * 1e3)
+    monkeypatch.setattr(cost, "device_spec", lambda device: cost.DEVICES["h100"])
+    times, note = fp8_predictions_ms(cost.AG, m, k, n, w, CPU, runnable, dtype="mxfp8")
+    assert times == {} and "no mxfp8 rate for H100 SXM5" in note

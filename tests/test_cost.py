@@ -348,7 +348,7 @@ def test_fp8_table_compares_fused_fp8_with_torchaos_unfused_path_and_fused_bf16(
     assert "per layer (forward: wq/wk/wv, wo, w1/w3, w2), ms:" in out
     assert "fp8: assumed until measured" in out
     h200 = cost.DEVICES["h200"]
-    rows = model.fp8_rows(h200, 8)
+    rows = model.scaled_rows(h200, 8)
     assert len(rows) == 24  # 3 models x 2 token counts x 4 forward fused ops
     assert {(r.model, r.tokens) for r in rows} == {
         (name, t) for name in model.MODELS for t in model.TOKENS
@@ -365,18 +365,18 @@ def test_fp8_table_compares_fused_fp8_with_torchaos_unfused_path_and_fused_bf16(
         # torchao casts every gathered row (W*m) after a bf16 gather; the fused gather casts the
         # rank's m rows before they travel; a reduce-scatter's W*m local rows are cast in both.
         own = r.m if r.op == AG else 8 * r.m
-        assert r.torchao_s == pytest.approx(
+        assert r.unfused_s == pytest.approx(
             unfused.schedules_s["reference"] + cost.quantize_s(8 * r.m, r.k, h200)
         )
-        assert r.fp8_fused_s == pytest.approx(
+        assert r.fused_s == pytest.approx(
             min(fp8[b] for b in model.FUSED) + cost.quantize_s(own, r.k, h200)
         )
         assert r.bf16_fused_s == min(bf16[b] for b in model.FUSED)
-        assert r.fp8_sol_s <= r.fp8_fused_s
+        assert r.sol_s <= r.fused_s
     # Where the GEMMs bound the call (70B's w1/w3 at 8192 tokens), fp8 nearly halves bf16.
     w13 = next(r for r in rows if (r.model, r.tokens, r.linear) ==
                ("llama3-70b", 8192, "feed_forward.w1/w3"))  # fmt: skip
-    assert 1.8 < w13.bf16_fused_s / w13.fp8_fused_s < 2.0
+    assert 1.8 < w13.bf16_fused_s / w13.fused_s < 2.0
 
 
 def test_fp8_table_refuses_a_gpu_without_fp8_and_a_model_plan(capsys):
@@ -386,6 +386,112 @@ def test_fp8_table_refuses_a_gpu_without_fp8_and_a_model_plan(capsys):
         assert info.value.code == 2
     err = capsys.readouterr().err
     assert "A100 SXM4 has no fp8 tensor cores" in err and "leave out --model" in err
+
+
+# --- MXFP8 (issue 36) ------------------------------------------------------------------------
+
+B200, GB200 = cost.DEVICES["b200"], cost.DEVICES["gb200"]
+
+
+def test_mxfp8_rates_are_blackwells_fp8_and_hopper_has_none():
+    """Dense MXFP8 is the datasheet's dense FP8 on Blackwell; Hopper and Ampere have no MX tensor
+    cores, so the model has no rate there and refuses the dtype rather than invent one."""
+    for spec in (B200, GB200):
+        assert spec.peak_tflops["mxfp8"] == spec.peak_tflops["fp8"] == 2 * spec.peak_tflops["bf16"]
+        assert "TransformerEngine/support_matrix" in spec.source
+        assert spec.sources["mxfp8"].startswith("assumed")
+    assert GB200.peak_tflops["mxfp8"] == 5000.0 and B200.peak_tflops["mxfp8"] == 4500.0
+    for name in ("h100", "h200", "a100"):
+        assert "mxfp8" not in cost.DEVICES[name].peak_tflops
+        with pytest.raises(ValueError, match="has no mxfp8 rate"):
+            cost.op_cost(AG, 32, 64, 32, 2, "mxfp8", cost.DEVICES[name])
+
+
+def test_mxfp8_gathers_mx_rows_and_runs_the_block_scaled_schedules():
+    """The MXFP8 all-gather moves tiling.mx_row_bytes(K) a row (K + K/32 padded to 16: about
+    0.52 of bf16's 2 K), torchtitan's gather bf16; the reduce-scatter bf16 partials; the GEMM
+    at the MXFP8 rate; only reference and pipelined run block scales."""
+    m, k, n = 1024, 8192, 1280
+    bf16 = cost.op_cost(AG, m, k, n, 8, "bf16", B200)
+    mx = cost.op_cost(AG, m, k, n, 8, "mxfp8", B200)
+    assert tiling.mx_row_bytes(k) == k + k // 32  # 256 scale bytes: already a multiple of 16
+    assert cost.Problem(m, k, (n,), 8, "mxfp8", B200).row_bytes == tiling.mx_row_bytes(k)
+    assert mx.comm_s == pytest.approx(bf16.comm_s * tiling.mx_row_bytes(k) / (2 * k))
+    assert 0.51 < mx.comm_s / bf16.comm_s < 0.52
+    assert mx.compute_s == pytest.approx(2 * 8 * m * k * n / (4500e12 * B200.gemm_efficiency))
+    assert set(mx.schedules_s) == set(mx.backends_s) == {"reference", "pipelined"}
+    nccl = B200.nccl_latency_s + 7 * m * tiling.mx_row_bytes(k) / (900e9 * B200.nccl_efficiency)
+    gemm = cost.gemm_s(8 * m, k, n, "mxfp8", B200, cublas=True)
+    assert mx.schedules_s["reference"] == pytest.approx(nccl + gemm)
+    titan = cost.op_cost(AG, m, k, n, 8, "mxfp8", B200, wire="bf16")
+    assert titan.comm_s == pytest.approx(bf16.comm_s)
+    rs = cost.op_cost(RS, m, n, k, 8, "mxfp8", B200)
+    assert rs.comm_s == pytest.approx(cost.op_cost(RS, m, n, k, 8, "bf16", B200).comm_s)
+    # An odd K: the scale bytes padded to 16.
+    assert cost.Problem(1, 4128, (32,), 2, "mxfp8", B200).row_bytes == 4128 + 144
+
+
+def test_mxfp8_cast_writes_the_packed_row():
+    rows, k = 2048, 4096
+    assert cost.quantize_s(rows, k, B200, "mxfp8") == pytest.approx(
+        rows * (2 * k + tiling.mx_row_bytes(k)) / (8000e9 * B200.hbm_efficiency)
+    )
+    with pytest.raises(ValueError, match="dtype: got 'bf16'"):
+        cost.quantize_s(rows, k, B200, "bf16")
+
+
+def test_mxfp8_table_prints_blackwell_against_torchtitan_and_fused_bf16(capsys):
+    """``bench model --mxfp8`` prints one table per GPU with MX tensor cores (B200, GB200): per
+    forward op, fused bf16, torchtitan's path (bf16 gather, cast after) and tp_kernels' MXFP8
+    path (the MX rows on the wire), each row's times as op_cost and quantize_s give them."""
+    assert bench_main(["model", "--mxfp8"]) == 0
+    out = capsys.readouterr().out
+    titles = [line for line in out.splitlines() if line.startswith("cost model (MODELED")]
+    assert titles == [
+        "cost model (MODELED, nothing measured): mxfp8 against bf16, the forward fused ops of "
+        f"Llama-3 TP=8 on {spec.name}; ms per call"
+        for spec in (B200, GB200)
+    ]
+    assert "dense mxfp8 4500 and bf16 2250" in out and "dense mxfp8 5000 and bf16 2500" in out
+    header = next(line for line in out.splitlines() if line.startswith("model        tokens  lin"))
+    for column in ("bf16 fused", "mxfp8 titan", "mxfp8 wire", "mxfp8 SoL", "vs titan", "vs bf16"):
+        assert column in header
+    assert out.count("per layer (forward: wq/wk/wv, wo, w1/w3, w2), ms:") == 2
+    rows = model.scaled_rows(GB200, 8, dtype="mxfp8")
+    assert len(rows) == 24
+    for r in rows:
+        ns = None
+        if r.op == AG:
+            ns = next(w for name, _, w, _ in model._linears(model.MODELS[r.model], 8)
+                      if name == r.linear)  # fmt: skip
+        mx = cost.op_cost(r.op, r.m, r.k, r.n, 8, "mxfp8", GB200, ns=ns).backends_s
+        wire = "bf16" if r.op == AG else None
+        titan = cost.op_cost(r.op, r.m, r.k, r.n, 8, "mxfp8", GB200, ns=ns, wire=wire)
+        own = r.m if r.op == AG else 8 * r.m
+        assert r.unfused_s == pytest.approx(
+            titan.schedules_s["reference"] + cost.quantize_s(8 * r.m, r.k, GB200, "mxfp8")
+        )
+        assert r.fused_backend in ("reference", "pipelined")
+        assert r.fused_s == pytest.approx(
+            min(mx.values()) + cost.quantize_s(own, r.k, GB200, "mxfp8")
+        )
+        assert r.sol_s <= r.fused_s
+        if r.op == RS:  # bf16 partials and the same casts both ways: never slower than titan
+            assert r.fused_s <= r.unfused_s
+
+
+def test_mxfp8_table_refuses_hopper_and_a_second_comparison(capsys):
+    for argv in (
+        ["--mxfp8", "--gpu", "h200"],
+        ["--mxfp8", "--fp8"],
+        ["--mxfp8", "--model", "llama3-8b"],
+    ):
+        with pytest.raises(SystemExit) as info:
+            model.main(argv)
+        assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "H200 SXM has no mxfp8 tensor cores in the model (MX block scales are native" in err
+    assert "one comparison at a time" in err and "leave out --model" in err
 
 
 def test_param_replaces_a_figure_and_bad_ones_are_refused(capsys):
@@ -416,7 +522,7 @@ def test_b200_is_the_hgx_datasheet_dense_per_direction_and_plans_with_bench_mode
     is faster than H100's wherever the GEMMs bound it."""
     b200 = cost.DEVICES["b200"]
     assert b200.peak_tflops == {
-        "bf16": 4500 / 2, "fp16": 4500 / 2, "fp32": 2200 / 2, "fp8": 9000 / 2
+        "bf16": 4500 / 2, "fp16": 4500 / 2, "fp32": 2200 / 2, "fp8": 9000 / 2, "mxfp8": 9000 / 2
     }  # fmt: skip
     assert (b200.hbm_gb_s, b200.link_gb_s) == (8000.0, 1800 / 2)
     assert b200.sources["peak_tflops"].startswith("https://www.nvidia.com/")

@@ -478,8 +478,8 @@ def _casts_of_shards() -> list[str]:
     recipe = mxfp8.recipe_of(model[0])
     x = torch.randn(B, 3 * 32, 64).to(torch.bfloat16)
     failures = []
-    whole0 = mxfp8._dim0(x.reshape(-1, 64), recipe)
-    shards0 = [mxfp8._dim0(s.reshape(-1, 64), recipe) for s in x.chunk(3, dim=1)]
+    whole0 = mxfp8.cast_rows(x.reshape(-1, 64), recipe)
+    shards0 = [mxfp8.cast_rows(s.reshape(-1, 64), recipe) for s in x.chunk(3, dim=1)]
     # Rows: each shard's rows are rows of the whole, [b, s] order within the shard.
     rows = torch.cat([s.qdata.view(B, 32, 64) for s in shards0], dim=1).reshape(-1, 64)
     if not torch.equal(rows.view(torch.uint8), whole0.qdata.view(torch.uint8)):

@@ -11,7 +11,13 @@ An fp8 call (``dtype="fp8"``) computes at the fp8 rate; its bytes are not its co
 (:class:`Problem`): the all-gather's rows cross the link in the ``wire`` dtype (fp8: ``K + 16``
 bytes a row, the packed row of :mod:`tp_kernels.backends.scaled`; bf16: ``2 K``, torchao's
 gather before its cast) and the reduce-scatter moves bf16 partials (2 bytes), so ``X * e`` above
-is the bytes of a row as they travel.
+is the bytes of a row as they travel. An MXFP8 call (``dtype="mxfp8"``: e4m3 with one e8m0 scale per
+32 elements along ``K``, torchao's MXFP8 recipes) computes at the dense MXFP8 rate, which only
+Blackwell's tensor cores have (``peak_tflops["mxfp8"]``; absent on Hopper, where MX is emulated);
+its all-gather moves :func:`tp_kernels.tiling.mx_row_bytes` a row (or bf16, torchtitan's gather
+before its cast), its reduce-scatter bf16 partials. The block-scaled path runs on ``reference``
+and ``pipelined`` only: ``symm``'s Triton GEMMs take no block scales (it runs torch's schedule
+over peer memory, which the model does not simulate on a GPU) and ``torch_symm_mem`` refuses them.
 
 ``comm`` counts the bytes that cross this rank's link once each (on an NVSwitch node every GPU has
 ``link_gb_s`` in each direction to the switch, whatever the peer). The speed of light knows no
@@ -89,12 +95,18 @@ __all__ = [
 ]
 
 AG, RS = "all_gather_matmul", "matmul_reduce_scatter"
-_ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
-# The dtype of an fp8 GEMM's output: its partials cross the reduce-scatter's link in it.
-_FP8_OUT = "bf16"
-# What each compute dtype's all-gather may move: its own elements, or for fp8 the packed fp8
-# rows (the fused ops) or the bf16 input torchao gathers before it casts (PyTorch's styles).
-_WIRES = {"fp32": ("fp32",), "bf16": ("bf16",), "fp16": ("fp16",), "fp8": ("fp8", "bf16")}
+_ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "mxfp8": 1}
+# The scaled compute dtypes and the dtype of their GEMMs' output: their partials cross the
+# reduce-scatter's link in it.
+_SCALED = ("fp8", "mxfp8")
+_SCALED_OUT = "bf16"
+# What each compute dtype's all-gather may move: its own elements, or for a scaled dtype its
+# packed rows (the fused ops) or the bf16 input torchao gathers before it casts (PyTorch's
+# styles; torchtitan's MXFP8 TP).
+_WIRES = {
+    "fp32": ("fp32",), "bf16": ("bf16",), "fp16": ("fp16",), "fp8": ("fp8", "bf16"),
+    "mxfp8": ("mxfp8", "bf16"),
+}  # fmt: skip
 # The model's dtype names for torch dtypes (other dtypes have no tensor-core rate to model; an
 # fp8 call is modeled by name, "fp8", by the benchmarks, not looked up from a tensor's dtype).
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -123,7 +135,7 @@ _MEASURED_PRODUCER_RATE = 0.620 / 0.699
 # 132 SMs, no split-K) at 1 us of overhead a tile is 81.8% of the dense bf16 peak per SM.
 _H200_CUBLAS_EFFICIENCY = 0.818
 # The tile menu (tiling.GEMM_KINDS) of each of the model's compute dtypes.
-_GEMM_KINDS = {"fp32": "fp32", "bf16": "16bit", "fp16": "16bit", "fp8": "fp8"}
+_GEMM_KINDS = {"fp32": "fp32", "bf16": "16bit", "fp16": "16bit", "fp8": "fp8", "mxfp8": "fp8"}
 _NVIDIA = "https://www.nvidia.com/en-us/data-center"
 _HOPPER = "https://developer.nvidia.com/blog/nvidia-hopper-architecture-in-depth/"
 
@@ -153,6 +165,11 @@ _ASSUMED = {
     "(gemm_efficiency) with the same tile rates as a 16-bit one; an fp8 cast of a bf16 row is "
     "one memory pass (read 2 bytes, write 1, and 4 of scale a row: torch.compile's fused amax "
     "and cast)",
+    "mxfp8": "assumed until measured: an MXFP8 GEMM (cuBLAS's block-scaled GEMM, torchao's mx_mm) "
+    "reaches the same share of its dense peak (gemm_efficiency) with the same tile rates as a "
+    "16-bit one; an MX cast of a bf16 row is one memory pass (read 2 bytes, write the packed "
+    "row: tiling.mx_row_bytes); the fused path's second pass that packs data and scales into "
+    "one row (backends/scaled.pack_mx_rows) is not counted, as fp8's pack_rows is not",
 }
 
 
@@ -208,6 +225,13 @@ _H200_GEMMS = "measured on one H200, 2026-12-04 (benchmarks/README.md, 'First co
 
 # fp8 (e4m3/e5m2) dense: twice the 16-bit rate on Hopper and Blackwell (the datasheets' sparse
 # figures halved); A100 has no fp8 tensor cores, so no "fp8" entry (op_cost refuses it there).
+# MXFP8 dense: the fp8 rate on Blackwell, whose tensor cores take the e8m0 block scales in the MMA
+# (the datasheets give one FP8 figure); Hopper and Ampere have no MX tensor cores (torchao
+# emulates MX there), so no "mxfp8" entry.
+_MX_NATIVE = (
+    "https://nvidia.github.io/TransformerEngine/support_matrix.html (MXFP8 native on compute "
+    "capability 10.x only, not on Hopper's 9.0): MXFP8 at the datasheet's dense FP8 rate"
+)
 _HOPPER_PEAK = {"bf16": 989.4, "fp16": 989.4, "fp32": 494.7, "fp8": 1978.9}
 DEVICES: dict[str, DeviceSpec] = {
     "h100": _gpu(
@@ -238,11 +262,22 @@ DEVICES: dict[str, DeviceSpec] = {
         ),
     ),
     "b200": _gpu(
-        "B200 (HGX, 1000 W)", {"bf16": 2250.0, "fp16": 2250.0, "fp32": 1100.0, "fp8": 4500.0},
+        "B200 (HGX, 1000 W)",
+        {"bf16": 2250.0, "fp16": 2250.0, "fp32": 1100.0, "fp8": 4500.0, "mxfp8": 4500.0},
         148, 8000.0, 900.0,
         f"{_NVIDIA}/hgx/ (HGX B200: FP8 9, BF16/FP16 4.5 and TF32 2.2 PFLOPS per GPU with "
-        "sparsity, half dense; HBM3e 8 TB/s; NVLink 5 1.8 TB/s per GPU)",
+        f"sparsity, half dense; HBM3e 8 TB/s; NVLink 5 1.8 TB/s per GPU); {_MX_NATIVE}",
         "assumed: 148 SMs (two dies of 74, as reported for B200; not on the datasheet)",
+    ),
+    "gb200": _gpu(
+        "GB200 (NVL72, 1200 W)",
+        {"bf16": 2500.0, "fp16": 2500.0, "fp32": 1250.0, "fp8": 5000.0, "mxfp8": 5000.0},
+        148, 8000.0, 900.0,
+        f"{_NVIDIA}/gb200-nvl72/ (GB200 NVL72, 72 GPUs: FP8/FP6 720, FP16/BF16 360 and TF32 180 "
+        "PFLOPS with sparsity, so per GPU 10, 5 and 2.5, half dense; HBM3e 576 TB/s, 8 TB/s per "
+        f"GPU; NVLink 130 TB/s, 1.8 TB/s per GPU); {_MX_NATIVE}",
+        "assumed: 148 SMs, as the B200's (the GB200's GPU is a B200 at 1200 W; not on the "
+        "datasheet)",
     ),
     "a100": _gpu(
         "A100 SXM4", {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0}, 108, 2039.0, 300.0,
@@ -258,7 +293,8 @@ DEVICES: dict[str, DeviceSpec] = {
 # pair (~0.5 ms, median of 200) and for a host-polled signal in shared memory (tens of us).
 _CPU_GLOO_LATENCY_S = 500e-6
 _CPU_SIGNAL_LATENCY_S = 50e-6
-_GPU_NAMES = (("H100", "h100"), ("H200", "h200"), ("B200", "b200"), ("A100", "a100"))
+_GPU_NAMES = (("H100", "h100"), ("H200", "h200"), ("GB200", "gb200"), ("B200", "b200"),
+              ("A100", "a100"))  # fmt: skip
 
 
 def _timed_s(fn, reps: int) -> float:
@@ -344,15 +380,18 @@ class Problem:
     @property
     def row_bytes(self) -> int:
         """Bytes of one row of the all-gather's input as it crosses the link (and is copied):
-        ``K`` elements of the wire dtype; an fp8 row is packed with its scale, ``K + 16``."""
+        ``K`` elements of the wire dtype; an fp8 row is packed with its scale, ``K + 16``; an
+        MXFP8 row with its block scales, :func:`tp_kernels.tiling.mx_row_bytes`."""
         if self.wire_dtype == "fp8":
             return self.k + tiling.ROW_SCALE_BYTES  # an fp8 row as tp_kernels gathers it
+        if self.wire_dtype == "mxfp8":
+            return tiling.mx_row_bytes(self.k)
         return self.k * _ELEMENT_BYTES[self.wire_dtype]
 
     @property
     def out_e(self) -> int:
         """Bytes per element of the GEMM's output: the reduce-scatter's partials and sum."""
-        return _ELEMENT_BYTES[_FP8_OUT if self.dtype == "fp8" else self.dtype]
+        return _ELEMENT_BYTES[_SCALED_OUT if self.dtype in _SCALED else self.dtype]
 
     @property
     def n(self) -> int:
@@ -753,20 +792,26 @@ def symm_cpu_s(p: Problem, op: str) -> float:
     return compute + (w - 1) * dev.barrier_s + p.hbm_s(sum_bytes)
 
 
-def quantize_s(rows: int, k: int, device: DeviceSpec) -> float:
-    """Seconds of casting ``rows`` bf16 rows of ``k`` to fp8 with a scale each (torchao's
-    row-wise cast): one memory pass reading ``2 k`` bytes a row and writing ``k + 4`` (assumed:
-    torch.compile fuses the row's amax and its cast; :data:`DeviceSpec.sources` ``["fp8"]``).
-    The fused all-gather casts its ``m`` rows before they travel, torchao's unfused path the
-    ``W*m`` gathered rows after; a reduce-scatter's ``W*m`` local rows are cast either way."""
-    return _hbm_s(device, rows * (2 * k + k + 4))
+def quantize_s(rows: int, k: int, device: DeviceSpec, dtype: str = "fp8") -> float:
+    """Seconds of casting ``rows`` bf16 rows of ``k`` to ``dtype``: one memory pass reading
+    ``2 k`` bytes a row and writing, for fp8, ``k + 4`` (the row's e4m3 bytes and its fp32
+    scale: torchao's row-wise cast, torch.compile fusing the row's amax and its cast), for
+    MXFP8 the packed row, :func:`tp_kernels.tiling.mx_row_bytes` (assumed, both:
+    :data:`DeviceSpec.sources` ``["fp8"]``, ``["mxfp8"]``). The fused all-gather casts its
+    ``m`` rows before they travel, the unfused path the ``W*m`` gathered rows after; a
+    reduce-scatter's ``W*m`` local rows are cast either way."""
+    if dtype not in _SCALED:
+        raise ValueError(f"dtype: got {dtype!r}, expected one of {list(_SCALED)}")
+    written = k + 4 if dtype == "fp8" else tiling.mx_row_bytes(k)
+    return _hbm_s(device, rows * (2 * k + written))
 
 
 @dataclass(frozen=True)
 class OpCost:
     """The model's times (seconds) for one call: the module docstring's compute, comm and speed
     of light; ``schedules_s`` every schedule of :data:`SCHEDULES` for the op (a CPU: the three
-    that run there); ``backends_s`` per backend."""
+    that run there; an MXFP8 call: ``reference`` and ``pipelined``); ``backends_s`` per
+    backend (an MXFP8 call: those two)."""
 
     compute_s: float
     comm_s: float
@@ -791,10 +836,11 @@ def op_cost(
     """The model for ``op`` ("all_gather_matmul" or "matmul_reduce_scatter") with ``m`` rows per
     rank, ``k`` the reduction dim and ``n`` the output columns, on ``world_size`` ranks;
     ``ns``: the right-hand matrices' widths of an all-gather-matmul (summing to ``n``; default:
-    one of ``n``). ``dtype`` "fp8": a scaled call at the fp8 rate with bf16 output;
-    ``wire``: the dtype an all-gather moves (default ``dtype``: for fp8 the packed fp8 rows;
-    ``"bf16"`` with fp8 is torchao's gather before its cast; the cast itself is
-    :func:`quantize_s`, not in these times). A reduce-scatter moves its output dtype."""
+    one of ``n``). ``dtype`` "fp8" or "mxfp8": a scaled call at that rate with bf16 output;
+    ``wire``: the dtype an all-gather moves (default ``dtype``: the packed rows; ``"bf16"`` is
+    torchao's gather before its cast; the cast itself is :func:`quantize_s`, not in these
+    times). A reduce-scatter moves its output dtype. An "mxfp8" call has the schedules of
+    ``reference`` and ``pipelined`` only (module docstring)."""
     if op not in (AG, RS):
         raise ValueError(f"op: got {op!r}, expected all_gather_matmul or matmul_reduce_scatter")
     if dtype not in _ELEMENT_BYTES:
@@ -821,6 +867,8 @@ def op_cost(
         backends = dict.fromkeys(("reference", "pipelined", "symm", "torch_symm_mem"), only)
         return OpCost(compute, 0.0, compute, compute, backends, {"reference": only})
     schedules = {"reference": reference_s(p, op), "pipelined": pipelined_s(p, op)}
+    if dtype == "mxfp8":  # the backends that run block scales as the model simulates them
+        return OpCost(compute, comm, sol, compute + comm, dict(schedules), schedules)
     if device.sms is None:
         schedules["symm"] = symm_cpu_s(p, op)
     else:

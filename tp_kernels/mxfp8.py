@@ -92,7 +92,17 @@ from tp_kernels.ops.planning import (
 from tp_kernels.ops.scaled import run_gather, run_reduce_scatter, scaled_backend
 from tp_kernels.tiling import MX_BLOCK, mx_row_bytes
 
-__all__ = ["MXColwiseLinears", "MXRowwiseLinear", "call_for", "recipe_of", "unfusable_reason"]
+__all__ = [
+    "MXColwiseLinears",
+    "MXRowwiseLinear",
+    "Recipe",
+    "all_gather_mx_matmul",
+    "call_for",
+    "cast_rows",
+    "mx_matmul_reduce_scatter",
+    "recipe_of",
+    "unfusable_reason",
+]
 
 _E4M3 = torch.float8_e4m3fn
 
@@ -239,7 +249,7 @@ _DIM0_KERNEL = MXFP8Dim0CastKernelChoice.TRITON
 _DIM1_KERNEL = MXFP8Dim1CastKernelChoice.CUDA
 
 
-def _dim0(t: torch.Tensor, recipe: Recipe) -> MXTensor:
+def cast_rows(t: torch.Tensor, recipe: Recipe) -> MXTensor:
     """``t`` cast in blocks along its last dim, as torchao's ``mx_mm`` casts its dim-0 operands."""
     return MXTensor.to_mx(t, _E4M3, MX_BLOCK, recipe.scaling_mode, recipe.kernel_preference,
                           mxfp8_dim0_cast_kernel_choice=_DIM0_KERNEL)  # fmt: skip
@@ -284,22 +294,54 @@ def _products(left: MXTensor, rights: Sequence[MXTensor]) -> BlockScaling:
     return BlockScaling(None, tuple(product(r) for r in rights), left.orig_dtype)
 
 
-def _gather(call: _Call, x: MXTensor, rights: Sequence[MXTensor], *, phase: str) -> list:
+def _gather(
+    impl: Backend, group: dist.ProcessGroup, x: MXTensor, rights: Sequence[MXTensor], *, phase: str
+) -> list:
     """``[gathered rows of x @ rights[j]]``: the fused all-gather-matmul of ``x``'s packed rows."""
     shard = pack_mx_rows(x.qdata, x.scale)
     bs = [r.qdata for r in rights]
-    return run_gather(call.impl, call.group, shard, bs, _products(x, rights), phase=phase)
+    return run_gather(impl, group, shard, bs, _products(x, rights), phase=phase)
 
 
 def _reduce_scatter(
-    call: _Call, x: MXTensor, right: MXTensor, *, phase: str, addend: torch.Tensor | None = None
-) -> torch.Tensor:
+    impl: Backend, group: dist.ProcessGroup, x: MXTensor, right: MXTensor, *, phase: str,
+    addend: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
     """This rank's rows of the sum over ranks of ``x @ right (+ addend)``: the fused
     matmul-reduce-scatter."""
     products = _products(x, [right])
     scaling = BlockScaling(x.scale, products.products, products.out_dtype)
-    return run_reduce_scatter(call.impl, call.group, x.qdata, right.qdata, scaling, phase=phase,
+    return run_reduce_scatter(impl, group, x.qdata, right.qdata, scaling, phase=phase,
                               addend=addend)  # fmt: skip
+
+
+def all_gather_mx_matmul(
+    x: MXTensor, rights: Sequence[MXTensor], group: dist.ProcessGroup, *,
+    backend: str | None = None,
+) -> list[torch.Tensor]:  # fmt: skip
+    """``[all_gather(x) @ rights[j]]`` ``[W*m, N_j]`` of ready MXFP8 operands: this rank's rows
+    ``x [m, K]`` (:func:`cast_rows`) and ``rights[j] [K, N_j]`` (a weight ``[N_j, K]`` cast by
+    :func:`cast_rows`, transposed): the colwise forward's fused call (counted under "forward"),
+    on ``backend`` or the one in force, by the block-scaled rule of
+    :func:`tp_kernels.ops.scaled.scaled_backend`."""
+    m, k = x.qdata.shape
+    ns = [r.qdata.shape[1] for r in rights]
+    impl = scaled_backend(backend, group, "scaled_all_gather_matmul", m, k, ns, x.orig_dtype,
+                          x.qdata.device, block_scaled=True)  # fmt: skip
+    return _gather(impl, group, x, rights, phase="forward")
+
+
+def mx_matmul_reduce_scatter(
+    x: MXTensor, right: MXTensor, group: dist.ProcessGroup, *, backend: str | None = None
+) -> torch.Tensor:
+    """This rank's ``[m, N]`` rows of the sum over ranks of ``x [W*m, K] @ right [K, N]`` of
+    ready MXFP8 operands (as :func:`all_gather_mx_matmul`'s): the rowwise forward's fused call
+    (counted under "forward")."""
+    rows, k = x.qdata.shape
+    n = right.qdata.shape[1]
+    impl = scaled_backend(backend, group, "scaled_matmul_reduce_scatter", rows // group.size(), k,
+                          [n], x.orig_dtype, x.qdata.device, block_scaled=True)  # fmt: skip
+    return _reduce_scatter(impl, group, x, right, phase="forward")
 
 
 def _tokens(t: torch.Tensor, dim: int) -> tuple[int, int]:
@@ -365,8 +407,14 @@ class MXColwiseLinears(torch.autograd.Function):
         biases = params[n:]
         rows, lead = flatten_rows(local_tensor(x), call.dim)
         rows = rows.contiguous()
-        x_mx = _dim0(rows, call.recipe)
-        outs = _gather(call, x_mx, [_dim0(w, call.recipe).t() for w in weights], phase="forward")
+        x_mx = cast_rows(rows, call.recipe)
+        outs = _gather(
+            call.impl,
+            call.group,
+            x_mx,
+            [cast_rows(w, call.recipe).t() for w in weights],
+            phase="forward",
+        )
         outs = [out if b is None else out + plain_param(b).to(out.dtype)
                 for out, b in zip(outs, biases)]  # fmt: skip
         need = ctx.needs_input_grad
@@ -389,13 +437,15 @@ class MXColwiseLinears(torch.autograd.Function):
         gathered_x = _gather_tokens(call, x, phase="backward") if need_w else None
         grad_x = None
         if ctx.need_x and used:
-            products = [(_dim0(gs[j], call.recipe), _dim1(weights[j], call.recipe).t())
+            products = [(cast_rows(gs[j], call.recipe), _dim1(weights[j], call.recipe).t())
                         for j in used]  # fmt: skip
             addend = None
             for g_mx, w_mx in products[1:]:  # the other Linears', added before the scatter
                 product = torch.mm(g_mx, w_mx)
                 addend = product if addend is None else addend + product
-            grad_x = _reduce_scatter(call, *products[0], phase="backward", addend=addend)
+            grad_x = _reduce_scatter(
+                call.impl, call.group, *products[0], phase="backward", addend=addend
+            )
             grad_x = unflatten_rows(grad_x, ctx.lead, call.dim)
         grad_w = [None] * call.num_linears
         if need_w:
@@ -419,8 +469,8 @@ class MXRowwiseLinear(torch.autograd.Function):
         w = plain_param(weight)
         rows, lead = flatten_rows(local_tensor(x), call.dim)
         rows = rows.contiguous()
-        out = _reduce_scatter(call, _dim0(rows, call.recipe), _dim0(w, call.recipe).t(),
-                              phase="forward")  # fmt: skip
+        out = _reduce_scatter(call.impl, call.group, cast_rows(rows, call.recipe),
+                              cast_rows(w, call.recipe).t(), phase="forward")  # fmt: skip
         if bias is not None:  # added once, after the sum
             out = out + plain_param(bias).to(out.dtype)
         need = ctx.needs_input_grad
@@ -440,7 +490,9 @@ class MXRowwiseLinear(torch.autograd.Function):
         grad_x = grad_w = None
         if ctx.need_x:
             right = _dim1(w, call.recipe).t()
-            (grad_rows,) = _gather(call, _dim0(g, call.recipe), [right], phase="backward")
+            (grad_rows,) = _gather(
+                call.impl, call.group, cast_rows(g, call.recipe), [right], phase="backward"
+            )
             grad_x = unflatten_rows(grad_rows, ctx.lead, call.dim)
         if ctx.need_w:
             rows = x.reshape(-1, x.shape[-1]).contiguous()  # torchao's token order, as g_all

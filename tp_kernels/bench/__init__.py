@@ -3,15 +3,16 @@
 Usage::
 
     python -m tp_kernels.bench [ag_matmul|matmul_rs|all ...] [--world-size 2] [--M 4096 --K 2048
-        --N 2048] [--dtype fp32|fp16|bf16|fp8-rowwise|fp8-tensorwise] [--rounds R] [--warmup N]
-        [--providers P ...] [--threads T] [--out PATH]
+        --N 2048] [--dtype fp32|fp16|bf16|fp8-rowwise|fp8-tensorwise|mxfp8] [--rounds R]
+        [--warmup N] [--providers P ...] [--threads T] [--out PATH]
     (the fp8 dtypes: ag_matmul and matmul_rs against torchao's Float8Linear under PyTorch's
-    styles and the _scaled_mm roof, K and N multiples of 16, torchao installed; see
-    tp_kernels.bench.ops_fp8)
+    styles and the _scaled_mm roof, K and N multiples of 16, torchao installed; mxfp8: against
+    torchao's MXFP8Linear and its MX GEMM, K and N multiples of 32; see tp_kernels.bench.ops_fp8)
     python -m tp_kernels.bench model [--gpu h100] [--tp 8] [--tokens 2048 8192]
-        [--model llama3-70b | --fp8] [--param NAME=VALUE]   (the cost model's schedules for
-        Llama-3's fused ops, with --model its plan of a whole model, with --fp8 fused fp8
-        against torchao's unfused fp8 and fused bf16; see tp_kernels.bench.model)
+        [--model llama3-70b | --fp8 | --mxfp8] [--param NAME=VALUE]   (the cost model's
+        schedules for Llama-3's fused ops, with --model its plan of a whole model, with --fp8
+        fused fp8 against torchao's unfused fp8 and fused bf16, with --mxfp8 the MXFP8 path
+        against torchtitan's on B200 and GB200; see tp_kernels.bench.model)
     python -m tp_kernels.bench overhead [--world-sizes 1 2]   (the host's microseconds per fused
         call and TP Linear, see tp_kernels.bench.overhead)
 
@@ -47,7 +48,8 @@ from tp_kernels.bench import ops as _ops  # noqa: F401  (registers the op benchm
 from tp_kernels.bench.protocol import (
     BENCHMARKS,
     DTYPES,
-    FP8_DTYPES,
+    MXFP8,
+    SCALED_DTYPES,
     BenchConfig,
     format_table,
     machine_info,
@@ -96,11 +98,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--N", type=positive_int, default=DEFAULT_N, help="columns")
     p.add_argument(
         "--dtype",
-        choices=[*DTYPES, *FP8_DTYPES],
+        choices=[*DTYPES, *SCALED_DTYPES],
         default="fp32",
-        help="the tensors' dtype (default fp32); fp8-rowwise and fp8-tensorwise (ag_matmul and "
-        "matmul_rs only; need torchao): e4m3 operands with torchao's row-wise or tensor-wise "
-        "scales, bf16 inputs before the cast and bf16 outputs",
+        help="the tensors' dtype (default fp32); fp8-rowwise, fp8-tensorwise and mxfp8 (ag_matmul "
+        "and matmul_rs only; need torchao): e4m3 operands with torchao's row-wise, tensor-wise "
+        "or MX block (32 along K) scales, bf16 inputs before the cast and bf16 outputs",
     )
     p.add_argument("--rounds", type=positive_int, default=10, help="timed rounds (default 10)")
     p.add_argument(
@@ -146,8 +148,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             names.append(name)
         else:
             parser.error(f"benchmark {name!r} is unknown; expected one of {[*BENCHMARKS, 'all']}")
-    fp8 = args.dtype in FP8_DTYPES
-    if fp8:
+    if args.dtype in SCALED_DTYPES:
         # "all" means every benchmark that takes the dtype; one named explicitly must take it.
         explicit = set(args.benchmarks) - {"all"}
         refused = [n for n in names if n in explicit and BENCHMARKS[n].fp8_providers is None]
@@ -157,12 +158,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         names = [n for n in names if BENCHMARKS[n].fp8_providers is not None]
         if importlib.util.find_spec("torchao") is None:
             parser.error(f"--dtype {args.dtype} needs torchao: pip install 'tp_kernels[fp8]'")
-        # torch._scaled_mm (every fp8 provider's GEMM) takes K and N in multiples of 16 only.
+        # torch._scaled_mm (every fp8 provider's GEMM) takes K and N in multiples of 16 only;
+        # the fused MXFP8 path takes whole MX blocks of every GEMM dim.
+        multiple, why = (
+            (32, "the fused MXFP8 path takes whole MX blocks of 32")
+            if args.dtype == MXFP8
+            else (16, "torch._scaled_mm's fp8 GEMM requires it")
+        )
         for flag, value in (("--K", args.K), ("--N", args.N)):
-            if value % 16:
+            if value % multiple:
                 parser.error(
-                    f"{flag} {value}: --dtype {args.dtype} needs a multiple of 16 "
-                    "(torch._scaled_mm's fp8 GEMM requires it)"
+                    f"{flag} {value}: --dtype {args.dtype} needs a multiple of {multiple} ({why})"
                 )
     args.benchmarks = list(dict.fromkeys(names))
     if args.providers is not None:

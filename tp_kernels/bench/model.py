@@ -23,6 +23,13 @@ reduce-scatter of bf16 partials; nothing overlapped) and the best fused fp8 sche
 casts its own rows, the packed fp8 rows travel; bf16 partials). The fp8 GEMM's efficiency is
 assumed to be bf16's until a GPU measures it.
 
+With ``--mxfp8``: the same comparison for MXFP8 (issue 36) on every GPU with MX tensor cores
+(B200, GB200; or ``--gpu``): fused bf16, torchtitan's MXFP8 TP (its communication in bf16 under
+PyTorch's styles: the gather, then the MX cast of every gathered row; the GEMM, then a bf16
+reduce-scatter) and tp_kernels' MXFP8 path (each rank's rows cast, e4m3 bytes and e8m0 block
+scales on the wire) on the best backend of :data:`SCALED_BACKENDS`. The MXFP8 GEMM's efficiency
+is assumed bf16's.
+
 ``--param NAME=VALUE`` replaces a figure of the device (a field of
 :class:`tp_kernels.cost.DeviceSpec`, e.g. the ones ``gpu_check`` fits). Nothing runs on a GPU:
 these are :mod:`tp_kernels.cost`'s predictions.
@@ -41,13 +48,14 @@ from tp_kernels.cost import DEVICES, SCHEDULES, DeviceSpec, op_cost, quantize_s
 __all__ = [
     "MODELS",
     "Row",
+    "ScaledRow",
     "block_prediction",
-    "fp8_rows",
     "linear_rows",
     "main",
     "plan_rows",
-    "render_fp8",
+    "render_scaled",
     "render_schedules",
+    "scaled_rows",
     "schedule_rows",
     "with_params",
 ]
@@ -241,10 +249,12 @@ def render_schedules(table: dict[str, list[tuple]], device: DeviceSpec, tp: int)
 
 
 @dataclass(frozen=True)
-class Fp8Row:
-    """One forward fused op of the fp8 comparison: seconds per call of the best fused bf16
-    schedule (``bf16_backend``), torchao's unfused fp8 path, and the best fused fp8 schedule
-    (``fp8_backend``), each with its casts; ``fp8_sol_s``: the fp8 call's speed of light."""
+class ScaledRow:
+    """One forward fused op of a scaled comparison (fp8 or MXFP8): seconds per call of the best
+    fused bf16 schedule (``bf16_backend``), the unfused scaled path that gathers bf16 and casts
+    after (``unfused_s``: torchao's Float8Linear, or torchtitan's MXFP8 TP, under PyTorch's
+    styles), and the best fused scaled schedule (``fused_backend``), each with its casts;
+    ``sol_s``: the scaled call's speed of light."""
 
     model: str
     tokens: int
@@ -255,86 +265,124 @@ class Fp8Row:
     n: int
     bf16_fused_s: float
     bf16_backend: str
-    torchao_s: float
-    fp8_fused_s: float
-    fp8_backend: str
-    fp8_sol_s: float
+    unfused_s: float
+    fused_s: float
+    fused_backend: str
+    sol_s: float
 
 
-def fp8_rows(device: DeviceSpec, tp: int, tokens: Sequence[int] = TOKENS) -> list[Fp8Row]:
-    """The fp8 comparison on :func:`schedule_rows`' shapes. The input's cast to fp8
-    (:func:`tp_kernels.cost.quantize_s`) is counted where it runs: the fused all-gather casts the
-    rank's ``m`` rows before they travel, torchao's path the ``W*m`` gathered rows after the bf16
-    gather; a reduce-scatter's ``W*m`` local rows are cast in both. Left out, as the same in both
-    fp8 paths: the weights' casts and the row-parallel Linear's all-reduce of its input's row
-    amaxes (``K`` is sharded there: docs/DESIGN.md's fp8 section)."""
+def scaled_rows(
+    device: DeviceSpec, tp: int, tokens: Sequence[int] = TOKENS, dtype: str = "fp8"
+) -> list[ScaledRow]:
+    """The ``dtype`` ("fp8" or "mxfp8") comparison on :func:`schedule_rows`' shapes. The input's
+    cast (:func:`tp_kernels.cost.quantize_s`) is counted where it runs: the fused all-gather
+    casts the rank's ``m`` rows before they travel, the unfused path the ``W*m`` gathered rows
+    after the bf16 gather; a reduce-scatter's ``W*m`` local rows are cast in both. The scaled
+    path takes the best of :data:`SCALED_BACKENDS` for ``dtype``. Left out, as the same in
+    both paths: the weights' casts, and for fp8 the row-parallel Linear's all-reduce of its
+    input's row amaxes (``K`` is sharded there: docs/DESIGN.md's fp8 section; MX blocks never
+    span ranks)."""
     rows = []
     for name, count, linear, op, m, k, widths in _forward_ops(tp, tokens):
         n = sum(widths)
         ns = widths if op == AG else None
         bf16 = op_cost(op, m, k, n, tp, "bf16", device, ns=ns).backends_s
-        fp8 = op_cost(op, m, k, n, tp, "fp8", device, ns=ns)
+        fused = op_cost(op, m, k, n, tp, dtype, device, ns=ns)
         wire = "bf16" if op == AG else None
-        torchao = op_cost(op, m, k, n, tp, "fp8", device, ns=ns, wire=wire).backends_s
-        cast_fused = quantize_s(m if op == AG else tp * m, k, device)
-        cast_torchao = quantize_s(tp * m, k, device)
+        unfused = op_cost(op, m, k, n, tp, dtype, device, ns=ns, wire=wire).backends_s
+        cast_fused = quantize_s(m if op == AG else tp * m, k, device, dtype)
+        cast_unfused = quantize_s(tp * m, k, device, dtype)
         bf16_best = min(FUSED, key=bf16.__getitem__)
-        fp8_best = min(FUSED, key=fp8.backends_s.__getitem__)
+        best = min(SCALED_BACKENDS[dtype], key=fused.backends_s.__getitem__)
         rows.append(
-            Fp8Row(name, count, linear, op, m, k, n, bf16[bf16_best], bf16_best,
-                   torchao["reference"] + cast_torchao,
-                   fp8.backends_s[fp8_best] + cast_fused, fp8_best,
-                   fp8.speed_of_light_s + cast_fused)
+            ScaledRow(name, count, linear, op, m, k, n, bf16[bf16_best], bf16_best,
+                      unfused["reference"] + cast_unfused,
+                      fused.backends_s[best] + cast_fused, best,
+                      fused.speed_of_light_s + cast_fused)
         )  # fmt: skip
     return rows
 
 
-def render_fp8(rows: Sequence[Fp8Row], device: DeviceSpec, tp: int) -> str:
-    """The fp8 comparison: per forward call, then per layer (the four forward fused ops)."""
-    out = [
-        f"cost model (MODELED, nothing measured): fp8 against bf16, the forward fused ops of "
-        f"Llama-3 TP={tp} on {device.name}; ms per call",
+SCALED_BACKENDS = {"fp8": FUSED, "mxfp8": ("reference", "pipelined")}
+"""The backends whose best time a scaled comparison gives for tp_kernels' path: fp8's fused
+schedules; MXFP8's the two that run block scales as the model simulates them
+(:func:`tp_kernels.cost.op_cost`), ``reference`` among them: its NCCL gather of the MX rows
+cast before it is tp_kernels' path too."""
+# Per scaled dtype: the names of the unfused path and of tp_kernels' (columns), and the
+# caption's lines after the first.
+_NAMES = {"fp8": ("torchao", "fused"), "mxfp8": ("titan", "wire")}
+_CAPTIONS = {
+    "fp8": (
         "  bf16 fused: the best fused bf16 schedule; fp8 torchao: PyTorch's styles with "
         "Float8Linear, unfused (AG: bf16 gather,",
         "  cast of the W*m rows, fp8 GEMM; RS: fp8 GEMM, bf16 reduce-scatter); fp8 fused: the "
         "best fused fp8 schedule (AG: each",
         "  rank's m rows cast, K + 16 bytes a row on the wire; RS: bf16 partials); vs: torchao's "
         "or bf16's time / fp8 fused's",
+    ),
+    "mxfp8": (
+        "  bf16 fused: the best fused bf16 schedule; mxfp8 titan: torchtitan's MXFP8 TP, "
+        "communication in high precision under",
+        "  PyTorch's styles, unfused (AG: bf16 gather, MX cast of the W*m rows, MXFP8 GEMM; RS: "
+        "the casts, MXFP8 GEMM, bf16",
+        "  reduce-scatter); mxfp8 wire: tp_kernels' MXFP8 path on the best backend of block "
+        "scales the model simulates:",
+        "  reference (NCCL, then the GEMM) or pipelined (symm's torch schedule: not modeled); AG: "
+        "each rank's m rows cast, K + K/32",
+        "  bytes a row padded to 16 on the wire; RS: bf16 partials; vs: titan's or bf16's time / "
+        "mxfp8 wire's",
+    ),
+}
+_NOT_MODELED = {
+    "fp8": "the weights' casts and the row-parallel Linears' all-reduce of row amaxes (the same "
+    "in both fp8 paths), attention's own math",
+    "mxfp8": "the weights' casts (the same in both paths; neither all-reduces an amax: MX "
+    "blocks never span ranks), symm's torch schedule of block scales, attention's own math",
+}
+
+
+def render_scaled(rows: Sequence[ScaledRow], device: DeviceSpec, tp: int, dtype: str) -> str:
+    """The ``dtype`` comparison: per forward call, then per layer (the four forward fused ops)."""
+    slow_name, own_name = _NAMES[dtype]
+    unfused, own = f"{dtype} {slow_name}", f"{dtype} {own_name}"
+    out = [
+        f"cost model (MODELED, nothing measured): {dtype} against bf16, the forward fused ops of "
+        f"Llama-3 TP={tp} on {device.name}; ms per call",
+        *_CAPTIONS[dtype],
     ]
+    vs_unfused = f"vs {slow_name}"
     header = ("model", "tokens", "linear", "op", "m x K x N /rank", "bf16 fused", "backend",
-              "fp8 torchao", "fp8 fused", "backend", "fp8 SoL", "vs torchao",
+              unfused, own, "backend", f"{dtype} SoL", vs_unfused,
               "vs bf16")  # fmt: skip
     cells = [
         (r.model, str(r.tokens), r.linear, "AG+mm" if r.op == AG else "mm+RS",
-         f"{r.m}x{r.k}x{r.n}", _ms(r.bf16_fused_s), r.bf16_backend, _ms(r.torchao_s),
-         _ms(r.fp8_fused_s), r.fp8_backend, _ms(r.fp8_sol_s),
-         f"{r.torchao_s / r.fp8_fused_s:.2f}x", f"{r.bf16_fused_s / r.fp8_fused_s:.2f}x")
+         f"{r.m}x{r.k}x{r.n}", _ms(r.bf16_fused_s), r.bf16_backend, _ms(r.unfused_s),
+         _ms(r.fused_s), r.fused_backend, _ms(r.sol_s),
+         f"{r.unfused_s / r.fused_s:.2f}x", f"{r.bf16_fused_s / r.fused_s:.2f}x")
         for r in rows
     ]  # fmt: skip
     out += ["", render_table(header, cells, left=5)]
-    layers: dict[tuple[str, int], list[Fp8Row]] = {}
+    layers: dict[tuple[str, int], list[ScaledRow]] = {}
     for r in rows:
         layers.setdefault((r.model, r.tokens), []).append(r)
-    header = ("model", "tokens", "bf16 fused", "fp8 torchao", "fp8 fused", "vs torchao",
+    header = ("model", "tokens", "bf16 fused", unfused, own, vs_unfused,
               "vs bf16")  # fmt: skip
     cells = []
     for (name, count), group in layers.items():
-        bf16, torchao, fp8 = (
-            sum(getattr(r, f) for r in group) for f in ("bf16_fused_s", "torchao_s", "fp8_fused_s")
+        bf16, slow, fused = (
+            sum(getattr(r, f) for r in group) for f in ("bf16_fused_s", "unfused_s", "fused_s")
         )
-        cells.append((name, str(count), _ms(bf16), _ms(torchao), _ms(fp8),
-                      f"{torchao / fp8:.2f}x", f"{bf16 / fp8:.2f}x"))  # fmt: skip
+        cells.append((name, str(count), _ms(bf16), _ms(slow), _ms(fused),
+                      f"{slow / fused:.2f}x", f"{bf16 / fused:.2f}x"))  # fmt: skip
     out += ["", "per layer (forward: wq/wk/wv, wo, w1/w3, w2), ms:", render_table(header, cells)]
     peak = device.peak_tflops
     out += [
         "",
-        f"device: {device.name}: dense fp8 {peak.get('fp8', 0):g} and bf16 {peak['bf16']:g} "
+        f"device: {device.name}: dense {dtype} {peak[dtype]:g} and bf16 {peak['bf16']:g} "
         f"TFLOP/s, HBM {device.hbm_gb_s:g} GB/s, NVLink {device.link_gb_s:g} GB/s per "
         f"direction: {device.source}",
-        f"fp8: {device.sources.get('fp8', 'assumed: as bf16')}; gemm_efficiency = "
-        f"{device.gemm_efficiency:g} for both dtypes; not modeled: the weights' casts and the "
-        "row-parallel Linears' all-reduce of row amaxes (the same in both fp8 paths), "
-        "attention's own math",
+        f"{dtype}: {device.sources[dtype]}; gemm_efficiency = {device.gemm_efficiency:g} for "
+        f"both dtypes; not modeled: {_NOT_MODELED[dtype]}",
         "models: " + ", ".join(cfg["source"] for cfg in MODELS.values()),
     ]
     return "\n".join(out)
@@ -415,7 +463,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Print the cost model's schedules for Llama-3's fused ops, or with --model "
         "its plan for one model's TP layout on a GPU.",
     )
-    p.add_argument("--gpu", choices=sorted(DEVICES), default="h100")
+    p.add_argument(
+        "--gpu",
+        choices=sorted(DEVICES),
+        default=None,
+        help="the GPU (default h100; with --mxfp8 every GPU with MX tensor cores)",
+    )
     p.add_argument("--tp", type=int, default=8, help="tensor-parallel degree (GPUs)")
     p.add_argument("--model", choices=sorted(MODELS), default=None, help="print this plan")
     p.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS),
@@ -425,6 +478,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--fp8", action="store_true",
                    help="print the fp8 comparison (fused fp8, torchao's unfused fp8, fused bf16) "
                    "on the schedule table's shapes")  # fmt: skip
+    p.add_argument("--mxfp8", action="store_true",
+                   help="print the MXFP8 comparison (fused MXFP8, torchtitan's MXFP8 TP with "
+                   "bf16 communication, fused bf16) on the schedule table's shapes")  # fmt: skip
     p.add_argument("--param", type=_param, action="append", default=[], metavar="NAME=VALUE",
                    help="replace a figure of the device, repeatable")  # fmt: skip
     args = p.parse_args(argv)
@@ -433,14 +489,28 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"--tp, --batch, --seq, --tokens: got {args.tp}, {args.batch}, {args.seq}, "
             f"{args.tokens}; expected >= 1"
         )
-    if args.fp8 and args.model is not None:
-        p.error("--fp8 compares on the schedule table's shapes; leave out --model")
-    device = with_params(DEVICES[args.gpu], args.param)
-    if args.fp8 and "fp8" not in device.peak_tflops:
-        p.error(f"--fp8: {device.name} has no fp8 tensor cores in the model")
+    if args.fp8 and args.mxfp8:
+        p.error("--fp8, --mxfp8: one comparison at a time")
+    scaled = "fp8" if args.fp8 else "mxfp8" if args.mxfp8 else None
+    if scaled is not None and args.model is not None:
+        p.error(f"--{scaled} compares on the schedule table's shapes; leave out --model")
+    if args.gpu is not None:
+        names = [args.gpu]
+    elif scaled == "mxfp8":
+        names = [name for name, spec in DEVICES.items() if "mxfp8" in spec.peak_tflops]
+    else:
+        names = ["h100"]
+    devices = [with_params(DEVICES[name], args.param) for name in names]
+    device = devices[0]
+    if scaled is not None and scaled not in device.peak_tflops:
+        native = " (MX block scales are native on Blackwell only; torchao emulates them)"
+        p.error(f"--{scaled}: {device.name} has no {scaled} tensor cores in the model"
+                + (native if scaled == "mxfp8" else ""))  # fmt: skip
     try:
-        if args.fp8:
-            print(render_fp8(fp8_rows(device, args.tp, args.tokens), device, args.tp))
+        if scaled is not None:
+            tables = [render_scaled(scaled_rows(d, args.tp, args.tokens, scaled), d, args.tp,
+                                    scaled) for d in devices]  # fmt: skip
+            print("\n\n".join(tables))
             return 0
         if args.model is None:
             print(render_schedules(schedule_rows(device, args.tp, args.tokens), device, args.tp))

@@ -15,10 +15,10 @@ communication, the compute-only limit. Every provider does ``2*M*N*K`` flops per
 the cost model's prediction for this device (:func:`tp_kernels.cost.device_spec`): a backend's
 expected time, ``auto``'s the best of the runnable backends', ``roof``'s the compute alone.
 
-``--dtype fp8-rowwise`` / ``fp8-tensorwise``: the same two products with e4m3 operands and
-torchao's scales on tp_kernels' public scaled ops, against torchao's ``Float8Linear`` under
-PyTorch's styles (``torchao``), ``auto`` with its casts from bf16 (``auto+cast``) and the
-``_scaled_mm`` roof: :mod:`tp_kernels.bench.ops_fp8`.
+``--dtype fp8-rowwise`` / ``fp8-tensorwise`` / ``mxfp8``: the same two products with e4m3
+operands and torchao's scales on tp_kernels' scaled ops (MXFP8: its block-scaled path), against
+torchao's ``Float8Linear`` or ``MXFP8Linear`` under PyTorch's styles (``torchao``), ``auto``
+with its casts from bf16 (``auto+cast``) and the roof: :mod:`tp_kernels.bench.ops_fp8`.
 """
 
 from __future__ import annotations
@@ -33,12 +33,20 @@ import torch.distributed as dist
 import tp_kernels
 from tp_kernels import cost
 from tp_kernels.backends import get_backend
-from tp_kernels.bench.protocol import REFERENCE, ROOF, BenchCase, BenchConfig, Provider, register
+from tp_kernels.bench.protocol import (
+    REFERENCE,
+    ROOF,
+    SCALED_DTYPES,
+    BenchCase,
+    BenchConfig,
+    Provider,
+    register,
+)
 
 FUSED_BACKENDS = (REFERENCE, "pipelined", "symm", "torch_symm_mem")
 OP_PROVIDERS = (*FUSED_BACKENDS, "auto", ROOF)
-# Under an fp8 --dtype (tp_kernels.bench.ops_fp8, which says what each one times): also the
-# auto call with its casts from bf16, and torchao's Float8Linear under PyTorch's styles.
+# Under a scaled --dtype (tp_kernels.bench.ops_fp8, which says what each one times): also the
+# auto call with its casts from bf16, and torchao's Linear of the recipe under PyTorch's styles.
 CAST, TORCHAO = "auto+cast", "torchao"
 FP8_OP_PROVIDERS = (*FUSED_BACKENDS, "auto", CAST, TORCHAO, ROOF)
 
@@ -71,13 +79,16 @@ def _randn(
 
 
 def runnable_backends(
-    group: dist.ProcessGroup, device: torch.device
+    group: dist.ProcessGroup, device: torch.device, *, block_scaled: bool = False
 ) -> tuple[list[str], dict[str, str]]:
-    """The backends of :data:`FUSED_BACKENDS` that can run for ``group`` on ``device``, and why
-    each of the others cannot."""
+    """The backends of :data:`FUSED_BACKENDS` that can run for ``group`` on ``device`` (and take
+    block scales, when ``block_scaled``), and why each of the others cannot."""
     runnable, skipped = [], {}
     for backend in FUSED_BACKENDS:
-        why = get_backend(backend).unavailable_reason(group, device)
+        impl = get_backend(backend)
+        why = impl.unavailable_reason(group, device)
+        if why is None and block_scaled:
+            why = impl.block_scales_reason
         if why is None:
             runnable.append(backend)
         else:
@@ -112,15 +123,18 @@ def op_case(
     shapes: dict[str, list[int]],
     tolerance: float,
     predict: Callable[[list[str]], tuple[dict[str, float], str]],
+    block_scaled: bool = False,
+    note: str = "",
 ) -> BenchCase:
     """The case of one fused op (any ``--dtype``): ``fused(backend)`` is the tp_kernels provider
-    of ``backend``, for each runnable backend and ``auto``; ``extra`` the other providers (the
-    roof among them); ``predict(runnable)`` the cost model's times and their note."""
-    runnable, skipped = runnable_backends(group, device)
+    of ``backend``, for each runnable backend (that takes block scales, when ``block_scaled``)
+    and ``auto``; ``extra`` the other providers (the roof among them); ``predict(runnable)`` the
+    cost model's times and their note; ``note`` the table's footnote on its times."""
+    runnable, skipped = runnable_backends(group, device, block_scaled=block_scaled)
     providers: dict[str, Provider] = {backend: fused(backend) for backend in runnable}
     providers["auto"] = fused("auto")
     providers.update(extra)
-    predicted, note = predict(runnable)
+    predicted, model_note = predict(runnable)
     return BenchCase(
         name=name,
         flops=2.0 * cfg.M * cfg.N * cfg.K,
@@ -129,15 +143,16 @@ def op_case(
         tolerance=tolerance,
         skipped=skipped,
         predicted_ms=predicted,
-        model_note=note,
+        model_note=model_note,
+        note=note,
     )
 
 
 @register("ag_matmul", providers=OP_PROVIDERS, fp8_providers=FP8_OP_PROVIDERS)
 def ag_matmul(cfg: BenchConfig, group: dist.ProcessGroup, device: torch.device) -> BenchCase:
-    """``out [M, N] = all_gather(a_shard [M/W, K], dim 0) @ b [K, N]`` on every rank (an fp8
+    """``out [M, N] = all_gather(a_shard [M/W, K], dim 0) @ b [K, N]`` on every rank (a scaled
     ``--dtype``: :func:`tp_kernels.bench.ops_fp8.ag_matmul_fp8`)."""
-    if cfg.fp8_recipe is not None:
+    if cfg.dtype in SCALED_DTYPES:
         from tp_kernels.bench.ops_fp8 import ag_matmul_fp8
 
         return ag_matmul_fp8(cfg, group, device)
@@ -165,9 +180,9 @@ def ag_matmul(cfg: BenchConfig, group: dist.ProcessGroup, device: torch.device) 
 
 @register("matmul_rs", providers=OP_PROVIDERS, fp8_providers=FP8_OP_PROVIDERS)
 def matmul_rs(cfg: BenchConfig, group: dist.ProcessGroup, device: torch.device) -> BenchCase:
-    """``out [M/W, N] = reduce_scatter(a [M, K] @ b [K, N], dim 0, sum)`` on every rank (an fp8
+    """``out [M/W, N] = reduce_scatter(a [M, K] @ b [K, N], dim 0, sum)`` on every rank (a scaled
     ``--dtype``: :func:`tp_kernels.bench.ops_fp8.matmul_rs_fp8`)."""
-    if cfg.fp8_recipe is not None:
+    if cfg.dtype in SCALED_DTYPES:
         from tp_kernels.bench.ops_fp8 import matmul_rs_fp8
 
         return matmul_rs_fp8(cfg, group, device)

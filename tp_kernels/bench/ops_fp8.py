@@ -1,4 +1,6 @@
-"""The fp8 cases of the op benchmarks (``--dtype fp8-rowwise`` / ``fp8-tensorwise``, issue 27).
+"""The scaled cases of the op benchmarks: ``--dtype fp8-rowwise`` / ``fp8-tensorwise`` (issue 27)
+and ``--dtype mxfp8`` (issue 36), one code by operand kind (:class:`_Fp8Operands`,
+:class:`_MXOperands`).
 
 On each rank ``r`` of ``W`` (``K`` and ``N`` multiples of 16, which ``torch._scaled_mm`` needs and
 the CLI checks), with ``cast`` torchao's dynamic cast to ``float8_e4m3fn`` (``x8 = x * s``,
@@ -41,6 +43,18 @@ per rank for every provider. The providers and what each one's timed region hold
 * ``roof``: ``_scaled_mm`` of the full ``[M, K] x [K, N]`` operands (``ag_matmul``: the gathered
   ``a8``; ``matmul_rs``: the rank's own), no communication and no cast.
 
+``--dtype mxfp8`` (``K`` and ``N`` multiples of 32): the same, with torchao's MXFP8 recipe
+(RCEIL): every operand cast by ``MXTensor.to_mx`` in blocks of 32 along ``K`` with an e8m0
+scale each (:func:`tp_kernels.mxfp8.cast_rows`), on each rank's own rows: no block spans ranks,
+so no amax is all-reduced. The fused providers are tp_kernels' block-scaled path on ready MX
+operands (:func:`tp_kernels.mxfp8.all_gather_mx_matmul`, :func:`~tp_kernels.mxfp8.
+mx_matmul_reduce_scatter`: the packed rows, ``mx_row_bytes(K)`` each, on the wire) on each
+backend that takes block scales (``torch_symm_mem`` does not: skipped, named); ``torchao`` is
+``MXFP8Linear`` under the same PyTorch styles (its communication in bf16, as torchtitan's MXFP8
+TP); ``roof`` torchao's MX GEMM (``torch.mm`` of the MXTensors). torchao's kernels are AUTO on
+a CUDA GPU of compute capability 10.x and EMULATED elsewhere (the table says which): emulated
+times are not MXFP8 speeds.
+
 The check: every provider against ``reference``. The fp8 operands and scales are the same bytes
 for every provider (torchao's casts of the same tensors with the same amaxes; ``torchao`` and
 ``auto+cast`` make them again, by the same functions), and an e4m3 x e4m3 product is exact in
@@ -62,7 +76,7 @@ import torch.nn as nn
 import tp_kernels
 from tp_kernels import cost
 from tp_kernels.bench.ops import CAST, TORCHAO, matmul_tolerance, op_case
-from tp_kernels.bench.protocol import REFERENCE, ROOF, BenchCase, BenchConfig, Provider
+from tp_kernels.bench.protocol import MXFP8, REFERENCE, ROOF, BenchCase, BenchConfig, Provider
 
 __all__ = ["ag_matmul_fp8", "fp8_predictions_ms", "fp8_tolerance", "matmul_rs_fp8"]
 
@@ -86,7 +100,7 @@ def _require_torchao() -> None:
         import torchao.float8  # noqa: F401
     except ImportError as e:
         raise RuntimeError(
-            "the fp8 benchmarks (--dtype fp8-rowwise / fp8-tensorwise) need torchao: "
+            "the fp8 benchmarks (--dtype fp8-rowwise / fp8-tensorwise / mxfp8) need torchao: "
             "pip install 'tp_kernels[fp8]'"
         ) from e
 
@@ -124,12 +138,18 @@ def _cast(
     return f8._data, f8._scale.reciprocal()
 
 
-class _Casts:
-    """The forward casts of a recipe on this rank: :meth:`input` ``[rows, K] -> (data, scale
-    [rows, 1] or [])`` (amax over ``K``) and :meth:`weight` ``[K, N] -> (data, scale [1, N] or [])``
-    (amax over ``K``), the amax all-reduced over ``mesh`` where ``input_spans`` / ``weight_spans``
-    say it crosses the shards, and always when :attr:`tensorwise` (one scale of a sharded
-    tensor)."""
+class _Fp8Operands:
+    """The operands of an fp8 recipe on this rank and what each provider does with them.
+    :meth:`input` ``[rows, K] -> (data, scale [rows, 1] or [])`` (amax over ``K``) and
+    :meth:`weight` ``[K, N] -> (data, scale [1, N] or [])`` (amax over ``K``) are the forward
+    casts, the amax all-reduced over ``mesh`` where ``input_spans`` / ``weight_spans`` say it
+    crosses the shards, and always when :attr:`tensorwise` (one scale of a sharded tensor);
+    :meth:`gather` and :meth:`reduce_scatter` the public scaled ops, :meth:`product` the roof's
+    ``_scaled_mm``, :meth:`linear` torchao's Float8Linear."""
+
+    cost_dtype = "fp8"
+    block_scaled = False
+    note = ""
 
     def __init__(self, recipe: str, mesh: Any, *, input_spans: bool, weight_spans: bool) -> None:
         from torchao.float8.config import ScalingGranularity
@@ -157,29 +177,140 @@ class _Casts:
         cc = self.config.cast_config_weight
         return _cast(b, cc, self.config, self._roles[1], 0, self._weight_mesh)
 
+    def gather(self, a: Any, b: Any, group: dist.ProcessGroup, backend: str) -> list[torch.Tensor]:
+        (data, scale), (b_data, b_scale) = a, b
+        return tp_kernels.all_gather_scaled_matmul(
+            data, [b_data], scale, [b_scale], 0, group, use_fast_accum=self.fast_accum,
+            backend=backend,
+        )  # fmt: skip
+
+    def reduce_scatter(
+        self, a: Any, b: Any, group: dist.ProcessGroup, backend: str
+    ) -> torch.Tensor:
+        (data, scale), (b_data, b_scale) = a, b
+        return tp_kernels.scaled_matmul_reduce_scatter(
+            data, b_data, scale, b_scale, 0, group, use_fast_accum=self.fast_accum,
+            backend=backend,
+        )  # fmt: skip
+
+    def product(self, a: Any, b: Any) -> torch.Tensor:
+        (data, scale), (b_data, b_scale) = a, b
+        return torch._scaled_mm(
+            data, b_data, scale_a=scale, scale_b=b_scale, out_dtype=torch.bfloat16,
+            use_fast_accum=self.fast_accum,
+        )  # fmt: skip
+
+    def linear(self, weight: torch.Tensor) -> nn.Module:
+        """A bias-free Float8Linear of the recipe holding ``weight [out, in]``."""
+        from torchao.float8 import convert_to_float8_training
+
+        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device)
+        linear = linear.to(weight.dtype)
+        with torch.no_grad():
+            linear.weight.copy_(weight)
+        # convert_to_float8_training swaps children: wrap the Linear to convert it in place.
+        return convert_to_float8_training(nn.Sequential(linear), config=self.config)[0]
+
+
+def _mx_kernels(device: torch.device) -> tuple[Any, str]:
+    """torchao's kernel preference for MXFP8 on ``device`` and why: AUTO (its sm_100 kernels)
+    on a CUDA GPU of compute capability 10.x, else EMULATED (torch's ops on the dequantized
+    values: MX runs natively on Blackwell only)."""
+    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 10:
+        return KernelPreference.AUTO, "torchao's AUTO kernels (sm_100)"
+    where = "a CPU" if device.type == "cpu" else torch.cuda.get_device_name(device)
+    return KernelPreference.EMULATED, (
+        f"EMULATED: torchao's MX casts and GEMMs in torch's ops, {where} has no MX tensor cores; "
+        "these times are not MXFP8 speeds"
+    )
+
+
+class _MXOperands:
+    """The operands of torchao's MXFP8 recipe (RCEIL scales, as ``MXFP8Linear``'s default) on
+    this rank: :meth:`input` ``[rows, K]`` and :meth:`weight` ``[K, N]`` each cast in blocks of
+    32 along ``K`` (:func:`tp_kernels.mxfp8.cast_rows`: local on every rank, no all-reduce),
+    the fused calls of :mod:`tp_kernels.mxfp8` (its block-scaled path), the roof torchao's MX
+    GEMM, :meth:`linear` torchao's ``MXFP8Linear``; the face of :class:`_Fp8Operands`."""
+
+    cost_dtype = "mxfp8"
+    block_scaled = True
+
+    def __init__(self, device: torch.device) -> None:
+        from torchao.prototype.mx_formats.config import ScaleCalculationMode
+
+        from tp_kernels.mxfp8 import Recipe
+
+        kernels, self.note = _mx_kernels(device)
+        self.recipe = Recipe(kernels, ScaleCalculationMode.RCEIL, wgrad_with_hp=False)
+
+    def input(self, x: torch.Tensor) -> Any:
+        from tp_kernels.mxfp8 import cast_rows
+
+        return cast_rows(x, self.recipe)
+
+    def weight(self, b: torch.Tensor) -> Any:
+        # b [K, N] is the weight [N, K] transposed: its rows cast along K, as torchao's mx_mm.
+        return self.input(b.t()).t()
+
+    def gather(self, a: Any, b: Any, group: dist.ProcessGroup, backend: str) -> list[torch.Tensor]:
+        from tp_kernels.mxfp8 import all_gather_mx_matmul
+
+        return all_gather_mx_matmul(a, [b], group, backend=backend)
+
+    def reduce_scatter(
+        self, a: Any, b: Any, group: dist.ProcessGroup, backend: str
+    ) -> torch.Tensor:
+        from tp_kernels.mxfp8 import mx_matmul_reduce_scatter
+
+        return mx_matmul_reduce_scatter(a, b, group, backend=backend)
+
+    def product(self, a: Any, b: Any) -> torch.Tensor:
+        return torch.mm(a, b)
+
+    def linear(self, weight: torch.Tensor) -> nn.Module:
+        """A bias-free ``MXFP8Linear`` of the recipe holding ``weight [out, in]``."""
+        from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
+
+        out_features, in_features = weight.shape
+        linear = MXFP8Linear(
+            in_features, out_features, bias=False, kernel_preference=self.recipe.kernel_preference,
+            scale_calculation_mode=self.recipe.scaling_mode, device=weight.device,
+            dtype=weight.dtype,
+        )  # fmt: skip
+        with torch.no_grad():
+            linear.weight.copy_(weight)
+        return linear
+
+
+_Operands = _Fp8Operands | _MXOperands
+
+
+def _operands(
+    cfg: BenchConfig, mesh: Any, device: torch.device, *, input_spans: bool, weight_spans: bool
+) -> _Operands:
+    """The operands of ``cfg.dtype``; ``input_spans`` / ``weight_spans``: whether an fp8 row's or
+    column's amax crosses the shards (an MX block never does)."""
+    if cfg.dtype == MXFP8:
+        return _MXOperands(device)
+    return _Fp8Operands(cfg.fp8_recipe, mesh, input_spans=input_spans, weight_spans=weight_spans)
+
 
 def _torchao_linear(
-    weight: torch.Tensor, recipe: str, mesh: Any, style: Any
+    module: nn.Module, mesh: Any, style: Any
 ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``weight [out, in]`` (the full, unsharded weight; the same on every rank) as a bias-free
-    Float8Linear of ``recipe`` parallelized by PyTorch's ``style``; returns its forward without
-    autograd, its output as a local tensor."""
+    """torchao's ``module`` (the full, unsharded weight; the same on every rank) parallelized by
+    PyTorch's ``style``; returns its forward without autograd, its output as a local tensor."""
     import warnings
 
     import torch.distributed.tensor.parallel as torch_tp
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
     from torch.distributed.tensor import DTensor
-    from torchao.float8 import convert_to_float8_training
 
-    # torchao warns about its own deprecations on conversion; they are not this benchmark's.
+    # torchao warns about its own deprecations; they are not this benchmark's.
     warnings.filterwarnings("ignore", module="torchao")
-    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device)
-    linear = linear.to(weight.dtype)
-    with torch.no_grad():
-        linear.weight.copy_(weight)
-    # convert_to_float8_training swaps children: wrap the Linear to convert it in place.
-    holder = convert_to_float8_training(nn.Sequential(linear), config=_config(recipe))
-    module = torch_tp.parallelize_module(holder[0], mesh, style)
+    module = torch_tp.parallelize_module(module, mesh, style)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
@@ -201,32 +332,36 @@ def _randn(shape: tuple[int, ...], seed: int, scale: float, device: torch.device
 
 
 def fp8_predictions_ms(
-    op: str, m: int, k: int, n: int, world: int, device: torch.device, runnable: list[str]
-) -> tuple[dict[str, float], str]:
-    """:mod:`tp_kernels.cost`'s ms per provider for one fp8 call with ``m`` rows per rank, and a
-    note; empty where the model has no fp8 rate for the device. As ``bench model --fp8``: the
-    backends' fp8 schedules, ``torchao`` the unfused ``reference`` schedule (its all-gather moving
-    bf16) plus the cast of the ``W*m`` rows it casts, ``auto+cast`` ``auto`` plus the cast of the
-    rows it casts (``m`` before a gather, ``W*m`` before a reduce-scatter); the weights' casts and
-    the amax all-reduces are not modeled."""
+    op: str, m: int, k: int, n: int, world: int, device: torch.device, runnable: list[str],
+    dtype: str = "fp8",
+) -> tuple[dict[str, float], str]:  # fmt: skip
+    """:mod:`tp_kernels.cost`'s ms per provider for one ``dtype`` ("fp8" or "mxfp8") call with
+    ``m`` rows per rank, and a note; empty where the model has no rate of ``dtype`` for the
+    device. As ``bench model --fp8`` / ``--mxfp8``: the backends' scaled schedules (those the
+    model has: MXFP8's are ``reference`` and ``pipelined``), ``torchao`` the unfused
+    ``reference`` schedule (its all-gather moving bf16) plus the cast of the ``W*m`` rows it
+    casts, ``auto+cast`` ``auto`` plus the cast of the rows it casts (``m`` before a gather,
+    ``W*m`` before a reduce-scatter); the weights' casts and fp8's amax all-reduces are not
+    modeled."""
     spec = cost.device_spec(device)
     if spec is None:
         return {}, f"no description of {device} in tp_kernels.cost"
-    if "fp8" not in spec.peak_tflops:
+    if dtype not in spec.peak_tflops:
         return {}, (
-            f"none: tp_kernels.cost has no fp8 rate for {spec.name}; on a CPU it measures "
+            f"none: tp_kernels.cost has no {dtype} rate for {spec.name}; on a CPU it measures "
             "fp32/bf16/fp16 matmuls only"
         )
-    fused = cost.op_cost(op, m, k, n, world, "fp8", spec)
-    unfused = cost.op_cost(op, m, k, n, world, "fp8", spec, wire="bf16" if op == _AG else None)
-    times = {b: fused.backends_s[b] * 1e3 for b in runnable}
+    fused = cost.op_cost(op, m, k, n, world, dtype, spec)
+    unfused = cost.op_cost(op, m, k, n, world, dtype, spec, wire="bf16" if op == _AG else None)
+    times = {b: fused.backends_s[b] * 1e3 for b in runnable if b in fused.backends_s}
     times["auto"] = min(times.values())
     own_rows = m if op == _AG else world * m
-    times[CAST] = times["auto"] + cost.quantize_s(own_rows, k, spec) * 1e3
-    times[TORCHAO] = (unfused.backends_s[REFERENCE] + cost.quantize_s(world * m, k, spec)) * 1e3
+    times[CAST] = times["auto"] + cost.quantize_s(own_rows, k, spec, dtype) * 1e3
+    cast_all = cost.quantize_s(world * m, k, spec, dtype)
+    times[TORCHAO] = (unfused.backends_s[REFERENCE] + cast_all) * 1e3
     times[ROOF] = fused.compute_s * 1e3
     return times, (
-        f"tp_kernels.cost for {spec.name}, fp8 (casts as one fused pass of the cast rows; "
+        f"tp_kernels.cost for {spec.name}, {dtype} (casts as one fused pass of the cast rows; "
         "weights' casts and amax all-reduces not modeled)"
     )
 
@@ -238,13 +373,12 @@ def _mesh(group: dist.ProcessGroup, device: torch.device) -> Any:
 
 
 def ag_matmul_fp8(cfg: BenchConfig, group: dist.ProcessGroup, device: torch.device) -> BenchCase:
-    """The fp8 ``ag_matmul``: ``out [M, N] = _scaled_mm(all_gather(a8 [M/W, K]), b8 [K, N])``
+    """The scaled ``ag_matmul``: ``out [M, N] = all_gather(a8 [M/W, K]) @ b8 [K, N]`` scaled
     (module docstring)."""
     _require_torchao()
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel
 
-    recipe = cfg.fp8_recipe
     world, rank = group.size(), group.rank()
     mesh = _mesh(group, device)
     a_full = _randn((cfg.M, cfg.K), cfg.seed, 1.0, device)
@@ -253,28 +387,22 @@ def ag_matmul_fp8(cfg: BenchConfig, group: dist.ProcessGroup, device: torch.devi
     b = w.t()
     # Colwise: a row's amax spans K, whole on every rank; the weight's per-column amax spans K,
     # whole too. Tensor-wise scales span the shards (the gathered input; the sharded weight).
-    casts = _Casts(recipe, mesh, input_spans=False, weight_spans=False)
-    a8, a_scale = casts.input(a_shard)
-    b8, b_scale = casts.weight(b)
-    # The roof's gathered operand, cast whole: a row-wise cast of the whole is the shards' casts
-    # concatenated (tests/test_fp8.py), and a tensor-wise one takes the same all-reduced amax.
-    full8, full_scale = casts.input(a_full)
-    fast = casts.fast_accum
+    operands = _operands(cfg, mesh, device, input_spans=False, weight_spans=False)
+    a8, b8 = operands.input(a_shard), operands.weight(b)
+    # The roof's gathered operand, cast whole: a row-wise (or MX) cast of the whole is the
+    # shards' casts concatenated (tests/test_fp8.py, tests/test_mxfp8.py), and a tensor-wise one
+    # takes the same all-reduced amax.
+    full8 = operands.input(a_full)
 
     def fused(backend: str, cast: bool = False) -> Provider:
         def run() -> list[torch.Tensor]:
-            a, sa, bb, sb = (
-                (*casts.input(a_shard), *casts.weight(b)) if cast else (a8, a_scale, b8, b_scale)
-            )
-            return tp_kernels.all_gather_scaled_matmul(
-                a, [bb], sa, [sb], 0, group, use_fast_accum=fast, backend=backend
-            )
+            a, bb = (operands.input(a_shard), operands.weight(b)) if cast else (a8, b8)
+            return operands.gather(a, bb, group, backend)
 
         return run
 
-    torchao = _torchao_linear(
-        w.repeat(world, 1), recipe, mesh, ColwiseParallel(input_layouts=Shard(0))
-    )
+    style = ColwiseParallel(input_layouts=Shard(0))
+    torchao = _torchao_linear(operands.linear(w.repeat(world, 1)), mesh, style)
     return op_case(
         "ag_matmul",
         cfg,
@@ -284,65 +412,60 @@ def ag_matmul_fp8(cfg: BenchConfig, group: dist.ProcessGroup, device: torch.devi
         extra={
             CAST: fused("auto", cast=True),
             TORCHAO: lambda: [torchao(a_shard)],
-            ROOF: lambda: [
-                torch._scaled_mm(
-                    full8,
-                    b8,
-                    scale_a=full_scale,
-                    scale_b=b_scale,
-                    out_dtype=torch.bfloat16,
-                    use_fast_accum=fast,
-                )
-            ],
+            ROOF: lambda: [operands.product(full8, b8)],
         },
         shapes={"a_shard": list(a_shard.shape), "b": list(b.shape), "out": [cfg.M, cfg.N]},
         tolerance=fp8_tolerance(cfg.K, roundings=1),
         predict=functools.partial(
-            fp8_predictions_ms, _AG, cfg.M // world, cfg.K, cfg.N, world, device
-        ),
+            fp8_predictions_ms,
+            _AG,
+            cfg.M // world,
+            cfg.K,
+            cfg.N,
+            world,
+            device,
+            dtype=operands.cost_dtype,
+        ),  # fmt: skip
+        block_scaled=operands.block_scaled,
+        note=operands.note,
     )
 
 
 def matmul_rs_fp8(cfg: BenchConfig, group: dist.ProcessGroup, device: torch.device) -> BenchCase:
-    """The fp8 ``matmul_rs``: ``out [M/W, N]`` = rows ``r`` of the sum over ranks of
-    ``_scaled_mm(a8 [M, K], b8 [K, N])`` (module docstring)."""
+    """The scaled ``matmul_rs``: ``out [M/W, N]`` = rows ``r`` of the sum over ranks of
+    ``a8 [M, K] @ b8 [K, N]`` scaled (module docstring)."""
     _require_torchao()
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import RowwiseParallel
 
-    recipe = cfg.fp8_recipe
     world, rank = group.size(), group.rank()
     mesh = _mesh(group, device)
 
     # Seeds and scales as the bf16 matmul_rs: rank s holds A_s [M, K] and B_s = W_s^T [K, N].
-    def operands(s: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def operands_of(s: int) -> tuple[torch.Tensor, torch.Tensor]:
         seed = cfg.seed + 2 * (s + 1)
         a = _randn((cfg.M, cfg.K), seed, 1.0, device)
         return a, _randn((cfg.N, cfg.K), seed + 1, 1.0 / math.sqrt(cfg.K * world), device)
 
-    a, w = operands(rank)
+    a, w = operands_of(rank)
     b = w.t()
-    # Rowwise: K is sharded, so a row's amax (input) and a column's amax (weight) span the ranks.
-    casts = _Casts(recipe, mesh, input_spans=True, weight_spans=True)
-    a8, a_scale = casts.input(a)
-    b8, b_scale = casts.weight(b)
-    fast = casts.fast_accum
+    # Rowwise: K is sharded, so an fp8 row's amax (input) and a column's amax (weight) span the
+    # ranks (an MX block of 32 along K lies in the rank's K).
+    operands = _operands(cfg, mesh, device, input_spans=True, weight_spans=True)
+    a8, b8 = operands.input(a), operands.weight(b)
 
     def fused(backend: str, cast: bool = False) -> Provider:
         def run() -> torch.Tensor:
-            x, sx, bb, sb = (
-                (*casts.input(a), *casts.weight(b)) if cast else (a8, a_scale, b8, b_scale)
-            )
-            return tp_kernels.scaled_matmul_reduce_scatter(
-                x, bb, sx, sb, 0, group, use_fast_accum=fast, backend=backend
-            )
+            x, bb = (operands.input(a), operands.weight(b)) if cast else (a8, b8)
+            return operands.reduce_scatter(x, bb, group, backend)
 
         return run
 
     # The rowwise Linear's full weight [N, W*K]: every rank's W_s side by side (PyTorch's style
     # scatters rank 0's copy; each rank builds it the same).
-    full_w = torch.cat([w if s == rank else operands(s)[1] for s in range(world)], dim=1)
-    torchao = _torchao_linear(full_w, recipe, mesh, RowwiseParallel(output_layouts=Shard(0)))
+    full_w = torch.cat([w if s == rank else operands_of(s)[1] for s in range(world)], dim=1)
+    style = RowwiseParallel(output_layouts=Shard(0))
+    torchao = _torchao_linear(operands.linear(full_w), mesh, style)
     return op_case(
         "matmul_rs",
         cfg,
@@ -352,18 +475,20 @@ def matmul_rs_fp8(cfg: BenchConfig, group: dist.ProcessGroup, device: torch.devi
         extra={
             CAST: fused("auto", cast=True),
             TORCHAO: lambda: torchao(a),
-            ROOF: lambda: torch._scaled_mm(
-                a8,
-                b8,
-                scale_a=a_scale,
-                scale_b=b_scale,
-                out_dtype=torch.bfloat16,
-                use_fast_accum=fast,
-            ),
+            ROOF: lambda: operands.product(a8, b8),
         },
         shapes={"a": list(a.shape), "b": list(b.shape), "out": [cfg.M // world, cfg.N]},
         tolerance=fp8_tolerance(cfg.K, roundings=world + 1),
         predict=functools.partial(
-            fp8_predictions_ms, _RS, cfg.M // world, cfg.K, cfg.N, world, device
-        ),
+            fp8_predictions_ms,
+            _RS,
+            cfg.M // world,
+            cfg.K,
+            cfg.N,
+            world,
+            device,
+            dtype=operands.cost_dtype,
+        ),  # fmt: skip
+        block_scaled=operands.block_scaled,
+        note=operands.note,
     )

@@ -47,6 +47,8 @@ __all__ = [
     "Benchmark",
     "FP8_DTYPES",
     "FP8_HIGH_PRECISION",
+    "MXFP8",
+    "SCALED_DTYPES",
     "check_outputs",
     "format_table",
     "machine_info",
@@ -82,6 +84,13 @@ operands with one fp32 scale per row of ``A`` and per column of ``B`` (``rowwise
 
 FP8_HIGH_PRECISION = torch.bfloat16
 
+MXFP8 = "mxfp8"
+"""``--dtype`` name of the MXFP8 benchmarks (issue 36): e4m3 operands with one e8m0 scale per 32
+elements along ``K`` (torchao's MXFP8 recipes), high-precision tensors as the fp8 dtypes'."""
+
+SCALED_DTYPES: tuple[str, ...] = (*FP8_DTYPES, MXFP8)
+"""Every ``--dtype`` whose GEMM operands are scaled e4m3: the benchmarks that take one take all."""
+
 
 @dataclass(frozen=True)
 class BenchConfig:
@@ -106,7 +115,7 @@ class BenchConfig:
     def torch_dtype(self) -> torch.dtype:
         """The dtype of the benchmark's tensors; for an fp8 ``dtype`` the high-precision one
         (inputs before their cast to fp8, and outputs)."""
-        if self.dtype in FP8_DTYPES:
+        if self.dtype in SCALED_DTYPES:
             return FP8_HIGH_PRECISION
         return DTYPES[self.dtype]
 
@@ -140,6 +149,8 @@ class BenchCase:
         predicted_ms: ``{provider: ms}``: :mod:`tp_kernels.cost`'s prediction for this machine,
             shown beside each measured row (providers the model does not cover are left out).
         model_note: what the prediction covers and for which device (a footnote of the table).
+        note: what the measured times are, where it is not plain (e.g. emulated kernels): a
+            footnote of the table.
     """
 
     name: str
@@ -155,6 +166,7 @@ class BenchCase:
     probe_columns: dict[str, str] = field(default_factory=dict)
     predicted_ms: dict[str, float] = field(default_factory=dict)
     model_note: str = ""
+    note: str = ""
 
 
 Builder = Callable[[BenchConfig, dist.ProcessGroup, torch.device], BenchCase]
@@ -164,7 +176,8 @@ Builder = Callable[[BenchConfig, dist.ProcessGroup, torch.device], BenchCase]
 class Benchmark:
     """A registered benchmark: ``build(cfg, group, device)`` returns this rank's :class:`BenchCase`;
     ``providers`` names every provider it may offer (to validate ``--providers`` up front) and
-    ``fp8_providers`` those it offers under an fp8 ``--dtype`` (None: it takes no fp8 dtype)."""
+    ``fp8_providers`` those it offers under a scaled ``--dtype`` (:data:`SCALED_DTYPES`; None: it
+    takes none)."""
 
     name: str
     build: Builder
@@ -173,7 +186,7 @@ class Benchmark:
 
     def providers_for(self, dtype: str) -> tuple[str, ...] | None:
         """The providers offered under ``dtype``; None when the benchmark does not take it."""
-        return self.fp8_providers if dtype in FP8_DTYPES else self.providers
+        return self.fp8_providers if dtype in SCALED_DTYPES else self.providers
 
 
 BENCHMARKS: dict[str, Benchmark] = {}
@@ -451,6 +464,7 @@ def run_case(
         "mismatches": mismatches,
         "columns": dict(case.probe_columns),
         "model_note": case.model_note,
+        "note": case.note,
         "providers": records,
     }
 
@@ -528,6 +542,8 @@ def format_table(result: dict[str, Any], meta: dict[str, Any]) -> str:
     lines.append(render_table(header, rows))
     if result.get("model_note"):
         lines.append(f"  (model ms: {result['model_note']})")
+    if result.get("note"):
+        lines.append(f"  ({result['note']})")
     for name, why in result["skipped"].items():
         lines.append(f"  (skipped {name}: {why})")
     for name, err in result["mismatches"].items():
