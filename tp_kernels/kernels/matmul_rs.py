@@ -45,6 +45,7 @@ from tp_kernels.kernels._shared import (
     RAISED,
     WAIT_SLOT,
     _accumulate,
+    _cta_barrier,
     _load_block,
     _note_first_touch,
     _range_arg,
@@ -151,7 +152,13 @@ def _matmul_rs_kernel(
     # Persistent: program p computes tiles p, p + P, p + 2P, ... (P programs, at most one per SM).
     # Every tensor in a range goes through _range_arg, for Triton 3.6.0's interpreter.
     first, tiles = tl.program_id(0), world_size * tiles_per_slot * n_tiles
-    for tile in range(_range_arg(first), _range_arg(tiles), _range_arg(tl.num_programs(0))):
+    # flatten: Triton fuses this loop and the K loop into one that it pipelines, so the next tile's
+    # first loads are issued before this tile's epilogue instead of after it. The fusion takes no
+    # branch in the epilogue (the announcement below is masked) and pipelines no loop holding
+    # tl.debug_barrier() (hence _cta_barrier).
+    for tile in tl.range(
+        _range_arg(first), _range_arg(tiles), _range_arg(tl.num_programs(0)), flatten=True
+    ):
         m_tile, col_tile = _tile_coords(tile, tiles_per_slot, n_tiles, GROUP_M)
         dst = (rank + 1 + m_tile // tiles_per_slot) % world_size
         if TRACE:
@@ -195,19 +202,16 @@ def _matmul_rs_kernel(
 
         # Every thread's stores precede the count; the last tile's release publishes all of them.
         # The stores are local, so the count and the release wait for this GPU's memory only.
-        tl.debug_barrier()
+        _cta_barrier(dst)
         done = tl.atomic_add(counter_ptr + dst, 1, sem="acq_rel", scope="gpu")
-        if done == tiles_per_slot * n_tiles - 1:
-            # Every tile of this block has counted, so nobody else touches the counter this launch.
-            tl.atomic_xchg(counter_ptr + dst, 0, sem="relaxed", scope="gpu")
-            if dst == rank:
-                pad = tl.load(signal_ptrs + rank).to(tl.pointer_type(tl.int32))
-                tl.atomic_xchg(
-                    pad + channel * world_size + rank, RAISED, sem="release", scope="sys"
-                )
-            else:
-                # System scope: the copy engine, not an SM, reads the block after the word.
-                tl.atomic_xchg(progress + dst, RAISED, sem="release", scope="sys")
+        last = done == tiles_per_slot * n_tiles - 1
+        # Every tile of this block has counted, so nobody else touches the counter this launch.
+        tl.atomic_xchg(counter_ptr + dst, 0, sem="relaxed", scope="gpu", mask=last)
+        # System scope: the copy engine, not an SM, reads the block after the word.
+        own = dst == rank
+        pad = tl.load(signal_ptrs + rank, mask=last & own, other=0).to(tl.pointer_type(tl.int32))
+        word = tl.where(own, pad + channel * world_size + rank, progress + dst)
+        tl.atomic_xchg(word, RAISED, sem="release", scope="sys", mask=last)
 
 
 @triton.jit(do_not_specialize=["rank", "channel", "status_addr", "timeout_ns"])
