@@ -94,6 +94,15 @@ def _reduce_configs() -> list[triton.Config]:
     return [triton.Config({"BLOCK": b}, num_warps=w) for b in (1024, 2048, 4096) for w in (4, 8)]
 
 
+@triton.jit
+def _destination_tile(tile, rank, world_size, tiles_per_slot, n_tiles):
+    """``(m_tile, col_tile, d)`` of the producer's tile number ``tile``: its M tile and column tile
+    (:func:`_tile_coords`, the shards being the destinations' blocks) and its destination ``d``,
+    ``rank + 1`` first, ``rank`` last."""
+    m_tile, col_tile = _tile_coords(tile, tiles_per_slot, n_tiles, GROUP_M)
+    return m_tile, col_tile, (rank + 1 + m_tile // tiles_per_slot) % world_size
+
+
 @triton.jit(do_not_specialize=["rank", "channel"])
 def _matmul_rs_kernel(
     a,
@@ -151,22 +160,19 @@ def _matmul_rs_kernel(
     tiles_per_slot = tl.cdiv(m, BLOCK_M)
     # Persistent: program p computes tiles p, p + P, p + 2P, ... (P programs, at most one per SM).
     # Every tensor in a range goes through _range_arg, for Triton 3.6.0's interpreter.
-    first, tiles = tl.program_id(0), world_size * tiles_per_slot * n_tiles
-    # flatten: Triton fuses this loop and the K loop into one that it pipelines, so the next tile's
-    # first loads are issued before this tile's epilogue instead of after it. The fusion takes no
-    # branch in the epilogue (the announcement below is masked) and pipelines no loop holding
-    # tl.debug_barrier() (hence _cta_barrier).
-    for tile in tl.range(
-        _range_arg(first), _range_arg(tiles), _range_arg(tl.num_programs(0)), flatten=True
-    ):
-        m_tile, col_tile = _tile_coords(tile, tiles_per_slot, n_tiles, GROUP_M)
-        dst = (rank + 1 + m_tile // tiles_per_slot) % world_size
+    first, step, tiles = tl.program_id(0), tl.num_programs(0), world_size * tiles_per_slot * n_tiles
+    # The epilogue's tile, counted apart from the loop's (as Triton's persistent matmul tutorial
+    # does): see below.
+    stored = first - step
+    # flatten: Triton fuses this loop and the K loop into one, which it pipelines, so the next
+    # tile's first loads are issued before this tile's epilogue instead of after it. The fusion
+    # takes no branch nested in the epilogue (the announcement below is masked instead), and the
+    # pipeliner no loop holding tl.debug_barrier() (hence _cta_barrier).
+    for tile in tl.range(_range_arg(first), _range_arg(tiles), _range_arg(step), flatten=True):
+        m_tile, col_tile, dst = _destination_tile(tile, rank, world_size, tiles_per_slot, n_tiles)
         if TRACE:
             _note_first_touch(trace_ptr, dst, world_size)
-
-        row0, rows64, cols64, row_ok, col_ok = _tile_span(
-            m_tile, col_tile, tiles_per_slot, m, N, BLOCK_M, BLOCK_N
-        )
+        row0 = (m_tile % tiles_per_slot) * BLOCK_M
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, _range_arg(K), BLOCK_K):
             # Rows past d's m belong to the next destination (or are zeros past A): they only reach
@@ -179,6 +185,15 @@ def _matmul_rs_kernel(
                 acc, a_blk, b, k0, col_tile * BLOCK_N, K, N, stride_bk, stride_bn, B_LAYOUT,
                 BLOCK_K, BLOCK_N, BF16_BY_HAND, INPUT_PRECISION,
             )  # fmt: skip
+        # The same tile, computed again from its own counter: the fused loop would otherwise carry
+        # the coordinates above through its pipeline's stages to here (a counter of its own, as
+        # CSE would merge a computation from ``tile`` with the one above), and ptxas spilled 8 B
+        # per thread with them carried (16-bit 128x128x64 on sm_100, Triton 3.6.0).
+        stored += step
+        m_tile, col_tile, dst = _destination_tile(stored, rank, world_size, tiles_per_slot, n_tiles)
+        _, rows64, cols64, row_ok, col_ok = _tile_span(
+            m_tile, col_tile, tiles_per_slot, m, N, BLOCK_M, BLOCK_N
+        )
         if SCALE != "none":
             if SCALE == "row":
                 a_rows = (dst * m + rows64) * stride_as
