@@ -161,9 +161,7 @@ def _matmul_rs_kernel(
     # Persistent: program p computes tiles p, p + P, p + 2P, ... (P programs, at most one per SM).
     # Every tensor in a range goes through _range_arg, for Triton 3.6.0's interpreter.
     first, step, tiles = tl.program_id(0), tl.num_programs(0), world_size * tiles_per_slot * n_tiles
-    # The epilogue's tile, counted apart from the loop's (as Triton's persistent matmul tutorial
-    # does): see below.
-    stored = first - step
+    stored = first - step  # the epilogue's tile number, counted apart (see the epilogue)
     # flatten: Triton fuses this loop and the K loop into one, which it pipelines, so the next
     # tile's first loads are issued before this tile's epilogue instead of after it. The fusion
     # takes no branch nested in the epilogue (the announcement below is masked instead), and the
@@ -185,10 +183,11 @@ def _matmul_rs_kernel(
                 acc, a_blk, b, k0, col_tile * BLOCK_N, K, N, stride_bk, stride_bn, B_LAYOUT,
                 BLOCK_K, BLOCK_N, BF16_BY_HAND, INPUT_PRECISION,
             )  # fmt: skip
-        # The same tile, computed again from its own counter: the fused loop would otherwise carry
-        # the coordinates above through its pipeline's stages to here (a counter of its own, as
-        # CSE would merge a computation from ``tile`` with the one above), and ptxas spilled 8 B
-        # per thread with them carried (16-bit 128x128x64 on sm_100, Triton 3.6.0).
+        # The same tile, computed again from a counter of its own, as Triton's persistent matmul
+        # tutorial does: the fused loop would otherwise carry the coordinates above through its
+        # pipeline's stages to here (CSE would merge a computation from ``tile`` with the one
+        # above), and with them carried ptxas spilled 8 B per thread (16-bit 128x128x64 on sm_100,
+        # Triton 3.6.0).
         stored += step
         m_tile, col_tile, dst = _destination_tile(stored, rank, world_size, tiles_per_slot, n_tiles)
         _, rows64, cols64, row_ok, col_ok = _tile_span(
