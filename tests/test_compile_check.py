@@ -70,6 +70,43 @@ def test_wait_order_holds_only_with_the_wait_before_the_loads():
     assert compile_check.check_wait_order(flat) != []
 
 
+def test_flattened_holds_only_for_one_fused_pipelined_loop():
+    """The producer's loop in PTX (check_flattened), as LLVM's comments mark it in Triton
+    3.7.1's: copies issued ahead of one loop that holds the next copies and the tile's count
+    passes; the nested loops, a fused loop with no copy ahead of it (not pipelined), and one
+    whose count is in another loop fail."""
+    load = "@%p9 cp.async.bulk.tensor.2d.shared::cta.global.mbarrier::complete_tx::bytes [%r1];"
+    count = "@%p58 atom.global.gpu.acq_rel.add.u32 %r355, [ %rd45 + 0 ], %r353;"
+    fused = (
+        f"{load}\n"
+        "$L__BB0_12: //   in Loop: Header=BB0_8 Depth=1\n"
+        "add.s32 %r1, %r1, 1;\n"
+        "$L__BB0_8: // =>This Inner Loop Header: Depth=1\n"
+        "wgmma.wait_group.sync.aligned 1;\n"
+        f"{load}\n"
+        "// %bb.11: //   in Loop: Header=BB0_8 Depth=1\n"
+        f"st.global.v4.b32 [ %rd29 + 0 ], {{ %r288 }};\n{count}\n"
+        "$L__BB0_13: // %._crit_edge\n"
+        "ret;\n"
+    )
+    assert compile_check.check_flattened(fused) == []
+    # The blocks, as read: the prologue outside every loop, three blocks in loop BB0_8.
+    blocks = compile_check.ptx_blocks(fused)
+    assert [(loop, depth) for loop, depth, _ in blocks] == [(None, 0)] + [("BB0_8", 1)] * 3 + [
+        (None, 0)
+    ]
+    assert compile_check.check_flattened(fused.split("\n", 1)[1]) != []  # no prologue
+    nested = fused.replace(
+        "// %bb.11: //   in Loop: Header=BB0_8 Depth=1",
+        "$L__BB0_4: // %.lr.ph\n//   Parent Loop BB0_8 Depth=1\n"
+        "// =>  This Inner Loop Header: Depth=2",
+    )
+    assert compile_check.ptx_blocks(nested)[3][:2] == ("BB0_4", 2)
+    assert compile_check.check_flattened(nested) != []
+    apart = fused.replace(count, "").replace("ret;", count)
+    assert compile_check.check_flattened(apart) != []
+
+
 def test_sm_100_gemm_facts_are_tcgen05_with_tensor_memory():
     """On sm_100 a 16-bit GEMM must hold Blackwell's MMA, its accumulator's tensor memory
     allocation and the load back from it; sm_90's wgmma does not pass."""

@@ -362,6 +362,11 @@ if INTERPRET:
         """Nothing to order in the interpreter: its descriptor loads are plain loads."""
         pass
 
+    @triton.jit
+    def _cta_barrier(dependency):
+        """Nothing to wait for in the interpreter: a program runs as one thread."""
+        pass
+
     def _range_arg(x):
         """``x`` (a scalar tensor, or a Python int or constexpr) as what Python's ``range`` takes.
 
@@ -429,6 +434,23 @@ else:
         word announces). ``dependency`` only gives the asm an operand."""
         tl.inline_asm_elementwise(
             "fence.proxy.async.global; mov.u32 $0, $1;",
+            "=r,r",
+            [dependency],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+
+    @triton.jit
+    def _cta_barrier(dependency):
+        """``bar.sync 0``: every thread of the program waits for all the others, so all their
+        earlier stores precede any thread's later accesses. Not ``tl.debug_barrier()``: Triton's
+        pipeliner leaves a loop holding one unpipelined (it cannot place a barrier that no value
+        chains to among its stages); this asm, like any side effect, stays in order with the
+        stores and atomics of the branch it is in. Every thread must reach it (a uniform
+        branch). ``dependency`` only gives the asm an operand."""
+        tl.inline_asm_elementwise(
+            "bar.sync 0; mov.u32 $0, $1;",
             "=r,r",
             [dependency],
             dtype=tl.int32,

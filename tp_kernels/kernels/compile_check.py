@@ -39,7 +39,11 @@ configs (every config of the menus). Each PTX file is written to ``--out`` and c
 * the all-gather consumer's waiting launch, reading A with TMA, issues a tile's loads of A only
   after the tile's wait: the K loop is nested in the tile loop (not flattened into it), and in
   the tile loop the acquire precedes the proxy fence, which precedes the first TMA load
-  (:func:`check_wait_order`).
+  (:func:`check_wait_order`);
+* the reduce-scatter producer, which waits for nothing, runs one loop: its tile loop and K loop
+  fused (``flatten=True``) and pipelined, so a tile's epilogue runs after the next K steps' copies
+  are issued; no loop is nested in another, one loop holds the copies and the tiles' count, and
+  copies are issued ahead of it (the pipeliner's prologue) (:func:`check_flattened`).
 
 Each variant's PTX is also assembled by the ``ptxas`` that comes with Triton (``-v``), which must
 report no advisory that it serialized wgmmas, and for a GEMM on sm_90 and sm_100 (every config
@@ -163,6 +167,8 @@ class Variant:
     promotions: int = 0
     # A waiting consumer reading A with TMA: its waits precede A's loads (check_wait_order).
     wait_order: bool = False
+    # The reduce-scatter producer: one fused, pipelined tile and K loop (check_flattened).
+    flattened: bool = False
     # A GEMM on sm_90 or newer, the GPUs the tile menus are chosen for: ptxas must spill nothing
     # (every config of the menus is one a launch may run). On sm_80, whose mma.sync holds the
     # operands in registers too, the large 16-bit tiles spill, and the tuner weighs that.
@@ -437,6 +443,7 @@ def variants(arch: int) -> list[Variant]:
             num_warps=config["num_warps"],
             num_stages=config["num_stages"],
             promotions=_promotions(arch, scale, config),
+            flattened=True,
             no_spills=arch >= 90,
         )
 
@@ -568,6 +575,67 @@ def check_wait_order(ptx: str) -> list[str]:
     return problems
 
 
+# A block of the PTX: its label (``$L__BB0_8:``) or LLVM's comment for an unlabelled one
+# (``// %bb.9:``), then LLVM's loop comments on that line and the comment lines after it.
+_BLOCK = re.compile(r"^(?:\$L__(BB\d+_\d+):|// %bb\.\d+:)")
+_LOOP_HEADER = re.compile(r"=>\s*This (?:Inner )?Loop Header: Depth=(\d+)")
+_IN_LOOP = re.compile(r"in Loop: Header=(BB\d+_\d+) Depth=(\d+)")
+# Asynchronous copies into shared memory: cp.async (16-byte pieces) and TMA's.
+ASYNC_LOAD = rf"cp\.async\.c[ag]\.shared|{TMA_LOAD}"
+# The reduce-scatter producer's per-tile count, the last thing each tile's epilogue does but
+# the announcement of a complete block.
+TILE_COUNT = r"atom\.global\.gpu\.acq_rel\.add"
+
+
+def ptx_blocks(ptx: str) -> list[tuple[str | None, int, str]]:
+    """The blocks of ``ptx`` in text order (the text before the first label is one too), each as
+    ``(loop, depth, text)``: the header of the innermost loop holding it (``"BB0_8"``) and that
+    loop's depth, or ``(None, 0)`` outside every loop, as LLVM's comments in the PTX say."""
+    found = []
+    label, loop, depth, lines, annotating = None, None, 0, [], False
+    for line in ptx.splitlines():
+        start = _BLOCK.match(line)
+        if start:
+            found.append((loop, depth, "\n".join(lines)))
+            label, loop, depth, lines = start.group(1), None, 0, []
+        annotating = bool(start) or (annotating and line.lstrip().startswith("//"))
+        if annotating:
+            # A nested loop's header also names its parent loop: keep the deepest.
+            header, inside = _LOOP_HEADER.search(line), _IN_LOOP.search(line)
+            if header and int(header.group(1)) > depth:
+                loop, depth = label, int(header.group(1))
+            elif inside and int(inside.group(2)) > depth:
+                loop, depth = inside.group(1), int(inside.group(2))
+        lines.append(line)
+    found.append((loop, depth, "\n".join(lines)))
+    return found
+
+
+def check_flattened(ptx: str) -> list[str]:
+    """What breaks, in the reduce-scatter producer's PTX, its one pipelined loop: its tile loop
+    and K loop fused into a single loop (``tl.range(..., flatten=True)``), which Triton's
+    pipeliner pipelines, so a tile's epilogue runs after the next K steps' loads are issued.
+
+    Read from LLVM's loop comments: no loop is nested in another (the K loop fused into the
+    tile loop); one loop holds both the asynchronous copies of the K steps (cp.async or TMA)
+    and the tiles' count (the epilogue); and copies are also issued before that loop, outside
+    every loop: the pipeliner's prologue, which a loop it did not pipeline lacks."""
+    blocks = ptx_blocks(ptx)
+    problems = []
+    if any(depth > 1 for _, depth, _ in blocks):
+        problems.append("a loop nested in another: the K loop is not fused into the tile loop")
+    loads = {loop for loop, _, text in blocks if loop and re.search(ASYNC_LOAD, text)}
+    counts = {loop for loop, _, text in blocks if loop and re.search(TILE_COUNT, text)}
+    fused = loads & counts
+    if not fused:
+        problems.append("no loop holds both the K steps' copies and the tiles' count")
+        return problems
+    first = min(i for i, (loop, _, _) in enumerate(blocks) if loop in fused)
+    if not any(loop is None and re.search(ASYNC_LOAD, text) for loop, _, text in blocks[:first]):
+        problems.append("no copy issued ahead of the fused loop: it is not pipelined")
+    return problems
+
+
 @dataclass
 class Outcome:
     """What compiling one variant gave: its resources, and what is wrong."""
@@ -640,6 +708,8 @@ def compile_variant(variant: Variant, arch: int, out_dir: Path) -> Outcome:
         )
     if variant.wait_order:
         problems += check_wait_order(ptx)
+    if variant.flattened:
+        problems += check_flattened(ptx)
     registers, spill_bytes, advisories = ptxas_usage(path, arch)
     if spill_bytes and variant.no_spills:
         problems.append(f"ptxas spills {spill_bytes} B per thread")

@@ -45,6 +45,7 @@ from tp_kernels.kernels._shared import (
     RAISED,
     WAIT_SLOT,
     _accumulate,
+    _cta_barrier,
     _load_block,
     _note_first_touch,
     _range_arg,
@@ -91,6 +92,15 @@ def _reduce_configs() -> list[triton.Config]:
     if INTERPRET:
         return [triton.Config({"BLOCK": 256}, num_warps=1)]
     return [triton.Config({"BLOCK": b}, num_warps=w) for b in (1024, 2048, 4096) for w in (4, 8)]
+
+
+@triton.jit
+def _destination_tile(tile, rank, world_size, tiles_per_slot, n_tiles):
+    """``(m_tile, col_tile, d)`` of the producer's tile number ``tile``: its M tile and column tile
+    (:func:`_tile_coords`, the shards being the destinations' blocks) and its destination ``d``,
+    ``rank + 1`` first, ``rank`` last."""
+    m_tile, col_tile = _tile_coords(tile, tiles_per_slot, n_tiles, GROUP_M)
+    return m_tile, col_tile, (rank + 1 + m_tile // tiles_per_slot) % world_size
 
 
 @triton.jit(do_not_specialize=["rank", "channel"])
@@ -150,16 +160,17 @@ def _matmul_rs_kernel(
     tiles_per_slot = tl.cdiv(m, BLOCK_M)
     # Persistent: program p computes tiles p, p + P, p + 2P, ... (P programs, at most one per SM).
     # Every tensor in a range goes through _range_arg, for Triton 3.6.0's interpreter.
-    first, tiles = tl.program_id(0), world_size * tiles_per_slot * n_tiles
-    for tile in range(_range_arg(first), _range_arg(tiles), _range_arg(tl.num_programs(0))):
-        m_tile, col_tile = _tile_coords(tile, tiles_per_slot, n_tiles, GROUP_M)
-        dst = (rank + 1 + m_tile // tiles_per_slot) % world_size
+    first, step, tiles = tl.program_id(0), tl.num_programs(0), world_size * tiles_per_slot * n_tiles
+    stored = first - step  # the epilogue's tile number, counted apart (see the epilogue)
+    # flatten: Triton fuses this loop and the K loop into one, which it pipelines, so the next
+    # tile's first loads are issued before this tile's epilogue instead of after it. The fusion
+    # takes no branch nested in the epilogue (the announcement below is masked instead), and the
+    # pipeliner no loop holding tl.debug_barrier() (hence _cta_barrier).
+    for tile in tl.range(_range_arg(first), _range_arg(tiles), _range_arg(step), flatten=True):
+        m_tile, col_tile, dst = _destination_tile(tile, rank, world_size, tiles_per_slot, n_tiles)
         if TRACE:
             _note_first_touch(trace_ptr, dst, world_size)
-
-        row0, rows64, cols64, row_ok, col_ok = _tile_span(
-            m_tile, col_tile, tiles_per_slot, m, N, BLOCK_M, BLOCK_N
-        )
+        row0 = (m_tile % tiles_per_slot) * BLOCK_M
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, _range_arg(K), BLOCK_K):
             # Rows past d's m belong to the next destination (or are zeros past A): they only reach
@@ -172,6 +183,16 @@ def _matmul_rs_kernel(
                 acc, a_blk, b, k0, col_tile * BLOCK_N, K, N, stride_bk, stride_bn, B_LAYOUT,
                 BLOCK_K, BLOCK_N, BF16_BY_HAND, INPUT_PRECISION,
             )  # fmt: skip
+        # The same tile, computed again from a counter of its own, as Triton's persistent matmul
+        # tutorial does: the fused loop would otherwise carry the coordinates above through its
+        # pipeline's stages to here (CSE would merge a computation from ``tile`` with the one
+        # above), and with them carried ptxas spilled 8 B per thread (16-bit 128x128x64 on sm_100,
+        # Triton 3.6.0).
+        stored += step
+        m_tile, col_tile, dst = _destination_tile(stored, rank, world_size, tiles_per_slot, n_tiles)
+        _, rows64, cols64, row_ok, col_ok = _tile_span(
+            m_tile, col_tile, tiles_per_slot, m, N, BLOCK_M, BLOCK_N
+        )
         if SCALE != "none":
             if SCALE == "row":
                 a_rows = (dst * m + rows64) * stride_as
@@ -195,19 +216,16 @@ def _matmul_rs_kernel(
 
         # Every thread's stores precede the count; the last tile's release publishes all of them.
         # The stores are local, so the count and the release wait for this GPU's memory only.
-        tl.debug_barrier()
+        _cta_barrier(dst)
         done = tl.atomic_add(counter_ptr + dst, 1, sem="acq_rel", scope="gpu")
-        if done == tiles_per_slot * n_tiles - 1:
-            # Every tile of this block has counted, so nobody else touches the counter this launch.
-            tl.atomic_xchg(counter_ptr + dst, 0, sem="relaxed", scope="gpu")
-            if dst == rank:
-                pad = tl.load(signal_ptrs + rank).to(tl.pointer_type(tl.int32))
-                tl.atomic_xchg(
-                    pad + channel * world_size + rank, RAISED, sem="release", scope="sys"
-                )
-            else:
-                # System scope: the copy engine, not an SM, reads the block after the word.
-                tl.atomic_xchg(progress + dst, RAISED, sem="release", scope="sys")
+        last = done == tiles_per_slot * n_tiles - 1
+        # Every tile of this block has counted, so nobody else touches the counter this launch.
+        tl.atomic_xchg(counter_ptr + dst, 0, sem="relaxed", scope="gpu", mask=last)
+        # System scope: the copy engine, not an SM, reads the block after the word.
+        own = dst == rank
+        pad = tl.load(signal_ptrs + rank, mask=last & own, other=0).to(tl.pointer_type(tl.int32))
+        word = tl.where(own, pad + channel * world_size + rank, progress + dst)
+        tl.atomic_xchg(word, RAISED, sem="release", scope="sys", mask=last)
 
 
 @triton.jit(do_not_specialize=["rank", "channel", "status_addr", "timeout_ns"])
