@@ -535,22 +535,21 @@ def _mxfp8_cases() -> dict:
     tp_kernels.reset_comm_stats()
     with tp_kernels.use_backend("reference"):
         loss = t3.step(model, dims, loss_parallel=True, patched=True)
-    counts = dict(tp_kernels.comm_stats())
-    grads = t3.full_grads(model)
+    out = {
+        "mx": mx,
+        "counts": dict(tp_kernels.comm_stats()),
+        "vs unsharded": {
+            "loss": relative_error(loss, unsharded[0]),
+            **{n: relative_error(g, unsharded[1][n]) for n, g in t3.full_grads(model).items()},
+        },
+    }
     # 2 sequences: 2 x 8 tokens a rank, half an MX block: every MXFP8 call falls back, counted
     tokens = torch.randint(0, t3.VOCAB, (2, t3.SEQ + 1), generator=torch.Generator().manual_seed(3))
     tp_kernels.reset_comm_stats()
     with tp_kernels.use_backend("reference"):
         t3.step(model, dims, loss_parallel=True, patched=True, tokens=tokens)
-    return {
-        "mx": mx,
-        "counts": counts,
-        "half-block counts": dict(tp_kernels.comm_stats()),
-        "vs unsharded": {
-            "loss": relative_error(loss, unsharded[0]),
-            **{n: relative_error(g, unsharded[1][n]) for n, g in grads.items()},
-        },
-    }
+    out["half-block counts"] = dict(tp_kernels.comm_stats())
+    return out
 
 
 def test_dist_gemm_runs_torchtitan_s_mxfp8_linears_fused(worlds):
@@ -560,12 +559,14 @@ def test_dist_gemm_runs_torchtitan_s_mxfp8_linears_fused(worlds):
 
     Tolerances. Every forward and input-grad cast runs along a row's K or N, whole on each rank
     or split at block boundaries, so it is torchao's unsharded cast; what remains is sharding's
-    fp32 sum order, bound 2^-16 as for fp8 (an e4m3 rounding flipped by it would move one element
-    of a block by 2^-4 of itself: norm-relative far below that bound). The converted Linears'
-    weight grads cast along the tokens, in blocks of 32 consecutive rows of torchtitan's
-    sequence-major flattening where the unsharded model's blocks run along each sequence: other
-    blocks, other e8m0 scales, so those four grads per layer are held to MX's own error (e4m3's
-    2^-4 relative rounding, norm-relative 2^-3 bound)."""
+    fp32 sum order, bound 2^-18 (measured: the loss exact, every other quantity within 2^-21.3;
+    an e4m3 rounding flipped by the sum order would move one element of a block by 2^-4 of
+    itself, far below that bound norm-relative). The converted Linears' weight grads cast along
+    the tokens in blocks of 32 consecutive rows of torchtitan's sequence-major flattening
+    (``x.transpose(0, 1)``: 8 positions x 4 sequences here), where the unsharded model's blocks
+    run along each sequence: other blocks, whose e8m0 scales may differ, so those four grads per
+    layer are held to MX's own error (e4m3's 2^-4 relative rounding: norm-relative bound 2^-3;
+    measured within 2^-21.3: this data's blocks happen to share their scales)."""
     pytest.importorskip("torchao.prototype.moe_training")
     result = worlds(2).run(_mxfp8_cases)[0]
     layers = [f"layers.{i}." for i in range(t3.LAYERS)]
@@ -585,7 +586,7 @@ def test_dist_gemm_runs_torchtitan_s_mxfp8_linears_fused(worlds):
     errors = result["vs unsharded"]
     assert len(errors) == 1 + N_PARAMS
     token_blocked = {f"{name}.weight" for name in want}
-    assert max(e for n, e in errors.items() if n not in token_blocked) <= 2**-16, errors
+    assert max(e for n, e in errors.items() if n not in token_blocked) <= 2**-18, errors
     assert max(errors[n] for n in token_blocked) <= 2**-3, errors
     half = result["half-block counts"]
     # every MXFP8 child's call counted: wqkv, w1+w3 (one call), w2 per layer
