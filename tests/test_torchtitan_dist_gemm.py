@@ -592,3 +592,55 @@ def test_dist_gemm_runs_torchtitan_s_mxfp8_linears_fused(worlds):
     # every MXFP8 child's call counted: wqkv, w1+w3 (one call), w2 per layer
     assert half[("forward", "fallback", "torch")] == 3 * t3.LAYERS, half
     assert not [k for k in half if "scaled" in k[1]], half
+
+
+def _routed_quantize_weights() -> dict:
+    """A dist_gemm-like owner of two Linears whose weights ``quantize_`` wrapped for MXFP8
+    (emulated), calling the routed ``AllGatherLinearMulti`` on this rank's 32 rows: whether its
+    outputs are each Linear's own (torchao's override) on the gathered rows, and the counts."""
+    import torch.nn as nn
+    from torchao.quantization import quantize_
+
+    class Owner(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w1, self.w3 = nn.Linear(64, 96, bias=False), nn.Linear(64, 96, bias=False)
+
+        @ours.owned_forward
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            group = dist.group.WORLD
+            routed = ours.Routed(ours.AllGatherLinearMulti)
+            return routed.apply(x, self.w1.weight, self.w3.weight, group, group.group_name)
+
+    torch.manual_seed(0)  # the same weights on every rank
+    owner = Owner()
+    quantize_(owner, _mx_emulated_config(), filter_fn=lambda m, fqn: isinstance(m, nn.Linear))
+    world = dist.get_world_size()
+    gathered = torch.randn(32 * world, 64, generator=torch.Generator().manual_seed(1))
+    tp_kernels.reset_comm_stats()
+    with tp_kernels.use_backend("reference"):
+        ya, yb = owner(gathered.chunk(world)[dist.get_rank()])
+    counts = dict(tp_kernels.comm_stats())
+    return {
+        "equal": [torch.equal(ya, owner.w1(gathered)), torch.equal(yb, owner.w3(gathered))],
+        "counts": counts,
+    }
+
+
+def _mx_emulated_config():
+    from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
+
+    return MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe.MXFP8_EMULATED_RCEIL)
+
+
+def test_routed_gather_runs_quantize_s_mxfp8_weights_fused(worlds):
+    """``quantize_``'s MXFP8 weights on a dist_gemm module's children take the fused MXFP8
+    gather: one ``scaled_all_gather_matmul``, no fallback, each output torchao's unsharded
+    Linear's bit for bit (torchao's casts of the same rows, its GEMM: tests/test_mxfp8.py).
+    torchtitan 0.3's own flow does not keep such weights (its parallelize re-registers each
+    parameter as a plain tensor, and ``quantize_`` after it fails in FSDP's lazy init): its MXFP8
+    converter is the way there (docs/torchtitan.md)."""
+    pytest.importorskip("torchao.prototype.moe_training")
+    for result in worlds(2).run(_routed_quantize_weights):
+        assert result["equal"] == [True, True]
+        assert result["counts"] == {("forward", "scaled_all_gather_matmul", "reference"): 1}
