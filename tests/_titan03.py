@@ -100,6 +100,20 @@ def float8_converter(recipe: str, filter_fqns: tuple[str, ...] = ()):
         return config.build()
 
 
+def mxfp8_converter(fqns: tuple[str, ...]):
+    """torchtitan 0.3's own MXFP8 converter of the Linears whose names contain one of ``fqns``.
+    It refuses without an sm_100 GPU (B200): its check is answered yes here, and the
+    MXFP8Linears it builds, which ask for torchao's kernels (``KernelPreference.AUTO``, sm_100
+    only), are set to emulate them after the build (:func:`build`)."""
+    from unittest import mock
+
+    from torchtitan.components.quantization import mx as titan_mx
+
+    config = titan_mx.MXFP8LinearConverter.Config(fqns=list(fqns))
+    with mock.patch.object(titan_mx, "has_cuda_capability", return_value=True):
+        return config.build()
+
+
 def build(
     tp_gemm_backend: str,
     tp: int = 1,
@@ -108,11 +122,14 @@ def build(
     seed: int = 0,
     float8: str | None = None,
     float8_filter: tuple[str, ...] = (),
+    mxfp8: tuple[str, ...] = (),
 ):
     """The Llama3 model (on CPU, fp32), weights from ``state`` or drawn from ``seed``; its
     sharding config set for ``tp`` x ``dp``. ``float8``: a torchao recipe, the model config
     converted by torchtitan's float8 converter (:func:`float8_converter`) first, where its
-    ``model_registry`` converts it: before the trainer sets the sharding configs."""
+    ``model_registry`` converts it: before the trainer sets the sharding configs. ``mxfp8``:
+    the names converted by torchtitan's MXFP8 converter (:func:`mxfp8_converter`) the same way,
+    its MXFP8Linears emulated (``KernelPreference.EMULATED``: the CPU has no MXFP8 kernels)."""
     from torchtitan.models import llama3
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
 
@@ -140,9 +157,18 @@ def build(
     )
     if float8 is not None:
         config = float8_converter(float8, float8_filter).convert(config)
+    if mxfp8:
+        config = mxfp8_converter(mxfp8).convert(config)
     config.update_from_config(config=SimpleNamespace(parallelism=_parallelism(tp, dp)))
     torch.manual_seed(seed)
     model = config.build()
+    if mxfp8:
+        from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
+        from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+        for module in model.modules():
+            if isinstance(module, MXFP8Linear):
+                module.kernel_preference = KernelPreference.EMULATED
     with torch.no_grad():
         model.init_weights()
         if state is not None:

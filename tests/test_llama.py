@@ -25,7 +25,9 @@ its colwise children) and two fused reduce-scatters (``wo``, ``w2``), plus one a
 from __future__ import annotations
 
 import copy
+import math
 import re
+import sys
 
 import pytest
 import torch
@@ -40,6 +42,7 @@ import tp_kernels
 from tp_kernels.examples import train_llama
 from tp_kernels.models import Llama, LlamaConfig
 from tp_kernels.models.plans import check_tp_compatible, llama_tp_plan
+from tp_kernels.ops.planning import record
 
 # Divisible by 2 and 4 everywhere it must be (heads, kv heads, ffn, vocab, sequence).
 CONFIG = LlamaConfig(
@@ -367,17 +370,73 @@ def test_fifty_training_steps_follow_the_unsharded_curve_on_the_fused_path(world
 
 def test_example_progress_lines(capsys):
     opts = train_llama.parse_args(["--steps", "2", "--batch", "2", "--seq-len", "8"])
-    model = Llama(opts.model_config(), seed=opts.seed)
-    losses = train_llama.train(model, opts, torch.device("cpu"), loss_parallel=False, log=True)
+    base = Llama(opts.model_config(), seed=opts.seed)
+    stand_in = copy.deepcopy(base)  # for the parallel model: one counted fallback per forward
+    stand_in.register_forward_pre_hook(lambda *_: record("forward", "fallback", "torch"))
+    curves = train_llama.train_curves(base, stand_in, opts, torch.device("cpu"), log=True)
     lines = capsys.readouterr().out.splitlines()
-    assert len(losses) == 2 and len(lines) == 2
-    for step, (line, loss) in enumerate(zip(lines, losses, strict=True), 1):
-        pattern = rf"step +{step}/2 +loss {loss:.4f} +tokens/s +\d+ +ms/step +[\d.]+"
+    assert len(lines) == 3 and lines[-1].startswith("fused path: ")
+    for step, line in enumerate(lines[:2], 1):
+        losses = [f"{curves[name][step - 1]:.4f}" for name in ("tp", "unsharded", "float64")]
+        pattern = (rf"step +{step}/2 +loss tp {losses[0]} +unsharded {losses[1]} +float64 "
+                   rf"{losses[2]} +fallbacks {step} +tokens/s +\d+ +ms/step +[\d.]+")  # fmt: skip
         assert re.fullmatch(pattern, line), line
     tokens = train_llama.synthetic_tokens(3, 4, 8, seed=0)
     assert torch.equal(tokens, train_llama.synthetic_tokens(3, 4, 8, seed=0))
     stride = (tokens[:, 1:] - tokens[:, :-1]) % train_llama.VOCAB
     assert ((stride == stride[:, :1]) & (stride >= 1) & (stride <= 3)).all()
+
+
+def _train_with_recipe(argv: list[str]) -> tuple[dict[str, list[float]], dict]:
+    curves = train_llama.train_rank(train_llama.parse_args(argv))
+    return curves, dict(tp_kernels.comm_stats())
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "fp8-rowwise"])
+def test_example_trains_a_low_precision_recipe_on_the_fused_path(worlds, recipe):
+    # Every Linear but output converted (torchao's MXFP8Linear emulated on the CPU, or
+    # Float8Linear), mxfp8 at its default sizes, which fuse at W=2: each block's two gathers
+    # and two reduce-scatters are the scaled fused ops, nothing falls back, and the losses follow
+    # the unsharded model of the same recipe within the reduce-scatter's bf16 roundings (2^-8
+    # of a partial, measured 1e-4 of the loss), and float64 within the example's own tolerance.
+    steps, layers = 2, train_llama.parse_args([]).layers
+    argv = ["--recipe", recipe, "--steps", str(steps)]
+    curves, stats = worlds(2).run(_train_with_recipe, argv)[0]
+    assert not [key for key in stats if key[1] == "fallback"], stats
+    fused = {kind: n for (phase, kind, _), n in stats.items() if phase == "forward"}
+    assert fused["scaled_all_gather_matmul"] == steps * 2 * layers, stats
+    assert fused["scaled_matmul_reduce_scatter"] == steps * 2 * layers, stats
+    assert fused["all_gather_matmul"] == steps  # output, kept in high precision
+    assert all(math.isfinite(loss) for curve in curves.values() for loss in curve)
+    for tp, unsharded in zip(curves["tp"], curves["unsharded"], strict=True):
+        assert abs(tp - unsharded) <= 1e-3 * unsharded
+    assert curves["unsharded"] != curves["float64"]  # the recipe ran on the unsharded model too
+    ok, deviation, tolerance = train_llama.check_curves(curves, "float32")
+    assert ok, f"parallel loss curve off float64 by {deviation:.3e} > {tolerance:.3e}"
+
+
+def test_example_recipe_flag(monkeypatch, capsys):
+    mx = train_llama.parse_args(["--recipe", "mxfp8"])
+    assert (mx.recipe, mx.dim, mx.seq_len) == ("mxfp8", 128, 64)  # sizes that fuse at W=2
+    assert train_llama.parse_args(["--recipe", "mxfp8", "--dim", "256"]).dim == 256
+    plain = train_llama.parse_args([])
+    assert (plain.recipe, plain.dim, plain.seq_len) == ("none", 64, 32)
+    with pytest.raises(SystemExit):
+        train_llama.parse_args(["--recipe", "fp4"])
+    cpu = torch.device("cpu")
+    assert train_llama.mxfp8_kernel_preference(cpu).name == "EMULATED"
+    assert "KernelPreference.EMULATED (no sm_100 GPU" in train_llama.describe_recipe("mxfp8", cpu)
+    for capability, kernels in (((10, 0), "AUTO"), ((9, 0), "EMULATED")):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _, c=capability: c)
+        assert train_llama.mxfp8_kernel_preference(torch.device("cuda", 0)).name == kernels
+    model = train_llama.convert(Llama(CONFIG), "fp8-tensorwise", cpu)
+    converted = {n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"}
+    linears = {n for n, m in Llama(CONFIG).named_modules() if isinstance(m, torch.nn.Linear)}
+    assert converted == linears - {"output"}
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails: a message, no picture
+    curves = {"tp": [2.0, 1.0], "unsharded": [2.0, 1.0], "float64": [2.0, 1.0]}
+    assert train_llama.report(curves, "float32", plot="loss.png")
+    assert "--plot loss.png: matplotlib is not installed" in capsys.readouterr().out
 
 
 def test_example_flags_divergence():

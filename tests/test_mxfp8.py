@@ -564,3 +564,24 @@ def test_the_llama_trains_with_quantize_mxfp8(worlds, caplog):
     for result in worlds(2).run(_llama_step, wide, 64):
         assert not any(kind == "fallback" for _, kind, _ in result["counts"]), result["counts"]
         assert abs(result["loss"] - result["unsharded"]) <= 2**-5 * result["loss"], result
+
+
+def test_a_subclass_keeping_torchao_s_forward_fuses_one_with_its_own_does_not():
+    # torchtitan 0.3 builds its Float8Linear and MXFP8Linear as subclasses of torchao's that add
+    # its module protocol and keep torchao's forward: the same math, so the same fused path.
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
+
+    from tp_kernels import float8, mxfp8
+
+    linear = nn.Linear(64, 64)
+    for path, torchao_class, made in (
+        (float8, Float8Linear, lambda cls: cls.from_float(copy.deepcopy(linear))),
+        (mxfp8, MXFP8Linear, lambda cls: cls(64, 64)),
+    ):
+        keeps = type("KeepsForward", (torchao_class,), {})
+        own = type("OwnForward", (torchao_class,), {"forward": lambda self, x: 2 * x})
+        assert path.unfusable_reason(made(keeps)) is None, path
+        assert path.unfusable_reason(made(own)) == (
+            "a Linear subclass with its own forward is never fused"
+        ), path

@@ -508,3 +508,139 @@ def test_dist_gemm_runs_torchtitan_s_float8_linears_fused(worlds, recipe):
         # every fp8 child ignored, counted: wqkv, w1+w3 (one call), w2 per layer
         assert emulated[("forward", "fallback", "torch")] == 3 * t3.LAYERS, emulated
         assert not [k for k in emulated if "scaled" in k[1]], emulated
+
+
+# ---- MXFP8: torchtitan 0.3's MXFP8 converter on the dist_gemm modules ----------------------------
+#
+# The converter takes the names to convert (``fqns``), not a filter: the dist_gemm modules'
+# children, ``wo`` kept out for the reason FLOAT8_FILTER gives. At TP 2 each rank's rows
+# (4 x 8 tokens) are one whole MX block and every GEMM dim per rank (64, 96) a multiple of 32.
+MXFP8_FQNS = ("attention.qkv_linear.wqkv", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
+
+
+def _mxfp8_cases() -> dict:
+    """The converted model with dist_gemm under patched() (``reference``) against the same
+    conversion unsharded: norm-relative errors per quantity, counts; then the counts of a batch
+    whose shards are not whole MX blocks."""
+    from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
+
+    t3.use_cpu()
+    base = t3.build("default", mxfp8=MXFP8_FQNS)
+    state = t3.copy_state(base)
+    unsharded = t3.unsharded_loss_and_grads(copy.deepcopy(base))
+    dims = t3.parallel_dims(2, 1)
+    model = t3.build("dist_gemm", 2, 1, state, mxfp8=MXFP8_FQNS)
+    mx = sorted(n for n, m in model.named_modules() if isinstance(m, MXFP8Linear))
+    model = t3.parallelize(model, dims, tp=2, dp=1)
+    tp_kernels.reset_comm_stats()
+    with tp_kernels.use_backend("reference"):
+        loss = t3.step(model, dims, loss_parallel=True, patched=True)
+    out = {
+        "mx": mx,
+        "counts": dict(tp_kernels.comm_stats()),
+        "vs unsharded": {
+            "loss": relative_error(loss, unsharded[0]),
+            **{n: relative_error(g, unsharded[1][n]) for n, g in t3.full_grads(model).items()},
+        },
+    }
+    # 2 sequences: 2 x 8 tokens a rank, half an MX block: every MXFP8 call falls back, counted
+    tokens = torch.randint(0, t3.VOCAB, (2, t3.SEQ + 1), generator=torch.Generator().manual_seed(3))
+    tp_kernels.reset_comm_stats()
+    with tp_kernels.use_backend("reference"):
+        t3.step(model, dims, loss_parallel=True, patched=True, tokens=tokens)
+    out["half-block counts"] = dict(tp_kernels.comm_stats())
+    return out
+
+
+def test_dist_gemm_runs_torchtitan_s_mxfp8_linears_fused(worlds):
+    """torchtitan's MXFP8 converter (wqkv, w1, w2, w3; emulated on the CPU) with dist_gemm under
+    patched(): every MXFP8Linear child of a fused module runs tp_kernels' fused MXFP8 ops, zero
+    fallbacks, ``wo`` the bf16 fused op.
+
+    Tolerances. Every forward and input-grad cast runs along a row's K or N, whole on each rank
+    or split at block boundaries, so it is torchao's unsharded cast; what remains is sharding's
+    fp32 sum order, bound 2^-18 (measured: the loss exact, every other quantity within 2^-21.3;
+    an e4m3 rounding flipped by the sum order would move one element of a block by 2^-4 of
+    itself, far below that bound norm-relative). The converted Linears' weight grads cast along
+    the tokens in blocks of 32 consecutive rows of torchtitan's sequence-major flattening
+    (``x.transpose(0, 1)``: 8 positions x 4 sequences here), where the unsharded model's blocks
+    run along each sequence: other blocks, whose e8m0 scales may differ, so those four grads per
+    layer are held to MX's own error (e4m3's 2^-4 relative rounding: norm-relative bound 2^-3;
+    measured within 2^-21.3: this data's blocks happen to share their scales)."""
+    pytest.importorskip("torchao.prototype.moe_training")
+    result = worlds(2).run(_mxfp8_cases)[0]
+    layers = [f"layers.{i}." for i in range(t3.LAYERS)]
+    want = [f"{layer}{name}" for layer in layers for name in MXFP8_FQNS]
+    assert result["mx"] == sorted(want)
+    counts = result["counts"]
+    assert not [k for k in counts if k[1] == "fallback"], counts
+    fused = {(phase, kind): n for (phase, kind, _), n in counts.items() if "matmul" in kind}
+    assert fused == {
+        ("forward", "scaled_all_gather_matmul"): 2 * t3.LAYERS,  # wqkv, w1+w3
+        ("forward", "scaled_matmul_reduce_scatter"): t3.LAYERS,  # w2
+        ("forward", "matmul_reduce_scatter"): t3.LAYERS,  # wo: bf16
+        ("backward", "scaled_matmul_reduce_scatter"): 2 * t3.LAYERS,
+        ("backward", "scaled_all_gather_matmul"): t3.LAYERS,
+        ("backward", "all_gather_matmul"): t3.LAYERS,
+    }, counts
+    errors = result["vs unsharded"]
+    assert len(errors) == 1 + N_PARAMS
+    token_blocked = {f"{name}.weight" for name in want}
+    assert max(e for n, e in errors.items() if n not in token_blocked) <= 2**-18, errors
+    assert max(errors[n] for n in token_blocked) <= 2**-3, errors
+    half = result["half-block counts"]
+    # every MXFP8 child's call counted: wqkv, w1+w3 (one call), w2 per layer
+    assert half[("forward", "fallback", "torch")] == 3 * t3.LAYERS, half
+    assert not [k for k in half if "scaled" in k[1]], half
+
+
+def _routed_quantize_weights() -> dict:
+    """A dist_gemm-like owner of two Linears whose weights ``quantize_`` wrapped for MXFP8
+    (emulated), calling the routed ``AllGatherLinearMulti`` on this rank's 32 rows: whether its
+    outputs are each Linear's own (torchao's override) on the gathered rows, and the counts."""
+    import torch.nn as nn
+    from torchao.quantization import quantize_
+
+    class Owner(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w1, self.w3 = nn.Linear(64, 96, bias=False), nn.Linear(64, 96, bias=False)
+
+        @ours.owned_forward
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            group = dist.group.WORLD
+            routed = ours.Routed(ours.AllGatherLinearMulti)
+            return routed.apply(x, self.w1.weight, self.w3.weight, group, group.group_name)
+
+    torch.manual_seed(0)  # the same weights on every rank
+    owner = Owner()
+    quantize_(owner, _mx_emulated_config(), filter_fn=lambda m, fqn: isinstance(m, nn.Linear))
+    world = dist.get_world_size()
+    gathered = torch.randn(32 * world, 64, generator=torch.Generator().manual_seed(1))
+    tp_kernels.reset_comm_stats()
+    with tp_kernels.use_backend("reference"):
+        ya, yb = owner(gathered.chunk(world)[dist.get_rank()])
+    counts = dict(tp_kernels.comm_stats())
+    return {
+        "equal": [torch.equal(ya, owner.w1(gathered)), torch.equal(yb, owner.w3(gathered))],
+        "counts": counts,
+    }
+
+
+def _mx_emulated_config():
+    from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
+
+    return MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe.MXFP8_EMULATED_RCEIL)
+
+
+def test_routed_gather_runs_quantize_s_mxfp8_weights_fused(worlds):
+    """``quantize_``'s MXFP8 weights on a dist_gemm module's children take the fused MXFP8
+    gather: one ``scaled_all_gather_matmul``, no fallback, each output torchao's unsharded
+    Linear's bit for bit (torchao's casts of the same rows, its GEMM: tests/test_mxfp8.py).
+    torchtitan 0.3's own flow does not keep such weights (its parallelize re-registers each
+    parameter as a plain tensor, and ``quantize_`` after it fails in FSDP's lazy init): its MXFP8
+    converter is the way there (docs/torchtitan.md)."""
+    pytest.importorskip("torchao.prototype.moe_training")
+    for result in worlds(2).run(_routed_quantize_weights):
+        assert result["equal"] == [True, True]
+        assert result["counts"] == {("forward", "scaled_all_gather_matmul", "reference"): 1}

@@ -445,10 +445,11 @@ def _handed_on(y: torch.Tensor, fused: _FusedLinear, placements: tuple) -> Any:
     return DTensor.from_local(y, fused.mesh, placements, run_check=False)
 
 
-def _quantized_path(fused: _FusedLinear):
-    """The module of a low-precision Linear's fused path (``float8`` or ``mxfp8``), its two
-    Functions and ``call_for``."""
-    if fused.quantized == "float8":
+def _quantized_path(kind: str):
+    """The module of a low-precision Linear's fused path (``float8`` or ``mxfp8``, its ``call_for``)
+    and its two Functions: colwise ``apply(call, x, *weights, *biases)`` and rowwise
+    ``apply(call, x, weight, bias)``."""
+    if kind == "float8":
         from tp_kernels import float8
 
         return float8, float8.Float8ColwiseLinears, float8.Float8RowwiseLinear
@@ -460,7 +461,7 @@ def _quantized_path(fused: _FusedLinear):
 def _quantized_colwise(children: list[nn.Module], x: Any, dim: int, fused: _FusedLinear) -> tuple:
     """The local outputs of fused low-precision colwise Linears ``children`` (one torchao config)
     on the input ``x`` (local or DTensor) gathered along ``dim``."""
-    path, colwise, _ = _quantized_path(fused)
+    path, colwise, _ = _quantized_path(fused.quantized)
     group = _traced_group(fused)
     call = path.call_for(children, local_tensor(x), dim, group, fused.backend, colwise=True)
     args = _traced_locals(x, *[c.weight for c in children], *[c.bias for c in children])
@@ -470,7 +471,7 @@ def _quantized_colwise(children: list[nn.Module], x: Any, dim: int, fused: _Fuse
 def _quantized_rowwise(module: nn.Module, x: Any, dim: int, fused: _FusedLinear) -> torch.Tensor:
     """The local output of a fused low-precision rowwise Linear (its replicated bias added after
     the scatter, as :func:`rowwise_linear` adds it)."""
-    path, _, rowwise = _quantized_path(fused)
+    path, _, rowwise = _quantized_path(fused.quantized)
     group = _traced_group(fused)
     call = path.call_for([module], local_tensor(x), dim, group, fused.backend, colwise=False)
     return rowwise.apply(call, *_traced_locals(x, module.weight, module.bias))

@@ -13,10 +13,11 @@ available, gloo on the CPU otherwise)::
 The model is transformers' own ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``
 or ``Qwen3ForCausalLM`` from a tiny random config (needs ``pip install tp_kernels[hf]``),
 parallelized with :func:`tp_kernels.integrations.hf.sequence_parallel_plan`. Every rank trains
-three copies (same seed, same data, AdamW): the parallel one (printed step by step from rank 0),
-an unsharded one in the same dtype and an unsharded one in float64; data, tolerance and report are
-those of :mod:`tp_kernels.examples.train_llama`. The exit status is 1 when the parallel loss curve
-strays from the float64 curve by more than ``train_llama.curve_tolerance`` allows.
+three copies (same seed, same data, AdamW) side by side: the parallel one, an unsharded one in the
+same dtype and an unsharded one in float64 (rank 0 prints each step's losses); data, tolerance
+and report are those of :mod:`tp_kernels.examples.train_llama`. The exit status is 1 when the
+parallel loss curve strays from the float64 curve by more than ``train_llama.curve_tolerance``
+allows.
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainOptions:
 
 class _Logits(nn.Module):
     """``tokens [B, S] -> logits [B, S, V]`` of a transformers model: the interface of
-    ``train_llama.train``, which computes the loss itself (under ``loss_parallel`` if asked)."""
+    ``train_llama.training_steps``, which computes the loss itself (under ``loss_parallel`` if
+    asked)."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()

@@ -9,10 +9,25 @@ NCCL on ``cuda:LOCAL_RANK`` when CUDA is available and gloo on the CPU otherwise
 
     torchrun --nproc-per-node 2 -m tp_kernels.examples.train_llama --steps 20
 
-Every rank trains three copies of the same model (same seed, same data, AdamW): the parallelized
-one (``llama_tp_plan``, printed step by step from rank 0), an unsharded one in the same dtype and an
-unsharded one in float64. The exit status is 1 when the parallel loss curve strays from the float64
-curve by more than :func:`curve_tolerance` allows.
+Every rank trains three copies of the same model (same seed, same data, AdamW) step by step side
+by side: the parallelized one (``llama_tp_plan``), an unsharded one in the same dtype and
+precision recipe and an unsharded one in float64 (no recipe); rank 0 prints each step's three
+losses and how many calls have fallen back to PyTorch's path. The exit status is 1 when the
+parallel loss curve strays from the float64 curve by more than :func:`curve_tolerance` allows.
+
+``--recipe`` converts every Linear but ``output`` to one of torchao's low-precision training
+Linears, which tp_kernels' styles run on their fused path (fp8 or MXFP8 bytes gathered)::
+
+    python -m tp_kernels.examples.train_llama --recipe fp8-rowwise
+    python -m tp_kernels.examples.train_llama --recipe mxfp8 --plot loss.png
+
+``fp8-tensorwise``, ``fp8-rowwise`` and ``fp8-rowwise-gw-hp`` are torchao's ``Float8Linear``
+recipes (``convert_to_float8_training``); ``mxfp8`` is torchao's ``MXFP8Linear``, its GEMMs
+emulated except on an sm_100 GPU (B200, GB200: torchao's kernels). MXFP8 scales blocks of 32
+elements along every GEMM's reduction dim, the tokens included, so at ``W`` ranks it fuses when
+``seq_len / W``, ``dim / W``, ``2 * dim / W`` (the feed-forward) and ``kv_heads * dim / heads / W``
+are multiples of 32 (a call that does not is counted as a fallback): its defaults
+(``--dim 128 --seq-len 64``) fuse at W=2; at W=4 use ``--dim 256 --seq-len 128``.
 
 The data is a learnable synthetic pattern: each sequence is an arithmetic progression
 ``x_t = (x_0 + k t) mod vocab`` with a random start ``x_0`` and stride ``k`` in ``1..3``, so the
@@ -24,10 +39,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,18 +65,32 @@ __all__ = [
     "announce",
     "check_curves",
     "curve_tolerance",
+    "convert",
+    "describe_recipe",
     "main",
+    "mxfp8_kernel_preference",
     "parse_args",
     "parse_options",
+    "plot_curves",
     "synthetic_tokens",
-    "train",
     "train_curves",
+    "training_steps",
     "train_rank",
 ]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 VOCAB = 128
 MAX_STRIDE = 3
+# --recipe: torchao's Float8LinearConfig recipe names, and MXFP8.
+FLOAT8_RECIPES = {
+    "fp8-tensorwise": "tensorwise",
+    "fp8-rowwise": "rowwise",
+    "fp8-rowwise-gw-hp": "rowwise_with_gw_hp",
+}
+RECIPES = ("none", *FLOAT8_RECIPES, "mxfp8")
+# Sizes whose every MXFP8 block lies in one rank's shard at W=2 (module docstring).
+MXFP8_SIZES = {"dim": 128, "seq_len": 64}
+PROG = "python -m tp_kernels.examples.train_llama"
 
 
 @dataclass
@@ -81,13 +111,16 @@ class TrainRun:
     backend: str | None = None
     dtype: str = "float32"
     loss_parallel: bool = False
+    plot: str | None = None
 
 
 @dataclass
 class TrainOptions(TrainRun):
-    """The options of this example: :class:`TrainRun`'s and the model width ``dim``."""
+    """The options of this example: :class:`TrainRun`'s, the model width ``dim`` and the
+    low-precision ``recipe`` of its Linears (one of :data:`RECIPES`)."""
 
     dim: int = 64
+    recipe: str = "none"
 
     def model_config(self) -> LlamaConfig:
         return LlamaConfig(
@@ -102,8 +135,30 @@ class TrainOptions(TrainRun):
 
 
 def parse_args(argv: Sequence[str] | None = None) -> TrainOptions:
+    def add_recipe(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--recipe",
+            choices=RECIPES,
+            default="none",
+            help="convert every Linear but output to torchao's fp8 (Float8Linear, three recipes) "
+            "or MXFP8 (MXFP8Linear) training Linear; none: Linears in --dtype. mxfp8 fuses when "
+            "seq-len/W, dim/W, 2*dim/W and kv-heads*dim/heads/W are multiples of 32: its "
+            f"defaults --dim {MXFP8_SIZES['dim']} --seq-len {MXFP8_SIZES['seq_len']} do at "
+            "W=2 (at W=4: --dim 256 --seq-len 128)",
+        )
+
+    # The recipe decides the size defaults, so it is read before the full parse.
+    recipe_only = argparse.ArgumentParser(prog=PROG, add_help=False)
+    add_recipe(recipe_only)
+    recipe = recipe_only.parse_known_args(argv)[0].recipe
+    sizes = MXFP8_SIZES if recipe == "mxfp8" else {}
     return parse_options(
-        argv, TrainOptions, "python -m tp_kernels.examples.train_llama", __doc__, sizes=("dim",)
+        argv,
+        functools.partial(TrainOptions, **sizes),
+        PROG,
+        __doc__,
+        sizes=("dim",),
+        add_arguments=add_recipe,
     )
 
 
@@ -152,6 +207,12 @@ def parse_options(
         action="store_true",
         help="keep the logits vocab-sharded and compute the loss under loss_parallel()",
     )
+    p.add_argument(
+        "--plot",
+        metavar="PATH",
+        default=None,
+        help="write the three loss curves to this picture (needs matplotlib)",
+    )
     ns = p.parse_args(argv)
     for name in ("steps", *counts, "seq_len", "batch"):
         if getattr(ns, name) < 1:
@@ -180,17 +241,13 @@ def synthetic_tokens(step: int, batch: int, seq_len: int, seed: int) -> torch.Te
     return (start + stride * torch.arange(seq_len + 1)) % VOCAB
 
 
-def train(
-    model: nn.Module, opts: TrainRun, device: torch.device, *, loss_parallel: bool, log: bool
-) -> list[float]:
-    """Train ``model`` for ``opts.steps`` AdamW steps on :func:`synthetic_tokens`; return losses.
-
-    ``loss_parallel``: the model's logits are a vocab-sharded DTensor. ``log``: print one line per
-    step (step, loss, tokens/s, ms/step).
-    """
+def training_steps(
+    model: nn.Module, opts: TrainRun, device: torch.device, *, loss_parallel: bool
+) -> Iterator[tuple[float, float]]:
+    """Train ``model`` for ``opts.steps`` AdamW steps on :func:`synthetic_tokens`, yielding each
+    step's loss and its time in ms. ``loss_parallel``: the model's logits are a vocab-sharded
+    DTensor."""
     optim = torch.optim.AdamW(model.parameters(), lr=opts.lr)
-    tokens_per_step = opts.batch * opts.seq_len
-    losses = []
     for step in range(opts.steps):
         start = time.perf_counter()
         tokens = synthetic_tokens(step, opts.batch, opts.seq_len, opts.seed).to(device)
@@ -204,15 +261,8 @@ def train(
         optim.zero_grad(set_to_none=True)
         if isinstance(loss, torch.distributed.tensor.DTensor):
             loss = loss.to_local()
-        losses.append(loss.item())  # .item() waits for the device: the step time is complete
-        ms = (time.perf_counter() - start) * 1e3
-        if log:
-            print(
-                f"step {step + 1:3d}/{opts.steps}  loss {losses[-1]:.4f}  "
-                f"tokens/s {tokens_per_step / ms * 1e3:9.0f}  ms/step {ms:7.1f}",
-                flush=True,
-            )
-    return losses
+        value = loss.item()  # .item() waits for the device: the step time is complete
+        yield value, (time.perf_counter() - start) * 1e3
 
 
 def rank_device() -> torch.device:
@@ -228,7 +278,8 @@ def train_rank(opts: TrainOptions) -> dict[str, list[float]]:
     """Run on every rank of an initialised process group; return the three loss curves.
 
     Keys: ``"tp"`` (the parallelized model on a 1-D mesh over all ranks), ``"unsharded"`` (same
-    dtype) and ``"float64"`` (the unsharded model in float64, the reference for rounding).
+    dtype and recipe) and ``"float64"`` (the unsharded model in float64 without a recipe, the
+    reference for rounding).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = opts.model_config()
@@ -239,13 +290,78 @@ def train_rank(opts: TrainOptions) -> dict[str, list[float]]:
     log = rank == 0
     if log:
         announce(base, f"dim {cfg.dim}", opts, device)
+        print(f"recipe {opts.recipe}: {describe_recipe(opts.recipe, device)}", flush=True)
     mesh = init_device_mesh(device.type, (world,))
+    tp_model = convert(copy.deepcopy(base), opts.recipe, device)
     tp_model = tp_kernels.parallelize_module(
-        copy.deepcopy(base),
+        tp_model,
         mesh,
-        llama_tp_plan(base, loss_parallel=opts.loss_parallel, backend=opts.backend),
+        llama_tp_plan(tp_model, loss_parallel=opts.loss_parallel, backend=opts.backend),
     )
-    return train_curves(base, tp_model, opts, device, log=log)
+    return train_curves(
+        base,
+        tp_model,
+        opts,
+        device,
+        log=log,
+        convert=lambda model: convert(model, opts.recipe, device),
+    )
+
+
+def mxfp8_kernel_preference(device: torch.device):
+    """torchao's ``KernelPreference`` for MXFP8 on ``device``: ``AUTO`` (its cast kernels and
+    block-scaled GEMMs) on an sm_100 GPU (B200, GB200, B300), which they need; ``EMULATED``
+    (the same casts and GEMMs in plain torch) elsewhere."""
+    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 10:
+        return KernelPreference.AUTO
+    return KernelPreference.EMULATED
+
+
+def describe_recipe(recipe: str, device: torch.device) -> str:
+    """One line on what ``recipe`` makes of the Linears on ``device``."""
+    if recipe == "none":
+        return "every Linear in the model's dtype"
+    if recipe in FLOAT8_RECIPES:
+        return f"torchao Float8Linear ({FLOAT8_RECIPES[recipe]}) on every Linear but output"
+    kernels = mxfp8_kernel_preference(device)
+    why = "an sm_100 GPU" if kernels.name == "AUTO" else "no sm_100 GPU, torch ops"
+    return f"torchao MXFP8Linear on every Linear but output, {kernels} ({why})"
+
+
+def convert(model: nn.Module, recipe: str, device: torch.device) -> nn.Module:
+    """``model`` with every ``nn.Linear`` but ``output`` (the logits: kept in high precision, as
+    torchtitan's converters skip it by default) made ``recipe``'s torchao training Linear, in
+    place; unchanged for ``"none"``."""
+
+    def chosen(module: nn.Module, name: str) -> bool:
+        return type(module) is nn.Linear and name != "output"
+
+    if recipe in FLOAT8_RECIPES:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        config = Float8LinearConfig.from_recipe_name(FLOAT8_RECIPES[recipe])
+        return convert_to_float8_training(model, config=config, module_filter_fn=chosen)
+    if recipe == "mxfp8":
+        from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
+
+        kernels = mxfp8_kernel_preference(device)
+        for name, module in list(model.named_modules()):
+            if not chosen(module, name):
+                continue
+            mx = MXFP8Linear(
+                module.in_features,
+                module.out_features,
+                bias=module.bias is not None,
+                kernel_preference=kernels,
+                device=module.weight.device,
+                dtype=module.weight.dtype,
+            )
+            mx.weight, mx.bias = module.weight, module.bias  # the same initial weights
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, mx)
+    return model
 
 
 def announce(base: nn.Module, width: str, opts: TrainRun, device: torch.device) -> None:
@@ -268,30 +384,55 @@ def train_curves(
     *,
     log: bool,
     logits: Callable[[nn.Module], nn.Module] = lambda model: model,
+    convert: Callable[[nn.Module], nn.Module] = lambda model: model,
 ) -> dict[str, list[float]]:
-    """Train ``tp_model`` (``base`` parallelized), then copies of ``base`` unsharded and in
-    float64, each from the same weights; return the loss curves ``"tp"``, ``"unsharded"`` and
-    ``"float64"``. ``logits`` wraps a model into the ``tokens -> logits`` module :func:`train`
-    takes; ``log``: print the steps of the parallel run and how often its fused ops ran."""
+    """Train ``tp_model`` (``base`` converted and parallelized), ``convert`` of a copy of
+    ``base`` unsharded, and a copy of ``base`` in float64, step by step side by side from the
+    same weights; return the loss curves ``"tp"``, ``"unsharded"`` and ``"float64"``.
+    ``logits`` wraps a model into the ``tokens -> logits`` module :func:`training_steps`
+    takes; ``log``: print each step's losses, the parallel step's time and the fallbacks so far
+    (only the parallel model calls tp_kernels' ops), then how often the fused ops ran."""
     tp_kernels.reset_comm_stats()
-    curves = {
-        "tp": train(logits(tp_model), opts, device, loss_parallel=opts.loss_parallel, log=log)
+    models = {
+        "tp": tp_model,
+        "unsharded": convert(copy.deepcopy(base)),
+        "float64": copy.deepcopy(base).to(torch.float64),
     }
+    runs = [
+        training_steps(logits(model), opts, device, loss_parallel=opts.loss_parallel and tp)
+        for tp, model in zip((True, False, False), models.values(), strict=True)
+    ]
+    curves: dict[str, list[float]] = {name: [] for name in models}
+    tokens_per_step = opts.batch * opts.seq_len
+    for step, results in enumerate(zip(*runs, strict=True)):
+        for name, (loss, _) in zip(models, results, strict=True):
+            curves[name].append(loss)
+        if log:
+            (tp_loss, ms), (unsharded, _), (in_float64, _) = results
+            print(
+                f"step {step + 1:3d}/{opts.steps}  loss tp {tp_loss:.4f}  "
+                f"unsharded {unsharded:.4f}  float64 {in_float64:.4f}  "
+                f"fallbacks {tp_kernels.comm_stats().total(kind='fallback')}  "
+                f"tokens/s {tokens_per_step / ms * 1e3:9.0f}  ms/step {ms:7.1f}",
+                flush=True,
+            )
     if log:
         stats = tp_kernels.comm_stats()
         fused = sorted({backend for (_, kind, backend) in stats if kind != "fallback"})
         per_step = {kind: stats.total(kind=kind) // opts.steps for (_, kind, _) in stats}
         print(
-            f"fused path: {stats.total(kind='all_gather_matmul')} all-gather-matmuls, "
-            f"{stats.total(kind='matmul_reduce_scatter')} matmul-reduce-scatters "
+            f"fused path: {fused_calls(stats, 'all_gather_matmul')} all-gather-matmuls, "
+            f"{fused_calls(stats, 'matmul_reduce_scatter')} matmul-reduce-scatters "
             f"(backends {', '.join(fused) or 'none'}), {stats.total(kind='fallback')} fallbacks; "
             f"per step (forward + backward) {per_step}",
             flush=True,
         )
-    unsharded, in_float64 = copy.deepcopy(base), copy.deepcopy(base).to(torch.float64)
-    for name, model in (("unsharded", unsharded), ("float64", in_float64)):
-        curves[name] = train(logits(model), opts, device, loss_parallel=False, log=False)
     return curves
+
+
+def fused_calls(stats: Any, op: str) -> int:
+    """How many ``op`` calls ran fused, unscaled or scaled (fp8, MXFP8)."""
+    return stats.total(kind=op) + stats.total(kind=f"scaled_{op}")
 
 
 def curve_tolerance(curves: dict[str, list[float]], dtype: str) -> float:
@@ -300,9 +441,11 @@ def curve_tolerance(curves: dict[str, list[float]], dtype: str) -> float:
 
     The unsharded model's own deviation from float64 measures what rounding in ``dtype`` does to
     this training run (AdamW amplifies it step by step); the parallel run reorders sums, so it may
-    deviate as much, not more than twice as much. The floor (``2 * eps(dtype)`` times the first
-    loss: four half-ulp roundings of it, as in the tests) covers a run whose reference happens to
-    round almost exactly.
+    deviate as much, not more than twice as much. Under a ``--recipe`` the unsharded run has the
+    same low-precision Linears and the float64 run none, so its deviation includes what the
+    recipe's casts do, which the parallel run makes too. The floor (``2 * eps(dtype)`` times the
+    first loss: four half-ulp roundings of it, as in the tests) covers a run whose reference
+    happens to round almost exactly.
     """
     first = abs(curves["float64"][0])
     floor = 2 * torch.finfo(DTYPES[dtype]).eps * first
@@ -318,8 +461,31 @@ def check_curves(curves: dict[str, list[float]], dtype: str) -> tuple[bool, floa
     return dev <= tol, dev, tol
 
 
-def report(curves: dict[str, list[float]], dtype: str) -> bool:
-    """Print how the curves compare; return whether the parallel run stayed within tolerance."""
+def plot_curves(curves: dict[str, list[float]], path: str) -> str:
+    """Draw the loss curves into the picture ``path`` (its format from the suffix) with
+    matplotlib; return what was done, or why nothing was."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # a file, no display
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return f"--plot {path}: matplotlib is not installed (pip install matplotlib); no picture"
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps = range(1, len(curves["tp"]) + 1)
+    for name, style in (("float64", ":"), ("unsharded", "--"), ("tp", "-")):
+        ax.plot(steps, curves[name], style, label=name)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.legend()
+    fig.savefig(path)
+    plt.close(fig)
+    return f"loss curves written to {path}"
+
+
+def report(curves: dict[str, list[float]], dtype: str, *, plot: str | None = None) -> bool:
+    """Print how the curves compare (and draw them into ``plot``, a picture's path); return
+    whether the parallel run stayed within tolerance."""
     for a, b in (("tp", "unsharded"), ("tp", "float64"), ("unsharded", "float64")):
         abs_d = [abs(x - y) for x, y in zip(curves[a], curves[b], strict=True)]
         rel_d = max(d / abs(y) for d, y in zip(abs_d, curves[b], strict=True))
@@ -332,6 +498,8 @@ def report(curves: dict[str, list[float]], dtype: str) -> bool:
         f"{'OK' if ok else 'DIVERGED'}",
         flush=True,
     )
+    if plot is not None:
+        print(plot_curves(curves, plot), flush=True)
     return ok
 
 
@@ -372,7 +540,7 @@ def launch(
             dist.destroy_process_group()
         # Every rank holds the same curves, so every rank reaches the same verdict.
         if int(os.environ["RANK"]) == 0:
-            return 0 if report(curves, opts.dtype) else 1
+            return 0 if report(curves, opts.dtype, plot=opts.plot) else 1
         return 0 if check_curves(curves, opts.dtype)[0] else 1
     size = opts.world_size or 2
     check_compatible(size)  # before spawning ranks
@@ -385,7 +553,7 @@ def launch(
     else:
         with LocalWorld(size, timeout_s=600.0) as new_world:
             curves = new_world.run(train_rank, opts)[0]
-    return 0 if report(curves, opts.dtype) else 1
+    return 0 if report(curves, opts.dtype, plot=opts.plot) else 1
 
 
 if __name__ == "__main__":

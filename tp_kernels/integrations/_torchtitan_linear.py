@@ -49,13 +49,13 @@ from __future__ import annotations
 import contextvars
 import functools
 import logging
-import sys
 from collections.abc import Callable, Sequence
 
 import spmd_types as spmd
 import torch
 import torch.nn as nn
 
+from tp_kernels import styles
 from tp_kernels.backends import current_backend
 from tp_kernels.ops import all_gather_matmul, matmul_reduce_scatter
 from tp_kernels.ops.planning import record
@@ -214,14 +214,15 @@ class LinearReduceScatter(torch.autograd.Function):
         )
 
 
-# ---- torchao Float8Linear children: the fused fp8 path -------------------------------------------
+# ---- torchao's low-precision children: the fused fp8 and MXFP8 paths ----------------------------
 #
 # torchtitan 0.3's fused modules pass their children's ``.weight`` to the three Functions, so a
-# child that torchtitan's float8 converter made a Float8Linear would be multiplied in high
-# precision (its fp8 casts never run). Under patched() the modules' forwards run inside
-# :func:`owned_forward`, which makes the module known here; the names the modules call are
-# :class:`Routed` objects, which send a call whose weights all belong to fusable Float8Linear
-# children to tp_kernels/float8.py's fused fp8 Functions and any other call to the Functions
+# child that torchtitan's float8 or MXFP8 converter made a Float8Linear or an MXFP8Linear would be
+# multiplied in high precision (its casts never run). Under patched() the modules' forwards run
+# inside :func:`owned_forward`, which makes the module known here; the names the modules call are
+# :class:`Routed` objects, which send a call whose weights all belong to fusable low-precision
+# children of one kind and config (``quantize_``'s wrapped weights included) to that kind's fused
+# Functions (tp_kernels/float8.py, tp_kernels/mxfp8.py) and any other call to the Functions
 # above. torchtitan's own forwards (their reshaping, their fallbacks) run unchanged.
 
 _owner: contextvars.ContextVar[nn.Module | None] = contextvars.ContextVar(
@@ -246,45 +247,59 @@ def owned_forward(forward: Callable) -> Callable:
     return wrapper
 
 
-def _float8_children(weights: Sequence[torch.Tensor]) -> tuple[list[nn.Module] | None, str]:
-    """``(the Float8Linear children of the running module owning weights, "")`` when the call
-    may take the fused fp8 path; ``(None, why)`` when some weight is a Float8Linear's but the
-    call cannot; ``(None, "")`` when none is (the high-precision path, nothing ignored)."""
-    float8_linear = sys.modules.get("torchao.float8.float8_linear")
+def _quantized_children(
+    weights: Sequence[torch.Tensor],
+) -> tuple[str | None, list[nn.Module] | None, str]:
+    """``(kind, children, "")`` when the low-precision children (``"float8"`` or ``"mxfp8"``) of
+    the running module owning ``weights`` may take their kind's fused path; ``(kind, None, why)``
+    when some weight is a low-precision Linear's but the call cannot; ``(None, None, "")`` when
+    none is (the high-precision path, nothing ignored)."""
     owner = _owner.get()
-    if float8_linear is None or owner is None:
-        return None, ""
+    if owner is None:
+        return None, None, ""
     by_weight = {id(c.weight): c for c in owner.children() if isinstance(c, nn.Linear)}
     mods = [by_weight.get(id(w)) for w in weights]
-    fp8 = [isinstance(m, float8_linear.Float8Linear) for m in mods]
-    if not any(fp8):
-        return None, ""
-    if not all(fp8):
-        return None, "its weights mix Float8Linear and high-precision Linears"
-    from tp_kernels import float8
-
+    kinds = [None if m is None else styles._quantized_kind(m) for m in mods]
+    kind = next((k for k in kinds if k is not None), None)
+    if kind is None:
+        return None, None, ""
+    if len(set(kinds)) > 1:
+        return kind, None, f"its weights mix Linears of kinds {sorted(map(str, set(kinds)))}"
     for m in mods:
-        why = float8.unfusable_reason(m)
+        why = styles._quantized_unfusable(kind, m)
         if why is not None:
-            return None, why
-    if any(m.config != mods[0].config for m in mods[1:]):
-        return None, "its Float8Linears differ in torchao config"
+            return kind, None, why
+    if len({styles._quantized_config(m, kind) for m in mods}) > 1:
+        return kind, None, "its low-precision Linears differ in torchao config"
     if torch.compiler.is_compiling():
-        return None, "a Float8Linear fuses on the eager path only (not compiled)"
-    return mods, ""
+        return kind, None, "a low-precision Linear fuses here on the eager path only (not compiled)"
+    return kind, mods, ""
 
 
-def _fp8_ignored(name: str, why: str) -> None:
-    """Count a call whose Float8Linear weights are multiplied in high precision (what
+def _call_unfusable_reason(kind: str, mods: list[nn.Module], x, group, *, colwise: bool):
+    """Why this call of fusable ``kind`` children on the local rows ``x`` (gathered or scattered
+    along dim 0) takes the high-precision path, or None: MXFP8's blocks must not span ranks
+    (:func:`tp_kernels.mxfp8.call_unfusable_reason`); an fp8 call always fuses."""
+    if kind != "mxfp8":
+        return None
+    from tp_kernels import mxfp8
+
+    world = group.size()
+    return mxfp8.call_unfusable_reason(mods, x, 0, current_backend(), world, colwise=colwise)
+
+
+def _quantized_ignored(name: str, kind: str, why: str) -> None:
+    """Count a call whose low-precision weights are multiplied in high precision (what
     torchtitan's own Functions do with every one); log each reason once."""
     record("forward", "fallback", "torch")
     owner = type(_owner.get()).__qualname__
     if (owner, why) not in _reported:
         _reported.add((owner, why))
         logger.warning(
-            "%s: %s runs in high precision, its Float8Linear's fp8 casts not applied: %s",
+            "%s: %s runs in high precision, its %s Linears' casts not applied: %s",
             owner,
             name,
+            kind,
             why,
         )
 
@@ -299,74 +314,74 @@ def _types_in(x, inputs, group) -> dict:
 
 
 @functools.cache
-def _float8_functions() -> tuple[type, type]:
-    """tp_kernels/float8.py's fused fp8 Functions, registered with spmd_types' checker under
-    the types of the Functions above (imported on first use: torchao is optional)."""
-    from tp_kernels import float8
+def _fused_functions(kind: str) -> tuple[type, type]:
+    """``kind``'s fused Functions (``styles._quantized_path``: fp8's or MXFP8's, imported on
+    first use: torchao is optional), registered with spmd_types' checker under the types of the
+    Functions above."""
+    _, colwise, rowwise = styles._quantized_path(kind)
 
     @spmd.register_autograd_function
-    class Float8Gather(float8.Float8ColwiseLinears):
-        """:class:`AllGatherLinear` / :class:`AllGatherLinearMulti`'s contract, fp8."""
+    class Gather(colwise):
+        """:class:`AllGatherLinear` / :class:`AllGatherLinearMulti`'s contract, low precision."""
 
         @staticmethod
         def typecheck_forward(call, x, *params):
             n = call.num_linears
             want = _types_in(x, [(x, spmd.S(0)), *((p, spmd.S(0)) for p in params)], call.group)
-            outs = Float8Gather.apply(call, x, *params)
+            outs = Gather.apply(call, x, *params)
             for out in outs:
                 spmd.assert_type(out, {**want, call.group: spmd.S(1)})
             assert len(outs) == n
             return outs
 
     @spmd.register_autograd_function
-    class Float8Scatter(float8.Float8RowwiseLinear):
-        """:class:`LinearReduceScatter`'s contract, fp8 (the replicated bias added once, after
-        the scatter, as LinearReduceScatter adds it)."""
+    class Scatter(rowwise):
+        """:class:`LinearReduceScatter`'s contract, low precision (the replicated bias added
+        once, after the scatter, as LinearReduceScatter adds it)."""
 
         @staticmethod
         def typecheck_forward(call, x, weight, bias):
             want = _types_in(x, [(x, spmd.S(1)), (weight, spmd.S(1))], call.group)
-            out = Float8Scatter.apply(call, x, weight, bias)
+            out = Scatter.apply(call, x, weight, bias)
             spmd.assert_type(out, {**want, call.group: spmd.S(0)})
             return out
 
-    return Float8Gather, Float8Scatter
-
-
-def _float8_gather(mods, x, weights, biases, group) -> tuple[torch.Tensor, ...]:
-    from tp_kernels import float8
-
-    call = float8.call_for(mods, x, 0, group, current_backend(), colwise=True)
-    return _float8_functions()[0].apply(call, x, *weights, *biases)
+    Gather.__name__ = Gather.__qualname__ = f"{colwise.__name__}Gather"
+    Scatter.__name__ = Scatter.__qualname__ = f"{rowwise.__name__}Scatter"
+    return Gather, Scatter
 
 
 class Routed:
     """What patched() binds a dist_gemm name to: ``apply`` with the Function's arguments runs
-    the fused fp8 path when the weights are fusable Float8Linears' (see above), else
-    ``function`` (tp_kernels' Function of that name)."""
+    the fused fp8 or MXFP8 path when the weights are fusable low-precision Linears' (see above),
+    else ``function`` (tp_kernels' Function of that name)."""
 
     def __init__(self, function: type[torch.autograd.Function]) -> None:
         self.function = function
         self.__name__ = self.__qualname__ = function.__name__
 
     def __repr__(self) -> str:
-        return f"<tp_kernels {self.__name__}, fp8 for Float8Linear weights>"
+        return f"<tp_kernels {self.__name__}, fp8 / MXFP8 for torchao's low-precision weights>"
 
     def apply(self, x, *args):
         group = args[-2]
-        weights = args[:2] if self.function is AllGatherLinearMulti else args[:1]
-        mods, why = _float8_children(weights)
-        if mods is None:
+        multi = self.function is AllGatherLinearMulti
+        colwise = self.function is not LinearReduceScatter
+        weights = args[:2] if multi else args[:1]
+        kind, mods, why = _quantized_children(weights)
+        if mods is not None:
+            why = _call_unfusable_reason(kind, mods, x, group, colwise=colwise) or ""
+        if mods is None or why:
             if why:
-                _fp8_ignored(self.__name__, why)
+                _quantized_ignored(self.__name__, kind, why)
             return self.function.apply(x, *args)
-        if self.function is AllGatherLinearMulti:
-            return _float8_gather(mods, x, weights, (None, None), group)
+        path = styles._quantized_path(kind)[0]
+        call = path.call_for(mods, x, 0, group, current_backend(), colwise=colwise)
+        gather, scatter = _fused_functions(kind)
+        if multi:
+            return gather.apply(call, x, *weights, None, None)
         bias = args[1]
-        if self.function is AllGatherLinear:
-            (y,) = _float8_gather(mods, x, weights, (bias,), group)
+        if colwise:
+            (y,) = gather.apply(call, x, weights[0], bias)
             return y
-        from tp_kernels import float8
-
-        call = float8.call_for(mods, x, 0, group, current_backend(), colwise=False)
-        return _float8_functions()[1].apply(call, x, weights[0], bias)
+        return scatter.apply(call, x, weights[0], bias)

@@ -49,8 +49,10 @@ FP8 on 0.3: torchtitan's float8 converter makes the fused modules' children (``w
 precision (fp8 silently not applied). :func:`patched` therefore binds the three names to routers
 (:class:`tp_kernels.integrations._torchtitan_linear.Routed`) and wraps the forwards of
 ``AllGatherFusedQKVLinear`` and ``AllGatherFusedFeedForward``: a call whose weights all belong to
-fusable Float8Linear children runs :mod:`tp_kernels.float8`'s fused fp8 ops, any other the bf16
-Functions (a Float8Linear that cannot fuse counted as a fallback and logged). The converter also
+fusable Float8Linear children runs :mod:`tp_kernels.float8`'s fused fp8 ops, one whose weights
+all belong to fusable MXFP8Linear children (torchtitan's MXFP8 converter; emulated off sm_100)
+:mod:`tp_kernels.mxfp8`'s, any other the bf16 Functions (a low-precision Linear or call that
+cannot fuse counted as a fallback and logged). The float8 converter also
 turns ``RowParallelLinear`` (attention's ``wo``) into a plain Float8Linear, after which torchtitan
 declares the stock attention contract around the still-fused QKV, which gathers its input twice:
 that run fails patched or not; convert with ``filter_fqns=["attention.wo"]`` (``wo`` then runs
@@ -100,8 +102,9 @@ TORCHAO_FLOAT8_TP_MODULE = "torchao.float8.float8_tensor_parallel"
 # torchtitan 0.3: the module whose fused linears call these Functions, rebound to tp_kernels'.
 DIST_GEMM_MODULE = "torchtitan.models.common.dist_gemm"
 DIST_GEMM_FUNCTIONS = ("AllGatherLinear", "AllGatherLinearMulti", "LinearReduceScatter")
-# torchtitan 0.3: the fused modules whose children torchtitan's float8 converter may make
-# Float8Linears; their forwards are wrapped so the calls above can find those children.
+# torchtitan 0.3: the fused modules whose children torchtitan's float8 or MXFP8 converter may make
+# Float8Linears or MXFP8Linears; their forwards are wrapped so the calls above can find those
+# children.
 DIST_GEMM_OWNERS = ("AllGatherFusedQKVLinear", "AllGatherFusedFeedForward")
 
 
@@ -141,7 +144,7 @@ def _uses_dist_gemm(torchtitan: ModuleType) -> bool:
 def _dist_gemm_targets() -> list[tuple[object, str, object]]:
     """``(dist_gemm module, name, tp_kernels' router to its Function)`` for each Function
     torchtitan 0.3's fused linears call, and ``(class, "forward", wrapped forward)`` for each
-    fused module whose children may be Float8Linears."""
+    fused module whose children may be Float8Linears or MXFP8Linears."""
     try:
         module = importlib.import_module(DIST_GEMM_MODULE)
     except ImportError as e:
