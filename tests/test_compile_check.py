@@ -170,10 +170,15 @@ def test_sm_100_variants_require_tcgen05_and_tma_not_wgmma():
     assert sixteen_bit and all(tcgen05 <= patterns for patterns in sixteen_bit)
     # The fp8 GEMMs (the consumer in every config of the fp8 menu with row-wise scales, in one
     # with tensor-wise; the producer with both): tcgen05 of the fp8 kind instead.
-    fp8 = [patterns for name, patterns in gemms.items() if "fp8" in name]
+    fp8 = [patterns for name, patterns in gemms.items() if "[fp8e" in name]
     tcgen05_fp8 = set(compile_check.GEMM8_PATTERNS[100])
     assert len(fp8) == len(tiling.gemm_shapes("fp8")) + 3
     assert all(tcgen05_fp8 <= patterns for patterns in fp8)
+    # The block-scaled GEMMs (the consumer in every config of the mxfp8 menu, QKV's three in one
+    # launch, a later launch; the producer's three tiles): the block-scaled tcgen05 kind.
+    mx = [patterns for name, patterns in gemms.items() if "[mxfp8" in name]
+    assert len(mx) == len(tiling.gemm_shapes("mxfp8")) + 2 + 3
+    assert all(set(compile_check.GEMM_MX_PATTERNS[100]) <= patterns for patterns in mx)
     assert not any("wgmma" in pattern for patterns in gemms.values() for pattern, _ in patterns)
     with_tma = [patterns for name, patterns in gemms.items() if "A=tma" in name]
     tma = set(compile_check.TMA_PATTERNS)
@@ -182,7 +187,8 @@ def test_sm_100_variants_require_tcgen05_and_tma_not_wgmma():
 
 def test_the_consumer_is_tuned_over_its_operands_menu():
     """The all-gather consumer hands the tuner (kernels/tuning.py) the menu of its operands'
-    kind (tiling.gemm_shapes): fp32, 16-bit, or fp8 for a scaled call."""
+    kind (tiling.gemm_shapes): fp32, 16-bit, fp8 for a scaled call, mxfp8 for a block-scaled
+    one."""
     done = run_without_interpreter(
         """
         import json
@@ -192,7 +198,7 @@ def test_the_consumer_is_tuned_over_its_operands_menu():
         offered = {}
 
         def choose(kernel, key, configs, run, device):
-            offered[key[4]] = [
+            offered[f"{key[4]} {key[10]}"] = [
                 [*(c.kwargs[b] for b in ("BLOCK_M", "BLOCK_N", "BLOCK_K")), c.num_warps,
                  c.num_stages]
                 for c in configs
@@ -212,11 +218,22 @@ def test_the_consumer_is_tuned_over_its_operands_menu():
             packed, [torch.zeros(32, 16).to(fp8)], [torch.zeros(64, 16, dtype=torch.bfloat16)],
             chunk_rows=32, rank=0, world_size=2, a_dtype=fp8, b_scales=[torch.ones(())],
         )
+        mx_rows = torch.zeros(64, 32 + 16, dtype=torch.uint8)
+        ag_matmul.AgMatmulConsumer(
+            mx_rows, [torch.zeros(32, 16).to(fp8)], [torch.zeros(64, 16, dtype=torch.bfloat16)],
+            chunk_rows=32, rank=0, world_size=2,
+            b_scales=[torch.zeros(16, 1, dtype=torch.uint8).view(torch.float8_e8m0fnu)],
+        )
         print(json.dumps(offered))
         """
     )
     assert done.returncode == 0, done.stderr
-    kinds = {"torch.float32": "fp32", "torch.bfloat16": "16bit", "torch.float8_e4m3fn": "fp8"}
+    kinds = {
+        "torch.float32 none": "fp32",
+        "torch.bfloat16 none": "16bit",
+        "torch.float8_e4m3fn row": "fp8",
+        "torch.float8_e4m3fn mx": "mxfp8",
+    }
     menus = {
         dtype: [list(shape) for shape in tiling.gemm_shapes(kind)] for dtype, kind in kinds.items()
     }

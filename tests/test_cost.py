@@ -410,7 +410,9 @@ def test_mxfp8_rates_are_blackwells_fp8_and_hopper_has_none():
 def test_mxfp8_gathers_mx_rows_and_runs_the_block_scaled_schedules():
     """The MXFP8 all-gather moves tiling.mx_row_bytes(K) a row (K + K/32 padded to 16: about
     0.52 of bf16's 2 K), torchtitan's gather bf16; the reduce-scatter bf16 partials; the GEMM
-    at the MXFP8 rate; only reference and pipelined run block scales."""
+    at the MXFP8 rate; reference, pipelined and symm (its kernels take the block scales on
+    Blackwell, with the mxfp8 tile menu) run block scales, torch_symm_mem does not, and on a CPU
+    symm's torch schedule is not simulated."""
     m, k, n = 1024, 8192, 1280
     bf16 = cost.op_cost(AG, m, k, n, 8, "bf16", B200)
     mx = cost.op_cost(AG, m, k, n, 8, "mxfp8", B200)
@@ -419,7 +421,9 @@ def test_mxfp8_gathers_mx_rows_and_runs_the_block_scaled_schedules():
     assert mx.comm_s == pytest.approx(bf16.comm_s * tiling.mx_row_bytes(k) / (2 * k))
     assert 0.51 < mx.comm_s / bf16.comm_s < 0.52
     assert mx.compute_s == pytest.approx(2 * 8 * m * k * n / (4500e12 * B200.gemm_efficiency))
-    assert set(mx.schedules_s) == set(mx.backends_s) == {"reference", "pipelined"}
+    assert set(mx.schedules_s) == set(mx.backends_s) == {"reference", "pipelined", "symm"}
+    cpu = cost.DeviceSpec(**{**vars(B200), "name": "cpu-like", "sms": None})
+    assert set(cost.op_cost(AG, m, k, n, 8, "mxfp8", cpu).backends_s) == {"reference", "pipelined"}
     nccl = B200.nccl_latency_s + 7 * m * tiling.mx_row_bytes(k) / (900e9 * B200.nccl_efficiency)
     gemm = cost.gemm_s(8 * m, k, n, "mxfp8", B200, cublas=True)
     assert mx.schedules_s["reference"] == pytest.approx(nccl + gemm)
@@ -471,7 +475,7 @@ def test_mxfp8_table_prints_blackwell_against_torchtitan_and_fused_bf16(capsys):
         assert r.unfused_s == pytest.approx(
             titan.schedules_s["reference"] + cost.quantize_s(8 * r.m, r.k, GB200, "mxfp8")
         )
-        assert r.fused_backend in ("reference", "pipelined")
+        assert r.fused_backend in ("reference", "pipelined", "symm")
         assert r.fused_s == pytest.approx(
             min(mx.values()) + cost.quantize_s(own, r.k, GB200, "mxfp8")
         )

@@ -15,9 +15,10 @@ is the bytes of a row as they travel. An MXFP8 call (``dtype="mxfp8"``: e4m3 wit
 32 elements along ``K``, torchao's MXFP8 recipes) computes at the dense MXFP8 rate, which only
 Blackwell's tensor cores have (``peak_tflops["mxfp8"]``; absent on Hopper, where MX is emulated);
 its all-gather moves :func:`tp_kernels.tiling.mx_row_bytes` a row (or bf16, torchtitan's gather
-before its cast), its reduce-scatter bf16 partials. The block-scaled path runs on ``reference``
-and ``pipelined`` only: ``symm``'s Triton GEMMs take no block scales (it runs torch's schedule
-over peer memory, which the model does not simulate on a GPU) and ``torch_symm_mem`` refuses them.
+before its cast), its reduce-scatter bf16 partials. The block-scaled path runs on ``reference``,
+``pipelined`` and, on a GPU (Blackwell: the only one with an MXFP8 rate), ``symm``, whose Triton
+GEMMs take the block scales in the MMA (tile menu ``"mxfp8"``); ``torch_symm_mem`` refuses them,
+and on a CPU ``symm`` runs torch's schedule over peer memory, which the model does not simulate.
 
 ``comm`` counts the bytes that cross this rank's link once each (on an NVSwitch node every GPU has
 ``link_gb_s`` in each direction to the switch, whatever the peer). The speed of light knows no
@@ -135,7 +136,7 @@ _MEASURED_PRODUCER_RATE = 0.620 / 0.699
 # 132 SMs, no split-K) at 1 us of overhead a tile is 81.8% of the dense bf16 peak per SM.
 _H200_CUBLAS_EFFICIENCY = 0.818
 # The tile menu (tiling.GEMM_KINDS) of each of the model's compute dtypes.
-_GEMM_KINDS = {"fp32": "fp32", "bf16": "16bit", "fp16": "16bit", "fp8": "fp8", "mxfp8": "fp8"}
+_GEMM_KINDS = {"fp32": "fp32", "bf16": "16bit", "fp16": "16bit", "fp8": "fp8", "mxfp8": "mxfp8"}
 _NVIDIA = "https://www.nvidia.com/en-us/data-center"
 _HOPPER = "https://developer.nvidia.com/blog/nvidia-hopper-architecture-in-depth/"
 
@@ -810,8 +811,8 @@ def quantize_s(rows: int, k: int, device: DeviceSpec, dtype: str = "fp8") -> flo
 class OpCost:
     """The model's times (seconds) for one call: the module docstring's compute, comm and speed
     of light; ``schedules_s`` every schedule of :data:`SCHEDULES` for the op (a CPU: the three
-    that run there; an MXFP8 call: ``reference`` and ``pipelined``); ``backends_s`` per
-    backend (an MXFP8 call: those two)."""
+    that run there; an MXFP8 call: ``reference``, ``pipelined`` and on a GPU ``symm``);
+    ``backends_s`` per backend (an MXFP8 call: those)."""
 
     compute_s: float
     comm_s: float
@@ -839,8 +840,8 @@ def op_cost(
     one of ``n``). ``dtype`` "fp8" or "mxfp8": a scaled call at that rate with bf16 output;
     ``wire``: the dtype an all-gather moves (default ``dtype``: the packed rows; ``"bf16"`` is
     torchao's gather before its cast; the cast itself is :func:`quantize_s`, not in these
-    times). A reduce-scatter moves its output dtype. An "mxfp8" call has the schedules of
-    ``reference`` and ``pipelined`` only (module docstring)."""
+    times). A reduce-scatter moves its output dtype. An "mxfp8" call has no ``torch_symm_mem``
+    schedule, and on a CPU no ``symm`` one (module docstring)."""
     if op not in (AG, RS):
         raise ValueError(f"op: got {op!r}, expected all_gather_matmul or matmul_reduce_scatter")
     if dtype not in _ELEMENT_BYTES:
@@ -868,6 +869,8 @@ def op_cost(
         return OpCost(compute, 0.0, compute, compute, backends, {"reference": only})
     schedules = {"reference": reference_s(p, op), "pipelined": pipelined_s(p, op)}
     if dtype == "mxfp8":  # the backends that run block scales as the model simulates them
+        if device.sms is not None:
+            schedules["symm"] = symm_copy_engine_s(p) if op == AG else symm_reduce_scatter_s(p)
         return OpCost(compute, comm, sol, compute + comm, dict(schedules), schedules)
     if device.sms is None:
         schedules["symm"] = symm_cpu_s(p, op)

@@ -225,18 +225,21 @@ def _capture_needs(
             return m * width * out_dtype.itemsize
         return width * mx_row_bytes(m)
 
+    def _mx_gemm(op: str, nbytes: int) -> CaptureNeed:
+        return CaptureNeed(op, nbytes, _E4M3, block_scaled=True)
+
     product = world * m * out_dtype.itemsize
     if colwise:  # forward gather of x [m, K]; dgrad scatter of [W*m, K]; x gathered for wgrad
-        needs = [CaptureNeed("all_gather_matmul", m * mx_row_bytes(k), _E4M3)]
+        needs = [_mx_gemm("all_gather_matmul", m * mx_row_bytes(k))]
         if grad_x:
-            needs.append(CaptureNeed("matmul_reduce_scatter", product * k, _E4M3))
+            needs.append(_mx_gemm("matmul_reduce_scatter", product * k))
         if grad_w:
             needs.append(CaptureNeed("all_gather", tokens(k), _E4M3))
         return needs
     # forward scatter of [W*m, N]; dgrad gather of dY [m, N]; dY gathered for wgrad
-    needs = [CaptureNeed("matmul_reduce_scatter", product * n, _E4M3)]
+    needs = [_mx_gemm("matmul_reduce_scatter", product * n)]
     if grad_x:
-        needs.append(CaptureNeed("all_gather_matmul", m * mx_row_bytes(n), _E4M3))
+        needs.append(_mx_gemm("all_gather_matmul", m * mx_row_bytes(n)))
     if grad_w:
         needs.append(CaptureNeed("all_gather", tokens(n), _E4M3))
     if grad_b:
@@ -285,14 +288,25 @@ def _like(data: torch.Tensor, scale: torch.Tensor, like: MXTensor) -> MXTensor:
                     like.kernel_preference, None, False)  # fmt: skip
 
 
-def _products(left: MXTensor, rights: Sequence[MXTensor]) -> BlockScaling:
+def _products(
+    left: MXTensor, rights: Sequence[MXTensor], a_scale: torch.Tensor | None = None
+) -> BlockScaling:
     """The backends' face of torchao's GEMMs ``rows of left @ rights[j]`` (``rights[j]`` an
-    ``[K, N_j]`` MXTensor), for rows handed over as their e4m3 data and e8m0 scales."""
+    ``[K, N_j]`` MXTensor), for rows handed over as their e4m3 data and e8m0 scales (packed
+    rows, or ``a_scale`` beside a reduce-scatter's ``a``); with each right-hand side's scales
+    as the Triton GEMMs take them, ``[N_j, K / 32]`` (an ``[K, N_j]`` MXTensor is the
+    transpose of a cast along K: its scales transposed back are that cast's, a view of
+    contiguous memory)."""
 
     def product(right: MXTensor):
         return lambda data, scale: torch.mm(_like(data, scale, left), right)
 
-    return BlockScaling(None, tuple(product(r) for r in rights), left.orig_dtype)
+    return BlockScaling(
+        a_scale,
+        tuple(product(r) for r in rights),
+        tuple(r.scale.t().contiguous() for r in rights),
+        left.orig_dtype,
+    )
 
 
 def _gather(
@@ -310,8 +324,7 @@ def _reduce_scatter(
 ) -> torch.Tensor:  # fmt: skip
     """This rank's rows of the sum over ranks of ``x @ right (+ addend)``: the fused
     matmul-reduce-scatter."""
-    products = _products(x, [right])
-    scaling = BlockScaling(x.scale, products.products, products.out_dtype)
+    scaling = _products(x, [right], x.scale)
     return run_reduce_scatter(impl, group, x.qdata, right.qdata, scaling, phase=phase,
                               addend=addend)  # fmt: skip
 

@@ -21,13 +21,14 @@ __all__ = [
     "MIN_TRANSFER_BLOCK_BYTES",
     "chunk_rows",
     "gemm_shapes",
+    "interpreter_shape",
     "producer_shape",
     "transfer_blocks",
 ]
 
 # The kinds of GEMM operands, each with its own tile menu (:func:`gemm_shapes`): a tile that
 # wins for one kind spills, or does not fit shared memory, for another.
-GEMM_KINDS: tuple[str, ...] = ("fp32", "16bit", "fp8")
+GEMM_KINDS: tuple[str, ...] = ("fp32", "16bit", "fp8", "mxfp8")
 # The (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) the tuned GEMMs pick from on a GPU,
 # per operand kind. Per rank at TP=8, Llama-3 8B/70B/405B give N and K of 512 to 16384 (hidden
 # 4096/8192/16384, MLP 1792/3584/6656, q/kv/o of hidden / 8) and M of thousands of tokens.
@@ -45,10 +46,16 @@ GEMM_KINDS: tuple[str, ...] = ("fp32", "16bit", "fp8")
 # widest swizzle) halves the promotions per tile against 64; 4 stages of 128x128x128: 128 KiB.
 # 64x64x128 takes 3 stages: with 4, Triton 3.7.1 spills 8 B per thread on sm_100.
 #
+# mxfp8 (e4m3 with an e8m0 scale per 32 elements along K, ``tl.dot_scaled``; run on sm_100 only,
+# where it is one block-scaled tcgen05.mma): BLOCK_M 128, the MMA's M (at 64 Triton leaves the
+# block-scaled MMA for an upcast), BLOCK_K 128 (four scales a row per K step). The accumulator
+# lives in tensor memory, so 128x256 holds no more registers than 128x128.
+#
 # fp32 (TF32 tensor cores, or FMA without TF32): four bytes an element, so at most 128x128; two
 # tiles, so that a new shape's tuning compiles two kernels, not eight.
 #
-# Every menu ends with a tile of at most 64x64, the producer's smallest (producer_shape). Its
+# Every menu but mxfp8's ends with a tile of at most 64x64, the producer's smallest
+# (producer_shape). Its
 # registers, and the FMA loop's, swing with warps, stages and the Triton version: ptxas spilled
 # 8 to 656 B per thread in some layout of B on sm_90 or sm_100 with Triton 3.6.0-3.9.0 for
 # 64x64x32 in 4 warps, 128x64 fp32 and 128x128x32 fp32; the small tiles here (8 warps) and
@@ -70,6 +77,11 @@ _GEMM_SHAPES: dict[str, tuple[tuple[int, int, int, int, int], ...]] = {
         (64, 128, 128, 4, 4),
         (64, 64, 128, 4, 3),
     ),
+    "mxfp8": (
+        (128, 256, 128, 8, 3),
+        (128, 128, 128, 4, 4),
+        (128, 64, 128, 4, 4),
+    ),
     "fp32": (
         (128, 128, 16, 8, 3),
         (64, 64, 32, 8, 2),
@@ -80,14 +92,15 @@ _GEMM_SHAPES: dict[str, tuple[tuple[int, int, int, int, int], ...]] = {
 def gemm_shapes(kind: str) -> tuple[tuple[int, int, int, int, int], ...]:
     """The ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)`` menu of the GEMMs whose
     operands are of ``kind`` (one of :data:`GEMM_KINDS`): ``"fp32"``, ``"16bit"`` (fp16, bf16)
-    or ``"fp8"`` (e4m3, e5m2; the scaled GEMMs)."""
+    ``"fp8"`` (e4m3, e5m2; the scaled GEMMs) or ``"mxfp8"`` (e4m3 with block scales)."""
     if kind not in _GEMM_SHAPES:
         raise ValueError(f"kind: got {kind!r}, expected one of {GEMM_KINDS}")
     return _GEMM_SHAPES[kind]
 
 
 # BLOCK_M, BLOCK_N and BLOCK_K of every GEMM under Triton's interpreter: one small tile, so that
-# the CPU tests run several tiles per shard in reasonable time.
+# the CPU tests run several tiles per shard in reasonable time (BLOCK_K one MX block for mxfp8:
+# interpreter_shape).
 INTERPRETER_BLOCK = 16
 # M tiles per group in the GEMMs' tile order: a group's M tiles walk the column tiles together,
 # reading its row blocks and each column block once while they are in L2.
@@ -114,7 +127,17 @@ def producer_shape(m: int, n: int, kind: str) -> tuple[int, int, int, int, int]:
     ``N >= 256``, as Llama's row-parallel Linears have at TP=8; fp8 and fp32 at most 128x128."""
     rows = 128 if m >= 128 else 64
     cols = 256 if n >= 256 else 128 if n >= 128 else 64
-    return next(s for s in gemm_shapes(kind) if s[0] <= rows and s[1] <= cols)
+    menu = gemm_shapes(kind)
+    # mxfp8's tiles are all 128 rows (the block-scaled MMA's M): its smallest then.
+    return next((s for s in menu if s[0] <= rows and s[1] <= cols), menu[-1])
+
+
+def interpreter_shape(kind: str) -> tuple[int, int, int]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_K)`` of a GEMM of operands of ``kind`` under Triton's
+    interpreter: :data:`INTERPRETER_BLOCK` each, but a K step of one whole MX block
+    (:data:`MX_BLOCK`) for ``"mxfp8"``, whose scales come a block at a time."""
+    block_k = MX_BLOCK if kind == "mxfp8" else INTERPRETER_BLOCK
+    return INTERPRETER_BLOCK, INTERPRETER_BLOCK, block_k
 
 
 def chunk_rows(m: int, chunks: int, *, interpret: bool) -> int:

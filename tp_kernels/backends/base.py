@@ -42,11 +42,13 @@ class CaptureNeed:
     (``"all_gather_matmul"``, ``"matmul_reduce_scatter"`` or ``"all_gather"``, the backward's
     re-gather), ``nbytes``, the bytes of the call's largest symmetric buffer (the shard for an
     all-gather, ``a_shard.nbytes``; the ``[W*m, N]`` product for a reduce-scatter,
-    ``a.shape[0] * N * itemsize``) and the ``dtype``."""
+    ``a.shape[0] * N * itemsize``) and the ``dtype``; ``block_scaled``: an MXFP8 GEMM, which
+    a backend may run by another path than its fp8 GEMMs."""
 
     op: str
     nbytes: int
     dtype: torch.dtype
+    block_scaled: bool = False
 
 
 def capturing(device: torch.device) -> bool:

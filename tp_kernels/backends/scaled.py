@@ -58,9 +58,6 @@ class Scaling:
     a_dtype: torch.dtype = torch.float8_e4m3fn
     post_scale: bool = False
 
-    # The symm backend's Triton GEMMs take these operands (per-row or per-tensor scales).
-    kernel_ready = True
-
     @property
     def packed(self) -> bool:
         """Whether the gathered rows carry their own scales (row-wise all-gather)."""
@@ -154,14 +151,15 @@ class BlockScaling:
     The product itself is ``products[j](data, scale)``: given by the caller (the styles' layer
     owns torchao, whose MX GEMM it runs: ``tp_kernels/mxfp8.py``), so that a fused call's rows
     meet exactly the GEMM torchao would run on them. ``b`` (the right-hand side's e4m3 data,
-    ``[K, N_j]``) is what the backends size outputs by; the product holds its scales."""
+    ``[K, N_j]``) is what the backends size outputs by; ``b_scales[j]`` (e8m0 ``[N_j, K / 32]``,
+    contiguous: column ``n``'s scales in a row) is what the ``symm`` backend's Triton GEMMs take
+    with it where they run block-scaled operands (:func:`tp_kernels.kernels.block_scaled_mma`)."""
 
     a_scale: torch.Tensor | None
     products: tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor], ...]
+    b_scales: tuple[torch.Tensor, ...]
     out_dtype: torch.dtype
     a_dtype: torch.dtype = torch.float8_e4m3fn
-    # No Triton GEMM of the symm backend takes block scales: its torch schedule runs them.
-    kernel_ready = False
 
     @property
     def packed(self) -> bool:
@@ -203,4 +201,4 @@ def unpack_mx_rows(
 
 Scaled = Scaling | BlockScaling
 """What a backend's ``scaling`` argument may be: both answer ``packed``, ``block``,
-``out_dtype``, ``a_dtype`` and ``kernel_ready``."""
+``b_scales``, ``out_dtype`` and ``a_dtype``."""

@@ -118,7 +118,7 @@ import torch.distributed as dist
 from tp_kernels import config, deadline, signals, symmetric_memory
 from tp_kernels.backends import base, schedule, symm_gather, symm_scatter
 from tp_kernels.backends.base import Backend, CaptureNeed, PendingGather
-from tp_kernels.backends.scaled import Scaled
+from tp_kernels.backends.scaled import BlockScaling, Scaled
 
 T = TypeVar("T")
 
@@ -342,10 +342,18 @@ def _report_unraised_timeouts() -> None:
         print(message, file=sys.stderr)
 
 
-def _use_triton(device: torch.device, dtype: torch.dtype) -> bool:
-    if dtype not in _KERNEL_DTYPES:
+def _use_triton(device: torch.device, dtype: torch.dtype, *, block_scaled: bool = False) -> bool:
+    """Whether a call making ``dtype`` runs the Triton kernels on ``device`` (always on CUDA;
+    on CPU with ``TP_KERNELS_SYMM_TRITON=1``); a ``block_scaled`` (MXFP8) one only where they
+    take block scales (:func:`tp_kernels.kernels.block_scaled_mma`: sm_100), else torch's
+    schedule runs torchao's GEMM per block."""
+    if dtype not in _KERNEL_DTYPES or not (device.type == "cuda" or config.SYMM_TRITON.get()):
         return False
-    return device.type == "cuda" or config.SYMM_TRITON.get()
+    if block_scaled:
+        from tp_kernels import kernels
+
+        return kernels.block_scaled_mma(device)
+    return True
 
 
 def _capture_unready_reason(
@@ -623,7 +631,9 @@ class SymmBackend(Backend):
             return None
         # A scaled call's operands take the path of its out_dtype, which the kernels cover.
         scaled = need.dtype in _SCALED_OPERAND_DTYPES
-        if not _use_triton(device, torch.bfloat16 if scaled else need.dtype):
+        if not _use_triton(
+            device, torch.bfloat16 if scaled else need.dtype, block_scaled=need.block_scaled
+        ):
             # The torch path (CPU without the kernels, or a dtype they lack) waits for its
             # signals on the host, which no graph can capture.
             return f"{need.dtype} on {device.type} takes its torch path, whose waits are the host's"
@@ -669,8 +679,10 @@ class SymmBackend(Backend):
         m, k = a_shard.shape
         dtype = a_shard.dtype
         # A scaled call's kernels take its fp8 bytes as they come and make its out_dtype.
-        use_kernels = (scaling is None or scaling.kernel_ready) and _use_triton(
-            a_shard.device, dtype if scaling is None else scaling.out_dtype
+        use_kernels = _use_triton(
+            a_shard.device,
+            dtype if scaling is None else scaling.out_dtype,
+            block_scaled=isinstance(scaling, BlockScaling),
         )
         round_, half = _begin(
             group, a_shard.device, _AG, dtype, (m, k, 0), a_shard.nbytes, kernels=use_kernels
@@ -730,10 +742,8 @@ class SymmBackend(Backend):
             return a @ b if addend is None else torch.addmm(addend, a, b)
         m, n = a.shape[0] // world, b.shape[1]
         dtype = a.dtype if scaling is None else scaling.out_dtype
-        use_kernels = (
-            addend is None
-            and (scaling is None or scaling.kernel_ready)
-            and _use_triton(a.device, dtype)
+        use_kernels = addend is None and _use_triton(
+            a.device, dtype, block_scaled=isinstance(scaling, BlockScaling)
         )
         round_, half = _begin(
             group,

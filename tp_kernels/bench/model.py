@@ -303,11 +303,11 @@ def scaled_rows(
     return rows
 
 
-SCALED_BACKENDS = {"fp8": FUSED, "mxfp8": ("reference", "pipelined")}
+SCALED_BACKENDS = {"fp8": FUSED, "mxfp8": ("reference", "pipelined", "symm")}
 """The backends whose best time a scaled comparison gives for tp_kernels' path: fp8's fused
-schedules; MXFP8's the two that run block scales as the model simulates them
-(:func:`tp_kernels.cost.op_cost`), ``reference`` among them: its NCCL gather of the MX rows
-cast before it is tp_kernels' path too."""
+schedules; MXFP8's the three that run block scales on Blackwell (:func:`tp_kernels.cost.op_cost`;
+torch_symm_mem refuses them), ``reference`` among them: its NCCL gather of the MX rows cast
+before it is tp_kernels' path too."""
 # Per scaled dtype: the names of the unfused path and of tp_kernels' (columns), and the
 # caption's lines after the first.
 _NAMES = {"fp8": ("torchao", "fused"), "mxfp8": ("titan", "wire")}
@@ -326,9 +326,9 @@ _CAPTIONS = {
         "  PyTorch's styles, unfused (AG: bf16 gather, MX cast of the W*m rows, MXFP8 GEMM; RS: "
         "the casts, MXFP8 GEMM, bf16",
         "  reduce-scatter); mxfp8 wire: tp_kernels' MXFP8 path on the best backend of block "
-        "scales the model simulates:",
-        "  reference (NCCL, then the GEMM) or pipelined (symm's torch schedule: not modeled); AG: "
-        "each rank's m rows cast, K + K/32",
+        "scales: reference (NCCL,",
+        "  then the GEMM), pipelined or symm (its GEMMs with the scales in the MMA, at bf16's "
+        "efficiency: assumed); AG: each rank's m rows cast, K + K/32",
         "  bytes a row padded to 16 on the wire; RS: bf16 partials; vs: titan's or bf16's time / "
         "mxfp8 wire's",
     ),
@@ -337,7 +337,8 @@ _NOT_MODELED = {
     "fp8": "the weights' casts and the row-parallel Linears' all-reduce of row amaxes (the same "
     "in both fp8 paths), attention's own math",
     "mxfp8": "the weights' casts (the same in both paths; neither all-reduces an amax: MX "
-    "blocks never span ranks), symm's torch schedule of block scales, attention's own math",
+    "blocks never span ranks), symm's torch schedule of block scales (where the GPU has no block-"
+    "scaled MMA), attention's own math",
 }
 
 

@@ -4,7 +4,9 @@ Importing this package imports Triton (the rest of ``tp_kernels`` never does at 
 Set ``TRITON_INTERPRET=1`` *before* importing it to run the kernels in Triton's interpreter on
 CPU tensors and CPU shared memory; block sizes are then fixed and small, and bf16 operands are
 upcast to fp32 before ``tl.dot`` (the interpreter's bf16 dot is wrong; a bf16 x bf16 product is
-exact in fp32, so the result equals a bf16 MMA with an fp32 accumulator up to summation order).
+exact in fp32, so the result equals a bf16 MMA with an fp32 accumulator up to summation order),
+and block-scaled (MXFP8) blocks are dequantized to fp32 before it (Triton 3.6's and 3.7's
+interpreters have no ``tl.dot_scaled``; the products are exact in fp32 there too).
 
 Supported Triton: :data:`MIN_TRITON` and newer (the versions torch's CUDA wheels pin from torch
 2.10 on: 3.6.0, 3.7.x, and the newest release). ``python -m tp_kernels.kernels.compile_check``
@@ -56,6 +58,7 @@ from tp_kernels.kernels._shared import (
     INTERPRET,
     MIN_TRITON,
     VARYING_ARGS,
+    block_scaled_mma,
     dot_precision,
     new_status,
     on_device,
@@ -85,6 +88,7 @@ __all__ = [
     "SlotReduction",
     "ag_matmul_consumer",
     "barrier",
+    "block_scaled_mma",
     "dot_precision",
     "matmul_rs_producer",
     "new_counters",

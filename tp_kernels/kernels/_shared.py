@@ -36,13 +36,19 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat
 FP8_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
+def _triton_version(version: str = triton.__version__) -> tuple[int, int]:
+    """``(major, minor)`` of a Triton version string; ValueError if it has none."""
+    major, minor = (int(part) for part in version.split(".")[:2])
+    return major, minor
+
+
 def triton_unsupported_reason(version: str = triton.__version__) -> str | None:
     """Why the installed Triton cannot build these kernels, or ``None`` if it can."""
     try:
-        major, minor = (int(part) for part in version.split(".")[:2])
+        major_minor = _triton_version(version)
     except ValueError:
         return f"cannot read the Triton version {version!r}"
-    if (major, minor) < MIN_TRITON:
+    if major_minor < MIN_TRITON:
         need = ".".join(map(str, MIN_TRITON))
         return (
             f"Triton {version} is older than {need}, the oldest these kernels are compiled and "
@@ -107,6 +113,47 @@ def check_scales(
         )
 
 
+# The dtype of an MXFP8 operand's scales (one e8m0 byte per 32 elements along K).
+MX_SCALE_DTYPE = torch.float8_e8m0fnu
+
+
+def check_block_scales(
+    a_scale: torch.Tensor | None,
+    b_scales: Sequence[torch.Tensor],
+    bs: Sequence[torch.Tensor],
+    rows: int,
+) -> None:
+    """A block-scaled (MXFP8) GEMM's operands: every ``bs[j]`` e4m3 ``[K, N_j]`` with its
+    e8m0 ``b_scales[j]`` ``[N_j, K / 32]`` contiguous (column ``n``'s scales in a row, as
+    ``tl.dot_scaled`` takes them), ``K`` a multiple of 32; ``a_scale`` (unless A's rows carry
+    their scales) e8m0 ``[rows, K / 32]`` contiguous. What a wrong shape would turn into a
+    wrong address."""
+    if len(b_scales) != len(bs):
+        raise ValueError(f"b_scales: got {len(b_scales)}, expected one per b ({len(bs)})")
+    k = bs[0].shape[0]
+    if k % tiling.MX_BLOCK:
+        raise ValueError(f"bs: K = {k} is not a multiple of {tiling.MX_BLOCK} (one MX block)")
+    blocks = k // tiling.MX_BLOCK
+    named = [
+        (f"b_scales[{j}]", s, (b.shape[1], blocks)) for j, (b, s) in enumerate(zip(bs, b_scales))
+    ]
+    if a_scale is not None:
+        named.append(("a_scale", a_scale, (rows, blocks)))
+    for j, b in enumerate(bs):
+        if b.dtype != torch.float8_e4m3fn or b.shape[0] != k:
+            raise TypeError(f"bs[{j}]: got {b.dtype} [{tuple(b.shape)}], expected e4m3 [{k}, N]")
+    for name, scale, shape in named:
+        if (
+            scale.dtype != MX_SCALE_DTYPE
+            or tuple(scale.shape) != shape
+            or not scale.is_contiguous()
+        ):
+            raise ValueError(
+                f"{name}: got {scale.dtype} of shape {tuple(scale.shape)} (contiguous="
+                f"{scale.is_contiguous()}), expected contiguous {MX_SCALE_DTYPE} of shape {shape}"
+            )
+
+
 def scale_stride(scale: torch.Tensor) -> int:
     """The element stride between consecutive scales of a ``[]``, ``[rows, 1]`` or ``[1, N]``
     scale (0 for one scale): what a kernel steps its scale pointer by."""
@@ -128,9 +175,12 @@ def dot_precision(dtype: torch.dtype) -> str | None:
 GROUP_M = tl.constexpr(tiling.GROUP_M)
 
 
-def gemm_kind(dtype: torch.dtype) -> str:
+def gemm_kind(dtype: torch.dtype, *, block_scaled: bool = False) -> str:
     """The kind of GEMM operands of ``dtype`` whose tile menu a GEMM picks from
-    (:func:`tp_kernels.tiling.gemm_shapes`): ``"fp8"``, ``"fp32"`` or ``"16bit"``."""
+    (:func:`tp_kernels.tiling.gemm_shapes`): ``"mxfp8"`` (``block_scaled``), ``"fp8"``,
+    ``"fp32"`` or ``"16bit"``."""
+    if block_scaled:
+        return "mxfp8"
     if dtype in FP8_DTYPES:
         return "fp8"
     return "fp32" if dtype == torch.float32 else "16bit"
@@ -138,11 +188,10 @@ def gemm_kind(dtype: torch.dtype) -> str:
 
 def gemm_configs(kind: str) -> list[triton.Config]:
     """The configs of the tile menu of ``kind`` (:func:`tp_kernels.tiling.gemm_shapes`), which
-    :mod:`tp_kernels.kernels.tuning` chooses from per shape; one small fixed tile, the same for
-    every kind, under the interpreter."""
+    :mod:`tp_kernels.kernels.tuning` chooses from per shape; one small fixed tile under the
+    interpreter (:func:`tp_kernels.tiling.interpreter_shape`)."""
     if INTERPRET:
-        block = tiling.INTERPRETER_BLOCK
-        blocks = {"BLOCK_M": block, "BLOCK_N": block, "BLOCK_K": block}
+        blocks = dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K"), tiling.interpreter_shape(kind)))
         return [triton.Config(blocks, num_warps=1)]
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
@@ -584,6 +633,72 @@ def _accumulate(
             a_blk, b_blk, acc, input_precision=INPUT_PRECISION, max_num_imprecise_acc=BLOCK_K
         )
     return tl.dot(a_blk, b_blk, acc, input_precision=INPUT_PRECISION)
+
+
+# Elements per e8m0 scale of an MXFP8 operand along K, as a constexpr (kernels read only those).
+MX_BLOCK = tl.constexpr(tiling.MX_BLOCK)
+# Triton 3.6's and 3.7's interpreters have no ``tl.dot_scaled`` (3.8's and 3.9's run it): the
+# block-scaled K step then dequantizes both blocks to fp32 and runs an fp32 ``tl.dot`` (see
+# :func:`_accumulate_mx`), so the CPU tests run the very call a GPU compiles wherever they can.
+_MX_BY_HAND = tl.constexpr(INTERPRET and _triton_version() < (3, 8))
+
+
+def block_scaled_mma(device: torch.device) -> bool:
+    """Whether the GEMMs run block-scaled (MXFP8) operands on ``device``: on sm_100 and newer,
+    whose ``tcgen05.mma`` takes the e8m0 scales itself (compile_check reads it in the PTX), and
+    in the interpreter (the same kernels, emulated, for the CPU tests). Hopper has no
+    block-scaled MMA: ``tl.dot_scaled`` would upcast to bf16 there, which no one has measured
+    against torchao's own GEMM, so the callers run torchao's."""
+    if INTERPRET:
+        return True
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 10
+
+
+@triton.jit
+def _block_scales(ptr, rows64, row_ok, stride_row, k0, K, BLOCK_K: tl.constexpr):
+    """The e8m0 scale bytes ``[R, BLOCK_K / MX_BLOCK]`` of elements ``k0 .. k0 + BLOCK_K`` of
+    the rows ``rows64`` (``[R]``, masked by ``row_ok``) of an MXFP8 operand whose row ``r`` has
+    the scale of its K block ``kb`` at byte ``ptr[r * stride_row + kb]``; 0 (2^-127) outside the
+    rows and past ``K``, where the data is zero or reaches only output the caller drops."""
+    kb = k0 // MX_BLOCK + tl.arange(0, BLOCK_K // MX_BLOCK)
+    mask = row_ok[:, None] & (kb < K // MX_BLOCK)[None, :]
+    return tl.load(ptr + rows64[:, None] * stride_row + kb[None, :], mask=mask, other=0)
+
+
+@triton.jit
+def _dequantize_rows(x, scales):
+    """``x [R, C]`` (e4m3) times ``2 ** (scales - 127)`` (``scales [R, C / MX_BLOCK]`` e8m0
+    bytes, one per ``MX_BLOCK`` consecutive elements of a row), in fp32: exact, as torchao's
+    dequantization is."""
+    R: tl.constexpr = x.shape[0]
+    C: tl.constexpr = x.shape[1]
+    factor = tl.exp2(scales.to(tl.float32) - 127.0)
+    blocks = x.to(tl.float32).reshape(R, C // MX_BLOCK, MX_BLOCK) * factor[:, :, None]
+    return blocks.reshape(R, C)
+
+
+@triton.jit
+def _accumulate_mx(
+    acc, a_blk, a_scales, b, b_scale_ptr, k0, col0, cols64, col_ok, K, N, stride_bk, stride_bn,
+    stride_bs, B_LAYOUT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """One block-scaled (MXFP8) step of a GEMM's K-loop, shared by both GEMMs: ``acc +=
+    dequant(a_blk) @ dequant(B[k0:k0+BLOCK_K, col0:col0+BLOCK_N])``, ``a_blk`` e4m3 with its
+    e8m0 ``a_scales`` (:func:`_block_scales`), B e4m3 (read by :func:`_load_block`) whose
+    column ``n`` has the scale of K block ``kb`` at byte ``b_scale_ptr[n * stride_bs + kb]``.
+
+    One ``tl.dot_scaled``: on sm_100 one ``tcgen05.mma`` with block scales, accumulating in fp32
+    (compile_check); emulated in the interpreter (:data:`_MX_BY_HAND`). Every product of two
+    e4m3 values and two powers of two is exact in fp32, so either way the result differs from
+    torchao's (dequantize, then one GEMM) only in the order of the fp32 sums."""
+    b_blk = _load_block(b, k0, col0, K, N, stride_bk, stride_bn, B_LAYOUT, BLOCK_K, BLOCK_N)
+    b_scales = _block_scales(b_scale_ptr, cols64, col_ok, stride_bs, k0, K, BLOCK_K)
+    if _MX_BY_HAND:
+        a_deq = _dequantize_rows(a_blk, a_scales)
+        b_deq = _dequantize_rows(b_blk.T, b_scales).T
+        return tl.dot(a_deq, b_deq, acc, input_precision="ieee")
+    return tl.dot_scaled(a_blk, a_scales, "e4m3", b_blk, b_scales, "e4m3", acc)
 
 
 @triton.jit

@@ -48,9 +48,12 @@ from tp_kernels.kernels._shared import (
     FP8_DTYPES,
     GROUP_M,
     INTERPRET,
+    MX_SCALE_DTYPE,
     RAISED,
     WAIT_CHUNK,
     _accumulate,
+    _accumulate_mx,
+    _block_scales,
     _fence_proxy_async,
     _note_first_touch,
     _range_arg,
@@ -59,6 +62,7 @@ from tp_kernels.kernels._shared import (
     _tile_coords,
     _tile_span,
     _wait_signal,
+    check_block_scales,
     check_ptr_table,
     check_scales,
     check_status,
@@ -79,7 +83,7 @@ from tp_kernels.kernels._shared import (
     tma_operand,
     tma_supported,
 )
-from tp_kernels.tiling import MAX_BS_PER_LAUNCH, ROW_SCALE_BYTES
+from tp_kernels.tiling import MAX_BS_PER_LAUNCH, ROW_SCALE_BYTES, mx_row_bytes
 
 
 @triton.jit(do_not_specialize=["rank", "channel", "status_addr", "timeout_ns"])
@@ -131,9 +135,10 @@ def _consumer_tile(
 ):  # fmt: skip
     """One output tile ``C[src*m + rows, cols] = A[src*m + rows, :] @ B[:, cols]`` (fp32
     accumulation), ``(rows, cols)`` tile ``(m_tile, col_tile)`` of an ``N``-wide ``C``; scaled
-    (``SCALE != "none"``), ``acc * a_scale[rows, None] * b_scale[None, cols]`` before the one
-    rounding to ``DTYPE`` (see :func:`~._shared._scale_epilogue`); stored through ``c``, a
-    descriptor over C viewed as [W, m, N] (``C_LAYOUT == "tma"``) or C's pointer."""
+    (``SCALE`` ``"row"`` or ``"tensor"``), ``acc * a_scale[rows, None] * b_scale[None, cols]``
+    before the one rounding to ``DTYPE`` (see :func:`~._shared._scale_epilogue`); block-scaled
+    (``"mx"``), every K step's product scaled (:func:`~._shared._accumulate_mx`); stored through
+    ``c``, a descriptor over C viewed as [W, m, N] (``C_LAYOUT == "tma"``) or C's pointer."""
     row0, rows64, cols64, row_ok, col_ok = _tile_span(
         m_tile, col_tile, tiles_per_shard, m, N, BLOCK_M, BLOCK_N
     )
@@ -147,11 +152,22 @@ def _consumer_tile(
             ks = k0 + tl.arange(0, BLOCK_K)
             a_offsets = (src * m + rows64)[:, None] * stride_am + ks[None, :]
             a_blk = tl.load(a_ptr + a_offsets, mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
-        acc = _accumulate(
-            acc, a_blk, b, k0, col_tile * BLOCK_N, K, N, stride_bk, stride_bn, B_LAYOUT,
-            BLOCK_K, BLOCK_N, BF16_BY_HAND, INPUT_PRECISION,
-        )  # fmt: skip
-    if SCALE != "none":
+        if SCALE == "mx":
+            # A packed MXFP8 row: K e4m3 bytes, then its K / 32 e8m0 scales from byte K.
+            a_scales = _block_scales(
+                a_ptr.to(tl.pointer_type(tl.uint8)) + K, src * m + rows64, row_ok, stride_am, k0,
+                K, BLOCK_K,
+            )  # fmt: skip
+            acc = _accumulate_mx(
+                acc, a_blk, a_scales, b, b_scale_ptr, k0, col_tile * BLOCK_N, cols64, col_ok, K,
+                N, stride_bk, stride_bn, stride_bsn, B_LAYOUT, BLOCK_K, BLOCK_N,
+            )  # fmt: skip
+        else:
+            acc = _accumulate(
+                acc, a_blk, b, k0, col_tile * BLOCK_N, K, N, stride_bk, stride_bn, B_LAYOUT,
+                BLOCK_K, BLOCK_N, BF16_BY_HAND, INPUT_PRECISION,
+            )  # fmt: skip
+    if SCALE == "row" or SCALE == "tensor":  # (block scales were applied in the K loop)
         if SCALE == "row":
             # A packed row: K fp8 bytes, then its fp32 scale at byte K (16-byte aligned rows).
             row_bytes = a_ptr.to(tl.pointer_type(tl.uint8)) + (src * m + rows64) * stride_am + K
@@ -252,7 +268,11 @@ def _ag_matmul_kernel(
     ``"row"``, A's rows are packed (``stride_am = K + 16`` bytes, row ``i``'s scale the fp32 at
     byte ``K`` of the row: :func:`tp_kernels.backends.scaled.pack_rows`); ``"tensor"``, A is plain
     fp8 and its one scale is ``*a_scale_ptr``. ``bj_scale[n * stride_bjs]`` is B_j's scale of
-    column ``n`` (stride 0: one scale);
+    column ``n`` (stride 0: one scale). Or ``"mx"``, MXFP8 (e4m3 with e8m0 scales per 32
+    elements along K, applied in every K step): A's rows are packed (``stride_am =
+    mx_row_bytes(K)``, row ``i``'s scales the bytes from ``K`` on:
+    :func:`tp_kernels.backends.scaled.pack_mx_rows`), ``bj_scale[n * stride_bjs + kb]`` is
+    B_j's scale byte of column ``n`` and K block ``kb``;
     ``b_j`` is B_j [K, N_j] as :func:`_load_block` reads it with ``B_LAYOUT`` (strides
     ``stride_bjk``, ``stride_bjn`` for ``"pointer"``); C_j [W*m, N_j] is row-major: ``c_j`` is
     a descriptor over its view [W, m, N_j] when ``C_LAYOUT == "tma"``, else its pointer.
@@ -441,24 +461,36 @@ def _scaled_operands(
         if a_dtype is not None or a_scale is not None:
             raise ValueError("a_dtype and a_scale: only with b_scales (a scaled call)")
         return a, a.shape[1], "none", lambda group: (a, [a] * len(group), [0] * len(group))
-    if a_dtype not in FP8_DTYPES:
-        raise TypeError(f"a_dtype: got {a_dtype}, expected one of {list(FP8_DTYPES)}")
     K = bs[0].shape[0]
-    row_bytes = K + ROW_SCALE_BYTES if a_scale is None else K
-    if a.dtype != torch.uint8 or a.dim() != 2 or a.shape[1] != row_bytes or not a.is_contiguous():
+    block_scaled = any(scale.dtype == MX_SCALE_DTYPE for scale in b_scales)
+    if block_scaled:
+        check_block_scales(None, b_scales, bs, a.shape[0])
+        scale, row_bytes, what = "mx", mx_row_bytes(K), "packed MXFP8 rows"
+    else:
+        if a_dtype not in FP8_DTYPES:
+            raise TypeError(f"a_dtype: got {a_dtype}, expected one of {list(FP8_DTYPES)}")
+        check_scales(a_scale, b_scales, bs, a.shape[0], a_rows_packed=True)
+        scale = "row" if a_scale is None else "tensor"
+        row_bytes = K + ROW_SCALE_BYTES if a_scale is None else K
         what = "packed rows" if a_scale is None else "fp8 bytes"
+    if a.dtype != torch.uint8 or a.dim() != 2 or a.shape[1] != row_bytes or not a.is_contiguous():
         raise ValueError(
             f"a: got {a.dtype} of shape {tuple(a.shape)}, expected contiguous uint8 {what} of "
             f"{row_bytes} bytes per row (K = {K})"
         )
-    check_scales(a_scale, b_scales, bs, a.shape[0], a_rows_packed=True)
-    data = a[:, :K].view(a_dtype)  # rows a.stride(0) bytes apart: K + 16 when packed
+    # Rows a.stride(0) bytes apart: K + 16 when packed, mx_row_bytes(K) for MXFP8.
+    data = a[:, :K].view(torch.float8_e4m3fn if block_scaled else a_dtype)
     a_arg = data if a_scale is None else a_scale
+    # A block-scaled B_j's scales [N_j, K / 32] go as bytes (Triton has no e8m0 pointers), row
+    # by row (contiguous: check_block_scales).
+    b_scale_args = [s.view(torch.uint8) if block_scaled else s for s in b_scales]
 
     def scale_args(group: list[int]) -> tuple:
-        return a_arg, [b_scales[j] for j in group], [scale_stride(b_scales[j]) for j in group]
+        strides = [b_scale_args[j].stride(0) if block_scaled else scale_stride(b_scales[j])
+                   for j in group]  # fmt: skip
+        return a_arg, [b_scale_args[j] for j in group], strides
 
-    return data, K, "row" if a_scale is None else "tensor", scale_args
+    return data, K, scale, scale_args
 
 
 class AgMatmulConsumer:
@@ -537,7 +569,7 @@ class AgMatmulConsumer:
             launch.config = tuning.choose(
                 "ag_matmul_consumer",
                 key,
-                gemm_configs(gemm_kind(dtype)),
+                gemm_configs(gemm_kind(dtype, block_scaled=scale == "mx")),
                 lambda config, launch=launch: self._run_raised(launch, config),
                 self.device,
             )

@@ -21,6 +21,10 @@ configs (every config of the menus). Each PTX file is written to ``--out`` and c
   ``wgmma`` on e4m3 operands on sm_90 (``.f32.e4m3.e4m3``; an e5m2 A: ``.e5m2.e4m3``) and
   ``tcgen05.mma`` of ``kind::f8f6f4`` on sm_100 (whose operand types live in the instruction
   descriptor, a register, not in the text), with the tensor-memory facts above;
+* every block-scaled (MXFP8) GEMM, compiled for sm_100 only (where the kernels run them: e4m3
+  operands with e8m0 scales per 32 elements along K, bf16 out, every config of the ``mxfp8``
+  menu), runs ``tcgen05.mma`` of ``kind::mxf8f6f4`` with ``block_scale``: the MMA applies the
+  scales itself, with the tensor-memory facts above;
 * every GEMM feeds its main loop with asynchronous copies (``cp.async`` or TMA's
   ``cp.async.bulk.tensor``): without them its loads are not pipelined behind the math;
 * a GEMM that takes an operand as a tensor descriptor (sm_90 and sm_100) copies it with TMA
@@ -135,6 +139,19 @@ GEMM8_PATTERNS = {
     ),
     100: (
         (r"tcgen05\.mma\S*kind::f8f6f4", "tcgen05.mma (sm_100 MMA) of kind f8f6f4 (fp8 inputs)"),
+        *GEMM16_PATTERNS[100][1:],
+    ),
+}
+# The block-scaled (MXFP8) GEMMs on sm_100: tl.dot_scaled of e4m3 operands with e8m0 scales per
+# 32 elements is one tcgen05.mma of kind mxf8f6f4 that reads both scales itself (the block32 /
+# scale_vec::1X qualifier, by Triton version), with the accumulator in tensor memory; not an
+# upcast to 16 bits (no kind::f16 MMA).
+GEMM_MX_PATTERNS = {
+    100: (
+        (
+            r"tcgen05\.mma\S*kind::mxf8f6f4\.block_scale",
+            "tcgen05.mma (sm_100 MMA) of kind mxf8f6f4 with block scales",
+        ),
         *GEMM16_PATTERNS[100][1:],
     ),
 }
@@ -294,14 +311,16 @@ def variants(arch: int) -> list[Variant]:
     def scale_args(scale, a_elem, scale_strides):
         # The scales' arguments: unread pointers and strides when unscaled (the launchers pass
         # an operand and 0); a row-wise scale steps by 1 (specialized to the constant 1, as at
-        # run time), a tensor-wise one by 0; the all-gather's row-wise scales are in A's packed
-        # rows, so its a_scale_ptr is A again.
+        # run time), a tensor-wise one by 0, a block-scaled row of scales by K / 32 (a multiple
+        # of 16 at every Llama K); the all-gather's row-wise and block scales are in A's packed
+        # rows, so its a_scale_ptr is A again; block scales are bytes.
         types = dict.fromkeys(scale_strides, i32)
         constants = {}
         if scale == "row":
             types, constants = {}, dict.fromkeys(scale_strides, 1)
-        a_scale = f"*{a_elem}" if scale in ("none", "row") else "*fp32"
-        return a_scale, types, constants
+        a_scale = f"*{a_elem}" if scale in ("none", "row", "mx") else "*fp32"
+        b_scale = {"none": None, "mx": "*u8"}.get(scale, "*fp32")
+        return a_scale, b_scale, types, constants
 
     def gemm_patterns(own, mma, a_layout, b_layout, precision):
         # What a GEMM's PTX must hold: its own protocol's, pipelined loads, the MMA, TMA where an
@@ -338,9 +357,8 @@ def variants(arch: int) -> list[Variant]:
         # Every right-hand matrix of a launch (up to 3: QKV) as the first: its own strides.
         units = [unit.replace("stride_b", f"stride_b{j}") for j in range(3)]
         others = [other.replace("stride_b", f"stride_b{j}") for j in range(3)]
-        a_scale, scale_types, scale_constants = scale_args(
-            scale, a_elem, [f"stride_b{j}s" for j in range(3)]
-        )
+        scale_strides = [f"stride_b{j}s" for j in range(3)]
+        a_scale, b_scale, scale_types, scale_constants = scale_args(scale, a_elem, scale_strides)
         types = {
             "a": _operand_type(a_layout, a_elem, kw["BLOCK_M"], kw["BLOCK_K"]),
             "a_ptr": f"*{a_elem}", "a_scale_ptr": a_scale, "progress_addr": "i64",
@@ -351,9 +369,10 @@ def variants(arch: int) -> list[Variant]:
         for j in range(3):
             types |= {f"b{j}": b_type, f"c{j}": c_type, f"N{j}": i32, others[j]: i32}
             # Unscaled, the launcher passes A (a tensor) as the unread scales.
-            types[f"b{j}_scale"] = "*fp32" if scale != "none" else f"*{a_elem}"
+            types[f"b{j}_scale"] = b_scale or f"*{a_elem}"
         aligned = ["a_ptr", "trace_ptr", "m", "K", "stride_am", "chunk_rows"]
         aligned += ["a_scale_ptr"] + [f"b{j}_scale" for j in range(3)] * (scale != "none")
+        aligned += scale_strides * (scale == "mx")
         aligned += [f"N{j}" for j in range(3)] + [f"c{j}" for j in range(3)] * (c_layout != "tma")
         aligned += others * other_aligned
         aligned += [f"b{j}" for j in range(3) if b_layout == "pointer"]
@@ -401,7 +420,9 @@ def variants(arch: int) -> list[Variant]:
         b_layout, unit, other, other_aligned = _B_LAYOUTS[b_name]
         a_layout, b_layout = layout_of(a_layout, precision), layout_of(b_layout, precision)
         blocks = {k: config[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
-        a_scale, scale_types, scale_constants = scale_args(scale, elem, ["stride_as", "stride_bs"])
+        a_scale, b_scale, scale_types, scale_constants = scale_args(
+            scale, elem, ["stride_as", "stride_bs"]
+        )
         a_type = _operand_type(a_layout, elem, blocks["BLOCK_M"], blocks["BLOCK_K"])
         b_type = _operand_type(b_layout, elem, blocks["BLOCK_K"], blocks["BLOCK_N"])
         types = {
@@ -409,14 +430,14 @@ def variants(arch: int) -> list[Variant]:
             "staging": f"*{out_elem}", "own_slots": f"*{out_elem}", "progress": "*i32",
             "signal_ptrs": "*i64", "counter_ptr": "*i32", "trace_ptr": "*i32",
             # Unscaled, the launcher passes a and b (tensors) as the unread scales.
-            "a_scale_ptr": "*fp32" if scale != "none" else f"*{elem}",
-            "b_scale_ptr": "*fp32" if scale != "none" else f"*{elem}",
+            "a_scale_ptr": b_scale or f"*{elem}",
+            "b_scale_ptr": b_scale or f"*{elem}",
             "rank": i32, "world_size": i32, "m": i32, "N": i32, "K": i32,
             "stride_am": i32, other: i32, "channel": i32, **scale_types,
         }  # fmt: skip
         aligned = ["staging", "own_slots", "progress", "signal_ptrs", "counter_ptr", "m", "N", "K"]
         aligned += ["a_scale_ptr", "b_scale_ptr"] * (scale != "none")
-        aligned += ["stride_am"]
+        aligned += ["stride_am"] + ["stride_as", "stride_bs"] * (scale == "mx")
         aligned += [other] * other_aligned
         aligned += [arg for arg, lay in (("a", a_layout), ("b", b_layout)) if lay == "pointer"]
         required = gemm_patterns(
@@ -458,7 +479,7 @@ def variants(arch: int) -> list[Variant]:
         ]
         producer_configs = []
         for m, n in ((128, 256), (128, 128), (64, 256), (64, 128), (64, 64)):
-            config = matmul_rs._producer_config(m, n, torch_type)
+            config = matmul_rs._producer_config(m, n, gemm_kind(torch_type))
             if config not in producer_configs:
                 producer_configs.append(config)
         for precision in precisions:
@@ -502,6 +523,8 @@ def variants(arch: int) -> list[Variant]:
             )
     if arch in GEMM8_PATTERNS:
         found += fp8_variants(arch, ag_variant, rs_variant)
+    if arch in GEMM_MX_PATTERNS:
+        found += mx_variants(arch, ag_variant, rs_variant)
     return found
 
 
@@ -513,7 +536,6 @@ def fp8_variants(arch: int, ag_variant, rs_variant) -> list[Variant]:
     row-wise and tensor-wise scales; every config of the fp8 menu for the row-wise consumer, one
     for the others (the scales change only the epilogue), and a row-wise consumer with e5m2 A
     (the gradient's type) against e4m3 B on sm_90."""
-    import torch
     import triton.language as tl
 
     from tp_kernels.kernels import matmul_rs
@@ -523,7 +545,7 @@ def fp8_variants(arch: int, ag_variant, rs_variant) -> list[Variant]:
     e4m3, bf16 = ("fp8e4nv", tl.float8e4nv), ("bf16", tl.bfloat16)
     configs = gemm_configs("fp8")
     config = configs[0]
-    producer = matmul_rs._producer_config(128, 256, torch.float8_e4m3fn)
+    producer = matmul_rs._producer_config(128, 256, "fp8")
     found = []
     for scale in ("row", "tensor"):
         tag = f"fp8e4m3-{scale}"
@@ -535,6 +557,33 @@ def fp8_variants(arch: int, ag_variant, rs_variant) -> list[Variant]:
     if arch == 90:
         args = ("fp8e5m2xe4m3-row", e4m3[0], e4m3[1], None, GEMM8_MIXED_PATTERNS[arch])
         found.append(ag_variant(*args, config, "B=nk", True, scale="row", out=bf16, a_elem="fp8e5"))
+    return found
+
+
+def mx_variants(arch: int, ag_variant, rs_variant) -> list[Variant]:
+    """The block-scaled (MXFP8) GEMMs on ``arch`` (sm_100 only: where the kernels run them,
+    :func:`tp_kernels.kernels.block_scaled_mma`): e4m3 operands with e8m0 block scales, bf16
+    out, B=nk (a weight cast along K, transposed); every config of the mxfp8 menu for the
+    all-gather consumer's first launch (packed rows), QKV's three right-hand sides in one launch,
+    a later launch, and the reduce-scatter producer's tiles."""
+    import triton.language as tl
+
+    from tp_kernels.kernels import matmul_rs
+    from tp_kernels.kernels._shared import gemm_configs
+
+    mma = GEMM_MX_PATTERNS[arch]
+    args = ("mxfp8", "fp8e4nv", tl.float8e4nv, None, mma)
+    bf16 = ("bf16", tl.bfloat16)
+    configs = gemm_configs("mxfp8")
+    found = [ag_variant(*args, c, "B=nk", True, scale="mx", out=bf16) for c in configs]
+    found.append(ag_variant(*args, configs[0], "B=nk", True, num_b=3, scale="mx", out=bf16))
+    found.append(ag_variant(*args, configs[0], "B=nk", False, scale="mx", out=bf16))
+    producers = []
+    for m, n in ((128, 256), (128, 128), (64, 64)):
+        config = matmul_rs._producer_config(m, n, "mxfp8")
+        if config not in producers:
+            producers.append(config)
+    found += [rs_variant(*args, c, "rc", "B=nk", scale="mx", out=bf16) for c in producers]
     return found
 
 

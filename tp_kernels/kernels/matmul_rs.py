@@ -42,9 +42,12 @@ from tp_kernels.kernels._shared import (
     FP8_DTYPES,
     GROUP_M,
     INTERPRET,
+    MX_SCALE_DTYPE,
     RAISED,
     WAIT_SLOT,
     _accumulate,
+    _accumulate_mx,
+    _block_scales,
     _cta_barrier,
     _load_block,
     _note_first_touch,
@@ -54,6 +57,7 @@ from tp_kernels.kernels._shared import (
     _tile_coords,
     _tile_span,
     _wait_signal,
+    check_block_scales,
     check_ptr_table,
     check_scales,
     check_status,
@@ -76,15 +80,15 @@ from tp_kernels.kernels._shared import (
 )
 
 
-def _producer_config(m: int, n: int, dtype: torch.dtype) -> dict:
-    """Tile shape of the producer GEMM, chosen from the shape instead of tuned
-    (:func:`tp_kernels.tiling.producer_shape`, a tile of the operands' menu), so that the cost
-    model simulates the very tiles that run.
+def _producer_config(m: int, n: int, kind: str) -> dict:
+    """Tile shape of the producer GEMM of operands of ``kind`` (:func:`~._shared.gemm_kind`),
+    chosen from the shape instead of tuned (:func:`tp_kernels.tiling.producer_shape`, a tile of
+    the kind's menu), so that the cost model simulates the very tiles that run.
     """
     if INTERPRET:
-        block = tiling.INTERPRETER_BLOCK
-        return {"BLOCK_M": block, "BLOCK_N": block, "BLOCK_K": block, "num_warps": 1}
-    bm, bn, bk, warps, stages = tiling.producer_shape(m, n, gemm_kind(dtype))
+        bm, bn, bk = tiling.interpreter_shape(kind)
+        return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": 1}
+    bm, bn, bk, warps, stages = tiling.producer_shape(m, n, kind)
     return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
 
 
@@ -145,7 +149,10 @@ def _matmul_rs_kernel(
     ``"tensor"``: fp8 A and B, e4m3 or e5m2) ``(sum_k ...) * a_scale[d*m + i] * b_scale[n]``
     in fp32 before the rounding, ``a_scale[i] = a_scale_ptr[i * stride_as]`` (``"row"``) or
     ``*a_scale_ptr`` (``"tensor"``) and ``b_scale[n] = b_scale_ptr[n * stride_bs]`` (stride 0:
-    one scale); with ``blocks`` = ``own_slots`` (this
+    one scale); or with ``SCALE == "mx"`` (e4m3 A and B with e8m0 scales per 32 elements along
+    K) every K step's product scaled, ``a_scale_ptr[i * stride_as + kb]`` and
+    ``b_scale_ptr[n * stride_bs + kb]`` the scale bytes of row ``i`` / column ``n`` and K block
+    ``kb`` (:func:`~._shared._accumulate_mx`); with ``blocks`` = ``own_slots`` (this
     rank's buffer, [W, m, N]) for ``d == rank`` and ``staging`` [W, m, N] for the others; ``a``
     is A [W*m, K] and ``b`` is B [K, N] as
     :func:`_load_block` reads them with ``A_LAYOUT`` and ``B_LAYOUT`` (strides for ``"pointer"``).
@@ -179,10 +186,23 @@ def _matmul_rs_kernel(
                 a, dst * m + row0, k0, world_size * m, K, stride_am, stride_ak, A_LAYOUT, BLOCK_M,
                 BLOCK_K,
             )  # fmt: skip
-            acc = _accumulate(
-                acc, a_blk, b, k0, col_tile * BLOCK_N, K, N, stride_bk, stride_bn, B_LAYOUT,
-                BLOCK_K, BLOCK_N, BF16_BY_HAND, INPUT_PRECISION,
-            )  # fmt: skip
+            if SCALE == "mx":
+                rows = dst * m + row0 + tl.arange(0, BLOCK_M)
+                cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+                a_scales = _block_scales(
+                    a_scale_ptr, rows.to(tl.int64), rows < world_size * m, stride_as, k0, K,
+                    BLOCK_K,
+                )  # fmt: skip
+                acc = _accumulate_mx(
+                    acc, a_blk, a_scales, b, b_scale_ptr, k0, col_tile * BLOCK_N,
+                    cols.to(tl.int64), cols < N, K, N, stride_bk, stride_bn, stride_bs, B_LAYOUT,
+                    BLOCK_K, BLOCK_N,
+                )  # fmt: skip
+            else:
+                acc = _accumulate(
+                    acc, a_blk, b, k0, col_tile * BLOCK_N, K, N, stride_bk, stride_bn, B_LAYOUT,
+                    BLOCK_K, BLOCK_N, BF16_BY_HAND, INPUT_PRECISION,
+                )  # fmt: skip
         # The same tile, computed again from a counter of its own, as Triton's persistent matmul
         # tutorial does: the fused loop would otherwise carry the coordinates above through its
         # pipeline's stages to here (CSE would merge a computation from ``tile`` with the one
@@ -193,7 +213,7 @@ def _matmul_rs_kernel(
         _, rows64, cols64, row_ok, col_ok = _tile_span(
             m_tile, col_tile, tiles_per_slot, m, N, BLOCK_M, BLOCK_N
         )
-        if SCALE != "none":
+        if SCALE == "row" or SCALE == "tensor":  # (block scales were applied in the K loop)
             if SCALE == "row":
                 a_rows = (dst * m + rows64) * stride_as
                 a_scale = tl.load(a_scale_ptr + a_rows, mask=row_ok, other=0.0)
@@ -302,16 +322,28 @@ class RsProducer:
                     f"{'None' if a_scale is None else 'a tensor'} and "
                     f"{'None' if b_scale is None else 'a tensor'})"
                 )
-            check_scales(a_scale, [b_scale], [b], a.shape[0], a_rows_packed=False)
-            scale = "row" if a_scale.dim() else "tensor"
-            a_scale_arg, b_scale_arg = a_scale, b_scale
+            if b_scale.dtype == MX_SCALE_DTYPE:
+                check_block_scales(a_scale, [b_scale], [b], a.shape[0])
+                # As bytes (Triton has no e8m0 pointers), a row of K / 32 per row of a, column
+                # of b.
+                scale, a_scale_arg, b_scale_arg = (
+                    "mx",
+                    a_scale.view(torch.uint8),
+                    b_scale.view(torch.uint8),
+                )
+                strides = (a_scale.stride(0), b_scale.stride(0))
+            else:
+                check_scales(a_scale, [b_scale], [b], a.shape[0], a_rows_packed=False)
+                scale = "row" if a_scale.dim() else "tensor"
+                a_scale_arg, b_scale_arg = a_scale, b_scale
+                strides = (scale_stride(a_scale), scale_stride(b_scale))
         else:
-            scale, a_scale_arg, b_scale_arg = "none", a, b
+            scale, a_scale_arg, b_scale_arg, strides = "none", a, b, (0, 0)
         out_dtype = staging.dtype if scaled else a.dtype
         DTYPE = tl_dtype(out_dtype, argument="staging" if scaled else "a")
         for name, blocks in (("staging", staging), ("own_slots", own_slots)):
             check_tensor(blocks, (world_size, m, N), out_dtype, a.device, argument=name)
-        config = _producer_config(m, N, a.dtype)
+        config = _producer_config(m, N, gemm_kind(a.dtype, block_scaled=scale == "mx"))
         tiles = world_size * triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"])
         self.grid = (min(tiles, persistent_programs(a.device)),)
         tma = tma_supported(a.device, a.dtype)
@@ -328,8 +360,8 @@ class RsProducer:
             a=a_arg, b=b_arg, staging=staging, own_slots=own_slots, a_scale_ptr=a_scale_arg,
             b_scale_ptr=b_scale_arg, rank=rank, world_size=world_size, m=m, N=N, K=K,
             stride_am=a.stride(0), stride_ak=a.stride(1), stride_bk=b.stride(0),
-            stride_bn=b.stride(1), stride_as=scale_stride(a_scale) if scaled else 0,
-            stride_bs=scale_stride(b_scale) if scaled else 0, channel=channel, DTYPE=DTYPE,
+            stride_bn=b.stride(1), stride_as=strides[0],
+            stride_bs=strides[1], channel=channel, DTYPE=DTYPE,
             A_LAYOUT=a_layout, B_LAYOUT=b_layout, SCALE=scale,
             BF16_BY_HAND=INTERPRET and out_dtype == torch.bfloat16,
             INPUT_PRECISION=dot_precision(a.dtype), **config,
@@ -422,7 +454,9 @@ def matmul_rs_producer(
             b_scale))[d*m:(d+1)*m]``: ``a`` and ``b`` fp8 (e4m3 or e5m2), ``a_scale`` fp32 [] or
             [W*m, 1], ``b_scale`` fp32 [] or [1, N] (any strides); accumulated in fp32, scaled,
             then rounded once to the dtype of ``staging`` and ``own_slots`` (fp32, fp16 or
-            bf16), which the partials then cross the link in.
+            bf16), which the partials then cross the link in. Block-scaled (MXFP8: ``b_scale``
+            e8m0): ``a`` and ``b`` e4m3, ``a_scale`` e8m0 [W*m, K / 32] and ``b_scale`` e8m0
+            [N, K / 32], contiguous, one scale per 32 elements along K, applied in every K step.
     """
     producer = RsProducer(
         a, b, staging, own_slots, rank=rank, world_size=world_size, channel=channel,
