@@ -12,7 +12,6 @@ import torch.distributed as dist
 
 import tp_kernels
 from tp_kernels.bench import _report, llama_block, main, parse_args, run_rank
-from tp_kernels.bench.ops import matmul_tolerance
 from tp_kernels.bench.protocol import (
     BenchCase,
     BenchConfig,
@@ -24,6 +23,7 @@ from tp_kernels.bench.protocol import (
     summarize,
     time_providers,
 )
+from tp_kernels.bench.tolerance import matmul_tolerance
 
 CPU = torch.device("cpu")
 WARMUP, ROUNDS = 2, 5
@@ -485,7 +485,7 @@ def test_fp8_predictions_on_a_gpu_the_model_knows(monkeypatch):
     monkeypatch.setattr(cost, "device_spec", lambda device: h100)
     m, k, n, w = 1024, 4096, 3584, 8
     runnable = ["reference", "pipelined", "symm", "torch_symm_mem"]
-    times, note = fp8_predictions_ms("all_gather_matmul", m, k, n, w, CPU, runnable)
+    times, note = fp8_predictions_ms("all_gather_matmul", m, k, n, w, runnable, device=CPU)
     fused = cost.op_cost("all_gather_matmul", m, k, n, w, "fp8", h100)
     unfused = cost.op_cost("all_gather_matmul", m, k, n, w, "fp8", h100, wire="bf16")
     best = min(fused.backends_s.values()) * 1e3
@@ -553,7 +553,7 @@ def test_mxfp8_predictions_on_blackwell_and_none_on_hopper(monkeypatch):
     monkeypatch.setattr(cost, "device_spec", lambda device: b200)
     m, k, n, w = 1024, 8192, 7168, 8
     runnable = ["reference", "pipelined", "symm"]
-    times, note = fp8_predictions_ms(cost.AG, m, k, n, w, CPU, runnable, dtype="mxfp8")
+    times, note = fp8_predictions_ms(cost.AG, m, k, n, w, runnable, device=CPU, dtype="mxfp8")
     fused = cost.op_cost(cost.AG, m, k, n, w, "mxfp8", b200)
     titan = cost.op_cost(cost.AG, m, k, n, w, "mxfp8", b200, wire="bf16")
     assert "symm" not in times and "mxfp8" in note
@@ -561,5 +561,5 @@ def test_mxfp8_predictions_on_blackwell_and_none_on_hopper(monkeypatch):
     cast_all = cost.quantize_s(w * m, k, b200, "mxfp8")
     assert times["torchao"] == pytest.approx((titan.backends_s["reference"] + cast_all) * 1e3)
     monkeypatch.setattr(cost, "device_spec", lambda device: cost.DEVICES["h100"])
-    times, note = fp8_predictions_ms(cost.AG, m, k, n, w, CPU, runnable, dtype="mxfp8")
+    times, note = fp8_predictions_ms(cost.AG, m, k, n, w, runnable, device=CPU, dtype="mxfp8")
     assert times == {} and "no mxfp8 rate for H100 SXM5" in note

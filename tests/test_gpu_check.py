@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tp_kernels.bench import driver
+from tp_kernels.bench import fused_rows as fr
 from tp_kernels.bench import gpu_check as gc
 from tp_kernels.testing import LocalWorld, RankError
 from tp_kernels.testing.numerics import FLOOR
@@ -33,7 +35,7 @@ def _table_rows(out: str) -> dict[tuple[str, str, str], list[str]]:
     rows = {}
     for line in out.splitlines():
         cells = line.split()
-        if len(cells) >= 6 and cells[1] in gc.OPS:
+        if len(cells) >= 6 and cells[1] in fr.OPS:
             rows[(cells[0], cells[1], cells[2])] = cells
     return rows
 
@@ -43,10 +45,10 @@ def test_cpu_mode_passes_every_check(capsys):
     out = capsys.readouterr().out
     assert status == 0, out
     rows = _table_rows(out)
-    calls = str(2 * gc.QUICK_CASES["cpu"])  # forward and backward of each call
-    fp8_calls = str(gc.QUICK_CASES["cpu"])  # forward only
-    for label in ("pipelined", "symm", gc.TRITON_LABEL):
-        for op in gc.OPS:
+    calls = str(2 * fr.QUICK_CASES["cpu"])  # forward and backward of each call
+    fp8_calls = str(fr.QUICK_CASES["cpu"])  # forward only
+    for label in ("pipelined", "symm", fr.TRITON_LABEL):
+        for op in fr.OPS:
             for dtype in ("fp32", "fp16", "bf16", "fp8-rowwise", "fp8-tensorwise"):
                 cells = rows[(label, op, dtype)]
                 expected = fp8_calls if dtype.startswith("fp8") else calls
@@ -77,8 +79,8 @@ def test_cpu_mode_passes_every_check(capsys):
     assert out.rstrip().endswith("PASS: every check passed")
 
 
-def _rank_row_with_a_wrong_all_gather(task: gc.RowTask) -> gc.RankRow:
-    """``gc.rank_row``, with pipelined's ``all_gather_matmul`` off by 1000 in one element."""
+def _rank_row_with_a_wrong_all_gather(task: fr.RowTask) -> fr.RankRow:
+    """``fr.rank_row``, with pipelined's ``all_gather_matmul`` off by 1000 in one element."""
     from tp_kernels.backends import get_backend
 
     impl = get_backend("pipelined")
@@ -91,7 +93,7 @@ def _rank_row_with_a_wrong_all_gather(task: gc.RowTask) -> gc.RankRow:
 
     impl.all_gather_matmul = wrong  # an instance attribute shadows the singleton's method
     try:
-        return gc.rank_row(task)
+        return fr.rank_row(task)
     finally:
         del impl.all_gather_matmul
 
@@ -100,26 +102,26 @@ class _WorldWithAWrongBackend(LocalWorld):
     """A real world whose ranks run :func:`_rank_row_with_a_wrong_all_gather` for every row."""
 
     def run(self, fn, *args, **kwargs):
-        wrong = _rank_row_with_a_wrong_all_gather if fn is gc.rank_row else fn
+        wrong = _rank_row_with_a_wrong_all_gather if fn is fr.rank_row else fn
         return super().run(wrong, *args, **kwargs)
 
 
 def test_a_wrong_result_is_reported_as_fail(monkeypatch, capsys):
-    monkeypatch.setattr(gc, "LocalWorld", _WorldWithAWrongBackend)
+    monkeypatch.setattr(driver, "LocalWorld", _WorldWithAWrongBackend)
     argv = [*QUICK_CPU, "--backends", "pipelined", "symm", "--dtypes", "bf16", "--skip-capture"]
     assert gc.main(argv) == 1
     out = capsys.readouterr().out
     rows = _table_rows(out)
     # all_gather_matmul's outputs are wrong; matmul_reduce_scatter's backward gathers with them.
-    for op in gc.OPS:
+    for op in fr.OPS:
         assert rows[("pipelined", op, "bf16")][5] == "FAIL", rows
         assert float(rows[("pipelined", op, "bf16")][4]) > 1.0
         assert rows[("symm", op, "bf16")][5] == "ok", rows
     assert "FAIL: 2 failed or skipped" in out
 
 
-def _rank_row_with_wrong_scales(task: gc.RowTask) -> gc.RankRow:
-    """``gc.rank_row``, with two scales 5% off as the public scaled ops hand them on: row 0's
+def _rank_row_with_wrong_scales(task: fr.RowTask) -> fr.RankRow:
+    """``fr.rank_row``, with two scales 5% off as the public scaled ops hand them on: row 0's
     row-wise scale in the all-gather's packed rows, and the reduce-scatter's tensor-wise
     ``b_scale``. The other two fp8 kinds of row are untouched."""
     from tp_kernels.ops import scaled
@@ -138,14 +140,14 @@ def _rank_row_with_wrong_scales(task: gc.RowTask) -> gc.RankRow:
 
     scaled.pack_rows, scaled.reduce_scatter_scaled = wrong_pack, wrong_reduce_scatter
     try:
-        return gc.rank_row(task)
+        return fr.rank_row(task)
     finally:
         scaled.pack_rows, scaled.reduce_scatter_scaled = pack_rows, reduce_scatter_scaled
 
 
 class _WorldWithWrongScales(LocalWorld):
     def run(self, fn, *args, **kwargs):
-        wrong = _rank_row_with_wrong_scales if fn is gc.rank_row else fn
+        wrong = _rank_row_with_wrong_scales if fn is fr.rank_row else fn
         return super().run(wrong, *args, **kwargs)
 
 
@@ -153,13 +155,13 @@ def test_an_fp8_row_with_a_wrong_scale_fails(monkeypatch, capsys):
     """The fp8 rows can fail: a scale 5% off (the rows allow two bf16 roundings, 0.8%, plus an
     fp32 accumulation bound that is tiny at K <= 64) fails exactly the rows whose calls it
     touches, on the torch path and through the Triton kernels' epilogues."""
-    monkeypatch.setattr(gc, "LocalWorld", _WorldWithWrongScales)
-    argv = [*QUICK_CPU, "--backends", "pipelined", gc.TRITON_LABEL, "--skip-capture"]
+    monkeypatch.setattr(driver, "LocalWorld", _WorldWithWrongScales)
+    argv = [*QUICK_CPU, "--backends", "pipelined", fr.TRITON_LABEL, "--skip-capture"]
     assert gc.main([*argv, "--dtypes", "fp8-rowwise", "fp8-tensorwise"]) == 1
     rows = _table_rows(capsys.readouterr().out)
-    for label in ("pipelined", gc.TRITON_LABEL):
-        broken = {(gc.AG, "fp8-rowwise"), (gc.RS, "fp8-tensorwise")}
-        for op in gc.OPS:
+    for label in ("pipelined", fr.TRITON_LABEL):
+        broken = {(fr.AG, "fp8-rowwise"), (fr.RS, "fp8-tensorwise")}
+        for op in fr.OPS:
             for dtype in ("fp8-rowwise", "fp8-tensorwise"):
                 cells = rows[(label, op, dtype)]
                 if (op, dtype) in broken:
@@ -171,9 +173,9 @@ def test_an_fp8_row_with_a_wrong_scale_fails(monkeypatch, capsys):
 def test_fp8_rows_say_why_where_scaled_mm_cannot_run():
     """A device whose ``torch._scaled_mm`` refuses the scaling (a GPU without fp8 GEMMs): the
     row reads n/a with torch's reason, not a failure and not a pass."""
-    task = gc.RowTask("symm", "symm", gc.AG, "fp8-rowwise", (), "cpu", seed=0)
+    task = fr.RowTask("symm", "symm", fr.AG, "fp8-rowwise", (), "cpu", seed=0)
     why = "torch._scaled_mm cannot run row-wise on cuda:0: RuntimeError: needs sm_89"
-    row = gc._verdict(task, [gc.RankRow(-1.0, "-", 0, [], unavailable=why)] * 2, 0.1)
+    row = fr._verdict(task, [fr.RankRow(-1.0, "-", 0, [], unavailable=why)] * 2, 0.1)
     assert (row.result, row.detail, row.failed) == ("n/a", why, False)
     # On this CPU both scalings run.
     from tp_kernels.testing import fp8_cases
@@ -184,13 +186,13 @@ def test_fp8_rows_say_why_where_scaled_mm_cannot_run():
 
 def test_fp8_cases_are_valid_scaled_shapes():
     """K (and N, for cuBLASLt) multiples of 16, and some not multiples of a 64-wide tile."""
-    for cases in (gc.GPU_FP8_CASES, gc.CPU_FP8_CASES):
-        ks = [c.shard[-1] for c in cases[gc.AG]] + [c.k for c in cases[gc.RS]]
-        ns = [n for c in cases[gc.AG] for n in c.ns] + [c.n for c in cases[gc.RS]]
+    for cases in (fr.GPU_FP8_CASES, fr.CPU_FP8_CASES):
+        ks = [c.shard[-1] for c in cases[fr.AG]] + [c.k for c in cases[fr.RS]]
+        ns = [n for c in cases[fr.AG] for n in c.ns] + [c.n for c in cases[fr.RS]]
         assert all(k % 16 == 0 for k in ks) and all(n % 16 == 0 for n in ns), (ks, ns)
-        assert all(c.k_step % 16 == 0 for c in cases[gc.RS])
+        assert all(c.k_step % 16 == 0 for c in cases[fr.RS])
     assert any(k % 64 for k in ks) and any(n % 64 for n in ns)
-    assert len(gc.GPU_FP8_CASES[gc.AG]) >= gc.QUICK_CASES["cuda"]
+    assert len(fr.GPU_FP8_CASES[fr.AG]) >= fr.QUICK_CASES["cuda"]
 
 
 def test_it_runs_as_a_module():
@@ -202,23 +204,23 @@ def test_it_runs_as_a_module():
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = _table_rows(proc.stdout)
-    assert all(rows[("pipelined", op, "bf16")][5] == "ok" for op in gc.OPS), rows
+    assert all(rows[("pipelined", op, "bf16")][5] == "ok" for op in fr.OPS), rows
 
 
 def test_symm_triton_rows_fail_where_its_kernels_cannot_run(monkeypatch, capsys):
     """The ranks' Triton is not in its interpreter, so on a CPU symm's Triton path cannot run:
     its rows must say so and fail. (Before, gpu_check turned the path on through the
     environment after the setting had been read, and the rows passed on symm's torch path.)"""
-    rank_env = gc._rank_env
+    rank_env = driver.Ranks.env
 
-    def without_interpreter(*args, **kwargs):
-        return {**rank_env(*args, **kwargs), "TRITON_INTERPRET": "0"}
+    def without_interpreter(self, *args, **kwargs):
+        return {**rank_env(self, *args, **kwargs), "TRITON_INTERPRET": "0"}
 
-    monkeypatch.setattr(gc, "_rank_env", without_interpreter)
-    argv = [*QUICK_CPU, "--backends", gc.TRITON_LABEL, "--dtypes", "fp32", "--skip-capture"]
+    monkeypatch.setattr(driver.Ranks, "env", without_interpreter)
+    argv = [*QUICK_CPU, "--backends", fr.TRITON_LABEL, "--dtypes", "fp32", "--skip-capture"]
     assert gc.main(argv) == 1
     out = capsys.readouterr().out
-    (line,) = [line for line in out.splitlines() if line.startswith(f"{gc.TRITON_LABEL} ")]
+    (line,) = [line for line in out.splitlines() if line.startswith(f"{fr.TRITON_LABEL} ")]
     assert " FAIL " in line and "required, but not available" in line, line
     assert "TRITON_INTERPRET=1" in out, out
 
@@ -233,11 +235,11 @@ class _WorldWithBrokenTriton:
         self.world_size = world_size
 
     def run(self, fn, *args):
-        if fn is gc.rank_backends:
-            return [{"pipelined": "ok", "symm": "ok", gc.TRITON_LABEL: "ok"}] * self.world_size
+        if fn is fr.rank_backends:
+            return [{"pipelined": "ok", "symm": "ok", fr.TRITON_LABEL: "ok"}] * self.world_size
         task = args[0]
         self.runs.append(task.label)
-        if task.label == gc.TRITON_LABEL:
+        if task.label == fr.TRITON_LABEL:
             raise RankError(
                 "rank_row failed in a local world of 2 ranks\n--- rank 0 raised:\nTraceback "
                 "(most recent call last):\n  ...\nTypeError: ag_matmul_consumer() got an "
@@ -245,7 +247,7 @@ class _WorldWithBrokenTriton:
                 "recent call last):\n  ...\nTypeError: ag_matmul_consumer() got an unexpected "
                 "keyword argument 'group_name'"
             )
-        row = gc.RankRow(0.25, "call 1 out[0], rank 0", 2 * len(task.cases), [])
+        row = fr.RankRow(0.25, "call 1 out[0], rank 0", 2 * len(task.cases), [])
         return [row] * self.world_size
 
     def close(self) -> None:
@@ -253,19 +255,19 @@ class _WorldWithBrokenTriton:
 
 
 def test_a_backend_that_raises_fails_its_row_and_skips_the_rest(monkeypatch, capsys):
-    monkeypatch.setattr(gc, "LocalWorld", _WorldWithBrokenTriton)
+    monkeypatch.setattr(driver, "LocalWorld", _WorldWithBrokenTriton)
     assert gc.main([*QUICK_CPU, "--dtypes", "fp32", "bf16", "--skip-capture"]) == 1
     out = capsys.readouterr().out
     rows = _table_rows(out)
-    first = rows[(gc.TRITON_LABEL, gc.AG, "fp32")]
+    first = rows[(fr.TRITON_LABEL, fr.AG, "fp32")]
     assert first[3:6] == ["-", "-", "FAIL"], first
     assert "raised: rank 0: TypeError: ag_matmul_consumer() got an unexpected keyword" in out
     # The world's symm state is unknown after that: the path's other rows are skipped.
-    later = [rows[(gc.TRITON_LABEL, op, d)] for op in gc.OPS for d in ("fp32", "bf16")][1:]
+    later = [rows[(fr.TRITON_LABEL, op, d)] for op in fr.OPS for d in ("fp32", "bf16")][1:]
     assert all(" ".join(cells[3:6]) == "- - skipped" for cells in later), later
-    assert _WorldWithBrokenTriton.runs.count(gc.TRITON_LABEL) == 1
+    assert _WorldWithBrokenTriton.runs.count(fr.TRITON_LABEL) == 1
     for label in ("pipelined", "symm"):
-        assert all(rows[(label, op, "bf16")][5] == "ok" for op in gc.OPS)
+        assert all(rows[(label, op, "bf16")][5] == "ok" for op in fr.OPS)
     assert "FAIL: 4 failed or skipped" in out
 
 
@@ -309,7 +311,7 @@ def test_first_contact_facts_on_cuda(monkeypatch, capsys):
     monkeypatch.setattr(symm_mem._SymmetricMemory, "has_multicast_support", has_multicast_support)
     monkeypatch.setattr(symmetric_memory, "_symm_mem_backend", lambda module, device: "CUDA")
     monkeypatch.delenv("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", raising=False)
-    gc.print_first_contact_facts("cuda", 60.0)
+    gc.print_first_contact_facts(driver.Ranks("cuda", 120.0, 60.0))
     lines = capsys.readouterr().out.splitlines()
     assert lines[1] == "== torch's symmetric memory, as torch_symm_mem will find it on cuda:0"
     rs_schema = torch.ops.symm_mem.fused_matmul_reduce_scatter.default._schema
@@ -321,7 +323,7 @@ def test_first_contact_facts_on_cuda(monkeypatch, capsys):
     assert "  the ranks' environment sets TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1" in lines
     assert not [line for line in lines if "CUDA_DEVICE_MAX_CONNECTIONS" in line], lines
     # --cuda-max-connections 1: one hardware queue per rank, said before anything runs.
-    gc.print_first_contact_facts("cuda", 60.0, 1)
+    gc.print_first_contact_facts(driver.Ranks("cuda", 120.0, 60.0, 1))
     lines = capsys.readouterr().out.splitlines()
     assert "  the ranks' environment sets CUDA_DEVICE_MAX_CONNECTIONS=1" in lines
     assert gc.parse_args(["--cuda-max-connections", "1"]).cuda_max_connections == 1
@@ -347,7 +349,7 @@ def test_rank_errors_are_summarized_per_rank():
         "--- rank 2 raised:\nTraceback (most recent call last):\n  ...\nTypeError: bad launch\n"
         "--- ranks [1] gave no answer within 60 s (hung)"
     )
-    assert gc.summarize_rank_error(text) == (
+    assert driver.summarize_rank_error(text) == (
         "rank 0: TypeError: bad launch; ranks [1] gave no answer within 60 s (hung)"
     )
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tp_kernels.bench.ops import matmul_tolerance
+from tp_kernels.bench.tolerance import matmul_tolerance
 
 pytestmark = pytest.mark.gpu
 

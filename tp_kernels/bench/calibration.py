@@ -25,6 +25,7 @@ import torch
 
 from tp_kernels import cost, signals
 from tp_kernels.bench.protocol import cuda_seconds_back_to_back, render_table
+from tp_kernels.bench.tolerance import error_ratio, matmul_tolerance
 
 __all__ = [
     "CHUNK_MIB",
@@ -189,9 +190,7 @@ def _cuda_seconds(fn: Callable[[], object], reps: int) -> float:
     """Median device seconds of ``fn`` on the current stream over ``reps`` runs after two, timed
     back to back (:func:`~tp_kernels.bench.protocol.cuda_seconds_back_to_back`), so each run's host
     work (the launcher's checks, the tuner's lookup) overlaps the previous run on the device."""
-    for _ in range(2):
-        fn()
-    times = sorted(cuda_seconds_back_to_back(fn, reps))
+    times = sorted(cuda_seconds_back_to_back(fn, reps, warmup=2))
     return times[len(times) // 2]
 
 
@@ -210,8 +209,6 @@ def _time_consumer(
     ``want`` within one rounding to the dtype, and no wait past :data:`WAIT_S`), then timed by
     ``timer(fn, reps)``; its tiles are those the tuner chose for the shape."""
     from tp_kernels import kernels
-    from tp_kernels.bench.gpu_kernels import error_ratio
-    from tp_kernels.bench.ops import matmul_tolerance
     from tp_kernels.kernels._shared import persistent_programs
 
     rows, k = a.shape

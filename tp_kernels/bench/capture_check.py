@@ -41,7 +41,6 @@ import io
 import math
 import pstats
 import statistics
-import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -50,8 +49,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tp_kernels.bench.protocol import DTYPES, cuda_seconds_back_to_back, render_table
-from tp_kernels.testing import LocalWorld, RankError
+from tp_kernels.bench.driver import Ranks, rank_device, run_row
+from tp_kernels.bench.protocol import DTYPES, cuda_seconds_back_to_back, host_seconds, render_table
 
 __all__ = ["CaptureRow", "CaptureTask", "capture_rank", "check_capture", "render"]
 
@@ -97,13 +96,6 @@ class CaptureRank:
     replay_host_us: float = math.nan
     replay_device_us: float = math.nan
     profile: str = ""  # rank 0's host profile of the timed eager steps (``profile``)
-
-
-def _rank_device(kind: str) -> torch.device:
-    if kind == "cuda":
-        torch.cuda.set_device(0)  # every rank shares the one GPU
-        return torch.device("cuda", 0)
-    return torch.device("cpu")
 
 
 def _draw(task: CaptureTask, salt: int, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -190,14 +182,8 @@ def _time(fn: Callable[[], object], n: int, device: torch.device) -> tuple[float
     queue never blocks the host inside a call. Device: ``n`` calls back to back, as training runs
     them, each between CUDA events on the rank's stream. The ranks start each loop together (a
     barrier)."""
-    host: list[float] = []
     dist.barrier()
-    for _ in range(n):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        started = time.perf_counter()
-        fn()
-        host.append(time.perf_counter() - started)
+    host = host_seconds(fn, n, before=torch.cuda.synchronize if device.type == "cuda" else None)
     if device.type != "cuda":
         return _median_us(host), _median_us(host)
     torch.cuda.synchronize()
@@ -244,7 +230,7 @@ def _unready_reason(task: CaptureTask, device: torch.device, x: torch.Tensor) ->
 
 def capture_rank(task: CaptureTask) -> CaptureRank:
     """Run one row on this rank (see the module docstring)."""
-    device = _rank_device(task.device)
+    device = rank_device(task.device)
     unavailable = _unavailable_reason(task.backend, device)
     if unavailable is not None:
         return CaptureRank(unready=unavailable)
@@ -443,20 +429,19 @@ def _indent(text: str, lines: int = 40) -> str:
 
 
 def check_capture(
+    ranks: Ranks,
     world_size: int,
     *,
-    device: str,
-    env: dict[str, str],
-    timeout_s: float,
     floors: dict[str, float],
     backends: Sequence[str] | None = None,
     quick: bool = False,
     profile: bool = False,
 ) -> list[CaptureRow]:
     """Every capture row (one per label of :data:`LABELS`, or of ``backends``) in one world of
-    ``world_size`` local ranks on ``device`` with ``env``; ``floors`` maps a dtype's name to its
+    ``world_size`` of ``ranks``; ``floors`` maps a dtype's name to its
     replay-vs-eager floor; ``profile`` adds rank 0's host profile of the eager steps. A rank that
     raises outside the capture fails its row; the world restarts for the next."""
+    device = ranks.device
     if device == "cuda":
         shape = {"batch": 2, "rows": 1024, "hidden": 2048, "ffn": 4096, "dtype": "bf16"}
         counts = {"replays": 20, "timed": 10 if quick else 30}
@@ -464,7 +449,7 @@ def check_capture(
         shape = {"batch": 2, "rows": 4, "hidden": 16, "ffn": 24, "dtype": "fp32"}
         counts = {"replays": 3, "timed": 3}
     rows: list[CaptureRow] = []
-    with LocalWorld(world_size, timeout_s=timeout_s, env=env) as world:
+    with ranks.world(world_size) as world:
         for label in LABELS:
             if backends and label not in backends and label != LOCAL:
                 continue
@@ -476,16 +461,15 @@ def check_capture(
                 **shape,
                 **counts,
             )
-            started = time.perf_counter()
-            try:
-                row = _verdict(task, world.run(capture_rank, task), device)
-            except RankError as exc:
-                lines = [line for line in str(exc).splitlines() if line.strip()]
-                last = lines[-1] if lines else repr(exc)
-                row = CaptureRow(label, "FAIL", f"raised: {last}", failure=str(exc))
+            found = run_row(world, capture_rank, task)
+            if found.per_rank is None:
+                lines = [line for line in found.error.splitlines() if line.strip()]
+                last = lines[-1] if lines else found.error
+                row = CaptureRow(label, "FAIL", f"raised: {last}", failure=found.error)
+            else:
+                row = _verdict(task, found.per_rank, device)
             if row.failure:
                 world.close()  # a failed capture can leave a rank's CUDA state unusable
-            seconds = time.perf_counter() - started
-            print(f"[capture, world {world_size}] {label}: {row.result} ({seconds:.0f} s)")
+            print(f"[capture, world {world_size}] {label}: {row.result} ({found.seconds:.0f} s)")
             rows.append(row)
     return rows

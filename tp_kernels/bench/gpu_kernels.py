@@ -15,7 +15,7 @@ blocks and what is measured is compute, not communication. With ``A [M, K]``, ``
 * ``torch.mm`` (cuBLAS): ``A @ B``, the baseline that the GEMMs are checked and timed against.
 
 Each launcher first runs once and is checked: the GEMMs against ``torch.mm`` within
-:func:`tp_kernels.bench.ops.matmul_tolerance` (one rounding to the dtype; ``B`` is scaled by
+:func:`tp_kernels.bench.tolerance.matmul_tolerance` (one rounding to the dtype; ``B`` is scaled by
 ``1/sqrt(K)`` so outputs are O(1), as that tolerance assumes), the reduction bit for bit (one
 slot summed alone is the slot), the signals by reading the pad. A launcher whose check fails is
 not timed. The others are timed by the protocol of ``python -m tp_kernels.bench``
@@ -43,7 +43,7 @@ that outputs are O(1); bf16 out, ``use_fast_accum=False``:
 * ``matmul_rs_producer``: ``a_scale``/``b_scale`` in its epilogue; checked against
   ``torch._scaled_mm``.
 
-Each within :func:`tp_kernels.bench.ops.matmul_tolerance` with one rounding to bf16: the fp8
+Each within :func:`tp_kernels.bench.tolerance.matmul_tolerance` with one rounding to bf16: the fp8
 products are exact in fp32 and every side sums them in fp32 and rounds once to bf16 (the
 kernels scale the accumulator in the epilogue; ``_scaled_mm``'s epilogue too), as the bf16
 GEMMs do. An accumulator with fewer bits than fp32 across ``K`` (Hopper's fp8 tensor cores
@@ -63,7 +63,6 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -73,7 +72,7 @@ import torch
 
 from tp_kernels import signals
 from tp_kernels.backends.scaled import pack_rows
-from tp_kernels.bench.ops import matmul_tolerance
+from tp_kernels.bench.driver import device_ready
 from tp_kernels.bench.protocol import (
     DTYPES,
     non_negative_int,
@@ -83,13 +82,13 @@ from tp_kernels.bench.protocol import (
     time_providers,
     versions,
 )
+from tp_kernels.bench.tolerance import error_ratio, matmul_tolerance
 
 __all__ = [
     "NO_CUDA_MESSAGE",
     "Problem",
     "Result",
     "check_all",
-    "error_ratio",
     "launchers",
     "main",
     "parse_args",
@@ -107,21 +106,6 @@ HEADER = ("kernel", "median ms", "p20 ms", "p80 ms", "rate", "vs torch.mm", "che
 FP8 = "fp8-rowwise"
 FP8_BASELINE = "torch._scaled_mm"
 FP8_HEADER = (*HEADER[:5], f"vs {FP8_BASELINE}", HEADER[6])
-
-
-def error_ratio(got: torch.Tensor, want: torch.Tensor, tol: float) -> float:
-    """``max |got - want| / (tol * (1 + |want|))`` over all elements, computed in float64.
-
-    At most 1 exactly when ``allclose(got, want, rtol=tol, atol=tol)``; ``inf`` when the shapes
-    differ or ``got`` holds a NaN where ``want`` does not.
-    """
-    if got.shape != want.shape:
-        return math.inf
-    if not tol > 0:
-        raise ValueError(f"tol: got {tol}, expected a positive tolerance")
-    g, w = got.double(), want.double()
-    ratio = ((g - w).abs() / (tol * (1.0 + w.abs()))).nan_to_num(nan=math.inf)
-    return ratio.max().item() if ratio.numel() else 0.0
 
 
 def per_second(amount: float, ms: float, unit: str) -> float:
@@ -211,13 +195,31 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return _parser().parse_args(argv)
 
 
-class Problem:
+class _OneRankWords:
+    """What the launchers of a world_size=1 run signal and wait on, on ``device``: a pad of one
+    word per channel and the table of its address, the waits' timeout status, the producer's tile
+    counters and the consumer's progress word."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.pad = torch.zeros(2, dtype=torch.int32, device=device)  # channels x world_size
+        self.pad_ptrs = torch.tensor([self.pad.data_ptr()], dtype=torch.int64, device=device)
+        self.status = kernels_module().new_status(1, device)
+        self.counters = kernels_module().new_counters(1, device)
+        self.progress = torch.zeros(1, dtype=torch.int32, device=device)
+
+    def timed_out(self) -> bool:
+        """Whether any wait of any call so far ran past its deadline (host memory: no sync)."""
+        return bool(self.status.any())
+
+
+class Problem(_OneRankWords):
     """The tensors, address tables and signal pad of a world_size=1 run on ``device``: ``a [m, k]``
     (standard normal) and ``b [k, n]`` (normal / sqrt(k)) in ``dtype``, ``want = torch.mm(a, b)``,
     the outputs ``c`` and ``reduced [m, n]``, the buffer ``slots [1, m, n]``, and a pad of one word
     per channel."""
 
     def __init__(self, m: int, n: int, k: int, dtype: torch.dtype, seed: int, device: torch.device):
+        super().__init__(device)
         gen = torch.Generator(device=device).manual_seed(seed)
         self.a = torch.randn(m, k, generator=gen, device=device, dtype=torch.float32).to(dtype)
         b = torch.randn(k, n, generator=gen, device=device, dtype=torch.float32) / math.sqrt(k)
@@ -226,21 +228,8 @@ class Problem:
         self.c = torch.empty_like(self.want)
         self.slots = torch.empty((1, m, n), dtype=dtype, device=device)
         self.reduced = torch.empty_like(self.want)
-        self.pad = torch.zeros(2, dtype=torch.int32, device=device)  # channels x world_size
-        self.pad_ptrs = self._table(self.pad)
-        self.status = kernels_module().new_status(1, device)
-        self.counters = kernels_module().new_counters(1, device)
-        self.progress = torch.zeros(1, dtype=torch.int32, device=device)
         self.flops = 2.0 * m * n * k
         self.out_bytes = 2.0 * self.want.numel() * self.want.element_size()
-
-    @staticmethod
-    def _table(t: torch.Tensor) -> torch.Tensor:
-        return torch.tensor([t.data_ptr()], dtype=torch.int64, device=t.device)
-
-    def timed_out(self) -> bool:
-        """Whether any wait of any call so far ran past its deadline (host memory: no sync)."""
-        return bool(self.status.any())
 
 
 def kernels_module():
@@ -262,18 +251,7 @@ def launchers(p: Problem) -> dict[str, Callable[[], None]]:
         "ag_matmul_consumer": lambda: kernels.ag_matmul_consumer(
             p.a, [p.b], [p.c], progress=p.progress, chunk_rows=p.a.shape[0], **one, **wait
         ),
-        "matmul_rs_producer": lambda: kernels.matmul_rs_producer(
-            # One rank: the only block is the own one, so staging is never written.
-            p.a,
-            p.b,
-            p.slots,
-            p.slots,
-            p.progress,
-            p.pad_ptrs,
-            counters=p.counters,
-            channel=RS_CHANNEL,
-            **one,
-        ),  # fmt: skip
+        "matmul_rs_producer": _producer(p, p.a),
         "reduce_slots": lambda: kernels.reduce_slots(
             p.slots, p.reduced, p.pad_ptrs, channel=RS_CHANNEL, **one, **wait
         ),
@@ -281,13 +259,27 @@ def launchers(p: Problem) -> dict[str, Callable[[], None]]:
     }
 
 
-class Fp8Problem:
+def _producer(
+    p: Problem | Fp8Problem, a: torch.Tensor, **scales: torch.Tensor
+) -> Callable[[], None]:
+    """A zero-argument call of the reduce-scatter's producer on ``a @ p.b`` as the only rank (its
+    only block is its own, so the staging buffer is never written); ``scales``: the fp8 GEMM's
+    ``a_scale`` and ``b_scale``."""
+    kernels = kernels_module()
+    return lambda: kernels.matmul_rs_producer(
+        a, p.b, p.slots, p.slots, p.progress, p.pad_ptrs, counters=p.counters,
+        channel=RS_CHANNEL, rank=0, world_size=1, **scales,
+    )  # fmt: skip
+
+
+class Fp8Problem(_OneRankWords):
     """The fp8 tensors of a world_size=1 run on ``device`` (see the module docstring): ``a_data
     [m, k]`` e4m3 with ``a_scale [m, 1]``, packed into ``a [m, k + 16]`` bytes; ``b [k, n]`` e4m3
     column-major with ``b_scale [1, n]``; ``want``: ``torch._scaled_mm``'s bf16 product, ``fp32``:
     the fp32 product of the dequantized operands; outputs ``c`` and ``slots [1, m, n]``."""
 
     def __init__(self, m: int, n: int, k: int, seed: int, device: torch.device):
+        super().__init__(device)
         gen = torch.Generator(device=device).manual_seed(seed)
         e4m3 = torch.float8_e4m3fn
 
@@ -305,11 +297,6 @@ class Fp8Problem:
         self.fp32 = torch.mm(left, self.b.float() * self.b_scale)
         self.c = torch.empty_like(self.want)
         self.slots = torch.empty((1, m, n), dtype=self.want.dtype, device=device)
-        self.pad = torch.zeros(2, dtype=torch.int32, device=device)
-        self.pad_ptrs = Problem._table(self.pad)
-        self.status = kernels_module().new_status(1, device)
-        self.counters = kernels_module().new_counters(1, device)
-        self.progress = torch.zeros(1, dtype=torch.int32, device=device)
         self.flops = 2.0 * m * n * k
 
     def scaled_mm(self, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -318,10 +305,6 @@ class Fp8Problem:
             self.a_data, self.b, scale_a=self.a_scale, scale_b=self.b_scale,
             out_dtype=torch.bfloat16, use_fast_accum=False, out=out,
         )  # fmt: skip
-
-    def timed_out(self) -> bool:
-        """Whether any wait of any call so far ran past its deadline (host memory: no sync)."""
-        return bool(self.status.any())
 
 
 def fp8_launchers(p: Fp8Problem) -> dict[str, Callable[[], None]]:
@@ -342,54 +325,47 @@ def fp8_launchers(p: Fp8Problem) -> dict[str, Callable[[], None]]:
             b_scales=[p.b_scale],
             **one,
         ),  # fmt: skip
-        "matmul_rs_producer": lambda: kernels.matmul_rs_producer(
-            p.a_data,
-            p.b,
-            p.slots,
-            p.slots,
-            p.progress,
-            p.pad_ptrs,
-            counters=p.counters,
-            channel=RS_CHANNEL,
-            a_scale=p.a_scale,
-            b_scale=p.b_scale,
-            **one,
-        ),  # fmt: skip
+        "matmul_rs_producer": _producer(p, p.a_data, a_scale=p.a_scale, b_scale=p.b_scale),
         FP8_BASELINE: lambda: p.scaled_mm(out=p.c),
     }
 
 
 def check_fp8(p: Fp8Problem, run: dict[str, Callable[[], None]], tol: float) -> list[Result]:
     """Run each launcher of ``run`` once and check it: ``torch._scaled_mm`` against the fp32
-    product, the kernels against ``torch._scaled_mm``, each within ``tol`` (:func:`error_ratio`)."""
-
-    def gemm(name: str, got: torch.Tensor, want: torch.Tensor, against: str) -> Result:
-        got.fill_(math.nan)
-        run[name]()
-        ratio = error_ratio(got, want, tol)
-        ok = ratio <= 1.0 and not p.timed_out()
-        what = f"max err {ratio:.3g} x tol {tol:.2g} vs {against}"
-        what += "" if not p.timed_out() else ", timed out"
-        return Result(name, ("ok, " if ok else "MISMATCH, ") + what, ok, p.flops)
+    product, the kernels against ``torch._scaled_mm``, each within ``tol``
+    (:func:`~tp_kernels.bench.tolerance.error_ratio`)."""
 
     return [
-        gemm(FP8_BASELINE, p.c, p.fp32, "fp32"),
-        gemm("ag_matmul_consumer", p.c, p.want, FP8_BASELINE),
-        gemm("matmul_rs_producer", p.slots[0], p.want, FP8_BASELINE),
+        _check_gemm(p, run, FP8_BASELINE, p.c, p.fp32, tol, versus="fp32"),
+        _check_gemm(p, run, "ag_matmul_consumer", p.c, p.want, tol, versus=FP8_BASELINE),
+        _check_gemm(p, run, "matmul_rs_producer", p.slots[0], p.want, tol, versus=FP8_BASELINE),
     ]
+
+
+def _check_gemm(
+    p: _OneRankWords,
+    run: dict[str, Callable[[], None]],
+    name: str,
+    got: torch.Tensor,
+    want: torch.Tensor,
+    tol: float,
+    versus: str = "",
+) -> Result:
+    """Run launcher ``name`` once, its output ``got`` filled with NaN first, and check it against
+    ``want`` (the baseline named ``versus``, if named) within ``tol``."""
+    got.fill_(math.nan)
+    run[name]()
+    ratio = error_ratio(got, want, tol)
+    ok = ratio <= 1.0 and not p.timed_out()
+    what = f"max err {ratio:.3g} x tol {tol:.2g}" + (f" vs {versus}" if versus else "")
+    what += "" if not p.timed_out() else ", timed out"
+    return Result(name, ("ok, " if ok else "MISMATCH, ") + what, ok, p.flops)
 
 
 def check_all(p: Problem, run: dict[str, Callable[[], None]], tol: float) -> list[Result]:
     """Run each launcher of ``run`` once, in protocol order (a signal before its waiter), and
-    check it (GEMMs within ``tol`` of ``p.want``, see :func:`error_ratio`)."""
-
-    def gemm(name: str, got: torch.Tensor) -> Result:
-        got.fill_(math.nan)
-        run[name]()
-        ratio = error_ratio(got, p.want, tol)
-        ok = ratio <= 1.0 and not p.timed_out()
-        what = f"max err {ratio:.3g} x tol {tol:.2g}" + ("" if not p.timed_out() else ", timed out")
-        return Result(name, ("ok, " if ok else "MISMATCH, ") + what, ok, p.flops)
+    check it (GEMMs within ``tol`` of ``p.want``, see
+    :func:`~tp_kernels.bench.tolerance.error_ratio`)."""
 
     def signal(name: str, channel: int) -> Result:
         word = p.pad[channel].item()
@@ -403,8 +379,8 @@ def check_all(p: Problem, run: dict[str, Callable[[], None]], tol: float) -> lis
     cleared = p.pad[AG_CHANNEL].item() == 0 and p.progress[0].item() == 0
     check = "ok, words cleared" if cleared else "FAILED, words not cleared"
     results.append(Result("barrier", check, cleared and not p.timed_out()))
-    results.append(gemm("ag_matmul_consumer", p.c))
-    results.append(gemm("matmul_rs_producer", p.slots[0]))
+    results.append(_check_gemm(p, run, "ag_matmul_consumer", p.c, p.want, tol))
+    results.append(_check_gemm(p, run, "matmul_rs_producer", p.slots[0], p.want, tol))
     results.append(signal("matmul_rs_producer's signal", RS_CHANNEL))
     p.reduced.fill_(math.nan)
     run["reduce_slots"]()
@@ -414,36 +390,17 @@ def check_all(p: Problem, run: dict[str, Callable[[], None]], tol: float) -> lis
     return results
 
 
-def _device_or_exit(args: argparse.Namespace) -> torch.device | None:
-    """The device to run on; ``None`` when there is no CUDA device; exits 2 on a bad setup."""
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    if args.device == "cpu":
-        if not interpret:
-            _parser().error(
-                "--device cpu runs the kernels in Triton's interpreter: set "
-                "TRITON_INTERPRET=1 before starting"
-            )
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        return None
-    if interpret:
-        _parser().error(
-            "TRITON_INTERPRET=1 is set, and the interpreter cannot run CUDA tensors: "
-            "unset it to measure the GPU"
-        )
-    return torch.device("cuda", torch.cuda.current_device())
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (see the module docstring)."""
     args = parse_args(argv)
     # The first call of each shape logs what it compiled and tuned (kernels/tuning.py).
     logging.basicConfig(format="%(message)s")
     logging.getLogger("tp_kernels").setLevel(logging.INFO)
-    device = _device_or_exit(args)
-    if device is None:
+    if not device_ready(_parser(), args.device, interpreted_cpu=True):
         print(NO_CUDA_MESSAGE)
         return 0
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     fp8 = args.dtype == FP8
     dtype = torch.bfloat16 if fp8 else DTYPES[args.dtype]
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)"

@@ -75,7 +75,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 import tp_kernels
 from tp_kernels import cost
 from tp_kernels.bench.model import block_prediction
-from tp_kernels.bench.ops import FUSED_BACKENDS, runnable_backends
+from tp_kernels.bench.op_case import FUSED_BACKENDS, runnable_backends
 from tp_kernels.bench.protocol import ROOF, BenchCase, BenchConfig, register
 from tp_kernels.models.llama import Llama, LlamaConfig, TransformerBlock, rope_tables
 from tp_kernels.models.plans import check_tp_compatible, llama_tp_plan

@@ -75,8 +75,9 @@ import torch.nn as nn
 
 import tp_kernels
 from tp_kernels import cost
-from tp_kernels.bench.ops import CAST, TORCHAO, matmul_tolerance, op_case
+from tp_kernels.bench.op_case import CAST, TORCHAO, op_case, randn
 from tp_kernels.bench.protocol import MXFP8, REFERENCE, ROOF, BenchCase, BenchConfig, Provider
+from tp_kernels.bench.tolerance import matmul_tolerance
 
 __all__ = ["ag_matmul_fp8", "fp8_predictions_ms", "fp8_tolerance", "matmul_rs_fp8"]
 
@@ -89,7 +90,7 @@ def fp8_tolerance(k: int, roundings: int) -> float:
     reduce-scatter's ``W`` partials and their sum), and another provider's GEMM may round once
     more (torchao's row-wise rule without fast accumulation: an unscaled bf16 product, then
     scaled; symm's Triton kernels agree with ``_scaled_mm`` within a rounding): hence
-    :func:`tp_kernels.bench.ops.matmul_tolerance` of bf16 with ``roundings + 1``. The products
+    :func:`tp_kernels.bench.tolerance.matmul_tolerance` of bf16 with ``roundings + 1``. The products
     themselves add no error (e4m3 has 4 significant bits: a product of two fits fp32 exactly), and
     the dequantized operands are O(1) as the bf16 benchmarks' are, so outputs are O(1)."""
     return matmul_tolerance(torch.bfloat16, k, roundings + 1)
@@ -323,16 +324,8 @@ def _torchao_linear(
     return forward
 
 
-def _randn(shape: tuple[int, ...], seed: int, scale: float, device: torch.device) -> torch.Tensor:
-    # As ops._randn: fp32 on the CPU from an explicit seed, so any rank can rebuild any rank's
-    # tensor; then the high-precision dtype.
-    gen = torch.Generator().manual_seed(seed)
-    t = torch.randn(shape, generator=gen, dtype=torch.float32) * scale
-    return t.to(device=device, dtype=torch.bfloat16)
-
-
 def fp8_predictions_ms(
-    op: str, m: int, k: int, n: int, world: int, device: torch.device, runnable: list[str],
+    op: str, m: int, k: int, n: int, world: int, runnable: list[str], *, device: torch.device,
     dtype: str = "fp8",
 ) -> tuple[dict[str, float], str]:  # fmt: skip
     """:mod:`tp_kernels.cost`'s ms per provider for one ``dtype`` ("fp8" or "mxfp8") call with
@@ -381,9 +374,10 @@ def ag_matmul_fp8(cfg: BenchConfig, group: dist.ProcessGroup, device: torch.devi
 
     world, rank = group.size(), group.rank()
     mesh = _mesh(group, device)
-    a_full = _randn((cfg.M, cfg.K), cfg.seed, 1.0, device)
+    bf16 = cfg.torch_dtype  # the high-precision tensors, before their casts
+    a_full = randn((cfg.M, cfg.K), cfg.seed, 1.0, device, bf16)
     a_shard = a_full.chunk(world)[rank].contiguous()
-    w = _randn((cfg.N, cfg.K), cfg.seed + 1, 1.0 / math.sqrt(cfg.K), device)  # the weight, B^T
+    w = randn((cfg.N, cfg.K), cfg.seed + 1, 1.0 / math.sqrt(cfg.K), device, bf16)  # the weight, B^T
     b = w.t()
     # Colwise: a row's amax spans K, whole on every rank; the weight's per-column amax spans K,
     # whole too. Tensor-wise scales span the shards (the gathered input; the sharded weight).
@@ -416,16 +410,7 @@ def ag_matmul_fp8(cfg: BenchConfig, group: dist.ProcessGroup, device: torch.devi
         },
         shapes={"a_shard": list(a_shard.shape), "b": list(b.shape), "out": [cfg.M, cfg.N]},
         tolerance=fp8_tolerance(cfg.K, roundings=1),
-        predict=functools.partial(
-            fp8_predictions_ms,
-            _AG,
-            cfg.M // world,
-            cfg.K,
-            cfg.N,
-            world,
-            device,
-            dtype=operands.cost_dtype,
-        ),  # fmt: skip
+        predict=functools.partial(fp8_predictions_ms, device=device, dtype=operands.cost_dtype),
         block_scaled=operands.block_scaled,
         note=operands.note,
     )
@@ -444,8 +429,9 @@ def matmul_rs_fp8(cfg: BenchConfig, group: dist.ProcessGroup, device: torch.devi
     # Seeds and scales as the bf16 matmul_rs: rank s holds A_s [M, K] and B_s = W_s^T [K, N].
     def operands_of(s: int) -> tuple[torch.Tensor, torch.Tensor]:
         seed = cfg.seed + 2 * (s + 1)
-        a = _randn((cfg.M, cfg.K), seed, 1.0, device)
-        return a, _randn((cfg.N, cfg.K), seed + 1, 1.0 / math.sqrt(cfg.K * world), device)
+        a = randn((cfg.M, cfg.K), seed, 1.0, device, cfg.torch_dtype)
+        w = randn((cfg.N, cfg.K), seed + 1, 1.0 / math.sqrt(cfg.K * world), device, cfg.torch_dtype)
+        return a, w
 
     a, w = operands_of(rank)
     b = w.t()
@@ -479,16 +465,7 @@ def matmul_rs_fp8(cfg: BenchConfig, group: dist.ProcessGroup, device: torch.devi
         },
         shapes={"a": list(a.shape), "b": list(b.shape), "out": [cfg.M // world, cfg.N]},
         tolerance=fp8_tolerance(cfg.K, roundings=world + 1),
-        predict=functools.partial(
-            fp8_predictions_ms,
-            _RS,
-            cfg.M // world,
-            cfg.K,
-            cfg.N,
-            world,
-            device,
-            dtype=operands.cost_dtype,
-        ),  # fmt: skip
+        predict=functools.partial(fp8_predictions_ms, device=device, dtype=operands.cost_dtype),
         block_scaled=operands.block_scaled,
         note=operands.note,
     )

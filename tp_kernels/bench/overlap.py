@@ -72,7 +72,7 @@ device; the slowest rank's). Per case, for each fused row (``symm``, ``symm_op``
     exposed comm (ms)  = fused - gemm
 
 **Checks.** Before timing, every row runs once on outputs first filled with NaN and is checked:
-GEMM outputs against ``torch.mm`` within :func:`tp_kernels.bench.ops.matmul_tolerance`, copied
+GEMM outputs against ``torch.mm`` within :func:`tp_kernels.bench.tolerance.matmul_tolerance`, copied
 rows bit for bit, the GEMM's wait record clean. A row that fails says FAIL and is not timed; the
 exit status is then 1.
 
@@ -113,11 +113,11 @@ import torch.distributed as dist
 
 from tp_kernels import config, signals
 from tp_kernels.backends import symm_gather, symm_scatter
-from tp_kernels.bench.gpu_kernels import error_ratio
-from tp_kernels.bench.ops import matmul_tolerance
+from tp_kernels.bench.driver import SHARED_GPU_ENV, device_ready, rank_device
 from tp_kernels.bench.protocol import (
     DTYPES,
     cuda_seconds_back_to_back,
+    host_seconds,
     non_negative_int,
     positive_int,
     render_table,
@@ -125,6 +125,7 @@ from tp_kernels.bench.protocol import (
     time_providers,
     versions,
 )
+from tp_kernels.bench.tolerance import error_ratio, matmul_tolerance
 from tp_kernels.testing import LocalWorld, RankError
 
 __all__ = [
@@ -369,16 +370,13 @@ class _AllGatherRows:
         if peers.group is not None:
             import tp_kernels
 
-            def public(backend: str) -> Callable[[], None]:
-                def call() -> None:
-                    _, (out,) = tp_kernels.all_gather_matmul(
-                        shards[r], [self.b], 0, peers.group, backend=backend
-                    )
-                    self.c.copy_(out)
+            def gather(backend: str) -> torch.Tensor:
+                _, (out,) = tp_kernels.all_gather_matmul(
+                    shards[r], [self.b], 0, peers.group, backend=backend
+                )
+                return out
 
-                return call
-
-            self.run.update({row: public(backend) for row, backend in PUBLIC_OPS.items()})
+            self.run.update(_public_rows(gather, self.c))
 
     def timed_out(self) -> bool:
         """Whether a wait of the GEMM passed its deadline in any call so far (host memory)."""
@@ -503,14 +501,10 @@ class _ReduceScatterRows:
         if peers.group is not None:
             import tp_kernels
 
-            def public(backend: str) -> Callable[[], None]:
-                def call() -> None:
-                    out = tp_kernels.matmul_reduce_scatter(a, b, 0, peers.group, backend=backend)
-                    self.out.copy_(out)
+            def scatter(backend: str) -> torch.Tensor:
+                return tp_kernels.matmul_reduce_scatter(a, b, 0, peers.group, backend=backend)
 
-                return call
-
-            self.run.update({row: public(backend) for row, backend in PUBLIC_OPS.items()})
+            self.run.update(_public_rows(scatter, self.out))
 
     def timed_out(self) -> bool:
         """Always False: the producer waits for nothing, and the pusher's waits for its words
@@ -552,6 +546,18 @@ _RS_GEMM_ROWS = ("gemm", "bound", "unfused", "symm")
 _RS_COPY_ROWS = ("copies", "bound", "unfused", "symm")
 
 
+def _public_rows(
+    op: Callable[[str], torch.Tensor], out: torch.Tensor
+) -> dict[str, Callable[[], None]]:
+    """The rows of the public fused op ``op(backend)``: one per backend of :data:`PUBLIC_OPS`,
+    each writing its result into ``out`` (the tensor its check reads)."""
+
+    def row(backend: str) -> Callable[[], None]:
+        return lambda: out.copy_(op(backend))
+
+    return {name: row(backend) for name, backend in PUBLIC_OPS.items()}
+
+
 def _peer_order(r: int) -> list[int]:
     return [(r + i) % WORLD for i in range(1, WORLD)]
 
@@ -585,14 +591,9 @@ def _public_reason(peers: Peers, repeat: int, backend: str) -> str | None:
 def _host_ms(fn: Callable[[], None], reps: int, peers: Peers) -> float:
     """Median host time of ``fn`` started on an idle device (synchronized, the ranks together),
     until it returns; the device finishes it after the clock stops."""
-    times = []
-    for _ in range(reps):
-        peers.barrier()
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
+    times = host_seconds(fn, reps, before=peers.barrier)
     peers.barrier()
-    return statistics.median(times)
+    return statistics.median(times) * 1e3
 
 
 def measure(
@@ -639,17 +640,10 @@ def _agreed(ok: dict[str, bool], peers: Peers) -> dict[str, bool]:
     return {row: flag == 0.0 for row, flag in zip(ok, bad.tolist(), strict=True)}
 
 
-def _rank_device(kind: str) -> torch.device:
-    if kind == "cuda":
-        torch.cuda.set_device(0)  # every rank on the one GPU
-        return torch.device("cuda", 0)
-    return torch.device("cpu")
-
-
 def run_cases(setup: Setup, grouped: bool) -> list[Case]:
     """Every case on this rank: with ``grouped``, of the default group (two ranks), else local
     peers in this process."""
-    device = _rank_device(setup.device)
+    device = rank_device(setup.device)
     group = dist.group.WORLD if grouped else None
     peers = Peers(dist.get_rank() if grouped else 0, group, device)
     with config.SHARED_DEVICE_RANKS.overriding(setup.shared_ranks, argument="shared_ranks"):
@@ -666,7 +660,7 @@ def rank_hello(kind: str) -> dict[str, Any]:
     CPU) and its ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``."""
     from tp_kernels import symmetric_memory
 
-    device = _rank_device(kind)
+    device = rank_device(kind)
     symmetric_memory.get_workspace(dist.group.WORLD, 1 << 20, device, tag="overlap")
     cuda = device.type == "cuda"
     return {
@@ -683,7 +677,7 @@ def probe(kind: str, spin_ms: float, copy_mib: int) -> dict[str, Any]:
     """The facts of section 1 of the module docstring, as ``{name: text or number}``."""
     from tp_kernels.bench import _spinner
 
-    device = _rank_device(kind)
+    device = rank_device(kind)
     facts: dict[str, Any] = {}
     control = shutil.which("nvidia-cuda-mps-control")
     facts["mps control"] = control or "not on PATH"
@@ -705,7 +699,7 @@ def probe(kind: str, spin_ms: float, copy_mib: int) -> dict[str, Any]:
         good = torch.equal(spun, _spinner.expected(sms * _spinner.PROGRAMS_PER_SM, 3))
         facts["spinner"] = "ok (checked)" if good else "FAIL: wrong result"
         facts["copy engine"] = "n/a on cpu: the copier is a host thread"
-        copy_s = _median_host_s(lambda: dst.copy_(src), 5)
+        copy_s = statistics.median(host_seconds(lambda: dst.copy_(src), 5))
     else:
         facts["spinner"], facts["copy engine"] = _copy_engine_verdict(src, dst, spun, spin_ms)
         copy_s = _median_event_s(lambda: dst.copy_(src), 5)
@@ -713,18 +707,9 @@ def probe(kind: str, spin_ms: float, copy_mib: int) -> dict[str, Any]:
     return facts
 
 
-def _median_host_s(fn: Callable[[], object], reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def _median_event_s(fn: Callable[[], object], reps: int) -> float:
-    fn()  # untimed: the first call compiles or touches pages first
-    return statistics.median(cuda_seconds_back_to_back(fn, reps))
+    # One untimed call first: the first call compiles or touches pages.
+    return statistics.median(cuda_seconds_back_to_back(fn, reps, warmup=1))
 
 
 def _copy_engine_verdict(
@@ -1002,11 +987,7 @@ def mps_run(
         daemon.stop()
         print(f"MPS: cannot start ({why})")
         return None
-    env = {
-        **daemon.env,
-        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(100 // WORLD),
-        "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1",
-    }
+    env = {**daemon.env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(100 // WORLD), **SHARED_GPU_ENV}
     world = LocalWorld(WORLD, timeout_s=args.timeout_s, env=env)
     try:
         try:
@@ -1068,16 +1049,9 @@ def _measure_all(args: argparse.Namespace) -> tuple[dict[str, Any], str, list[Ca
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (see the module docstring)."""
     args = parse_args(argv)
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    if args.device == "cpu" and not interpret:
-        _parser().error("--device cpu runs the kernels in Triton's interpreter: set "
-                        "TRITON_INTERPRET=1 before starting")  # fmt: skip
-    if args.device == "cuda":
-        if not torch.cuda.is_available():
-            print(NO_CUDA_MESSAGE)
-            return 0
-        if interpret:
-            _parser().error("TRITON_INTERPRET=1 is set: unset it to measure the GPU")
+    if not device_ready(_parser(), args.device, interpreted_cpu=True):
+        print(NO_CUDA_MESSAGE)
+        return 0
     v = versions()
     print(
         f"tp_kernels.bench.overlap on {args.device}: torch {v['torch']}, triton {v['triton']}; "

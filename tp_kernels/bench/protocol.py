@@ -50,7 +50,9 @@ __all__ = [
     "MXFP8",
     "SCALED_DTYPES",
     "check_outputs",
+    "cuda_seconds_back_to_back",
     "format_table",
+    "host_seconds",
     "machine_info",
     "percentile",
     "register",
@@ -258,11 +260,15 @@ def summarize(times_ms: Sequence[float]) -> dict[str, float]:
     }
 
 
-def cuda_seconds_back_to_back(fn: Callable[[], object], runs: int) -> list[float]:
-    """The device seconds of each of ``runs`` calls of ``fn`` on the current stream: CUDA events
-    around each call, recorded back to back and synchronized once at the end, so each call's host
-    work overlaps the previous call on the device wherever the host launches faster than the
-    device runs (as a training loop does)."""
+def cuda_seconds_back_to_back(
+    fn: Callable[[], object], runs: int, *, warmup: int = 0
+) -> list[float]:
+    """The device seconds of each of ``runs`` calls of ``fn`` on the current stream, after
+    ``warmup`` untimed calls: CUDA events around each call, recorded back to back and synchronized
+    once at the end, so each call's host work overlaps the previous call on the device wherever the
+    host launches faster than the device runs (as a training loop does)."""
+    for _ in range(warmup):
+        fn()
     events = []
     for _ in range(runs):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -272,6 +278,23 @@ def cuda_seconds_back_to_back(fn: Callable[[], object], runs: int) -> list[float
         events.append((start, end))
     torch.cuda.synchronize()
     return [start.elapsed_time(end) / 1e3 for start, end in events]
+
+
+def host_seconds(
+    fn: Callable[[], object], runs: int, *, before: Callable[[], object] | None = None
+) -> list[float]:
+    """The host seconds of each of ``runs`` calls of ``fn``, from the moment ``before()`` returns
+    (outside the clock: a synchronize, so that a full launch queue never blocks the host inside a
+    call; a barrier, so that the ranks start together) to the moment ``fn`` returns; the device
+    may finish the call after the clock stops."""
+    times = []
+    for _ in range(runs):
+        if before is not None:
+            before()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
 
 
 def _device_sync(device: torch.device) -> Callable[[], None]:
