@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 import tp_kernels
 from tp_kernels import cost
-from tp_kernels.backends import get_backend
+from tp_kernels.backends.choice import get_backend
 from tp_kernels.bench.protocol import (
     REFERENCE,
     ROOF,
