@@ -25,7 +25,8 @@ from test_torch_symm_mem import _fake_torch_ops
 
 import tp_kernels as tpk
 from tp_kernels import deadline
-from tp_kernels.backends import auto, base, get_backend
+from tp_kernels.backends import base, choice
+from tp_kernels.backends.choice import get_backend
 from tp_kernels.ops import planning
 
 BACKENDS = ["reference", "pipelined", "torch_symm_mem"]
@@ -82,9 +83,9 @@ def _forbidding(*, device_max_all_reduce: bool = False) -> Iterator[list[str]]:
         (planning, "all_gather_single"),  # the agreement's exchange
         (planning, "agree_across_ranks"),
         (planning, "_new_plan"),  # checks, choice and agreement of a new plan
-        (planning, "time_and_choose"),
-        (auto, "_time_and_choose"),
-        (auto, "_agreed_max"),
+        (choice, "settle"),
+        (choice, "_time_and_choose"),
+        (choice, "_agreed_max"),
     ]
     patches = [
         (obj, name, forbid(f"{getattr(obj, '__name__', obj)}.{name}")) for obj, name in targets
@@ -191,7 +192,7 @@ def _new_shape_under_capture(backend: str) -> str:
 @pytest.mark.parametrize("backend", ["reference", "auto"])
 def test_a_new_shape_class_is_refused_before_any_communication(worlds, backend):
     for got in worlds(2).run(_new_shape_under_capture, backend):
-        assert got.startswith("all_gather_matmul: a call of a new shape class ((5, 8)"), got
+        assert got.startswith("all_gather_matmul: a call of a new shape class (m=5, K=8"), got
         assert "has no plan yet" in got and "nothing was launched" in got, got
         assert "eager step" in got, got
 
@@ -208,7 +209,7 @@ class _Records(logging.Handler):
 def _auto_falls_back(all_unready: bool) -> dict:
     """``auto`` times pipelined and reference in the warmup; under capture its winner (and, with
     ``all_unready``, every candidate) says it cannot be captured."""
-    found = auto.Candidates(("pipelined", "reference"), {}, {})
+    found = choice.Candidates(("pipelined", "reference"), {}, {})
     records = _Records()
     logger = logging.getLogger("tp_kernels")
     level = logger.level
@@ -217,16 +218,15 @@ def _auto_falls_back(all_unready: bool) -> dict:
     out: dict = {}
     try:
         fresh = [
-            (auto, "candidates", lambda shape, group, unavailable: found),
-            (auto, "_timed", {}),  # shape classes timed by earlier tests
-            (auto, "_ranked", {}),
-            (auto, "_logged", set()),
+            (choice, "candidates", lambda shape, group, block_scaled=False: found),
+            (choice, "_ranked", {}),  # shape classes timed by earlier tests
+            (choice, "_logged", set()),
             (planning, "_plans", weakref.WeakKeyDictionary()),
         ]
         with _patched(fresh):
             _step("auto")
-            shape = auto.Shape.of_all_gather_matmul(torch.empty(4, 8), [torch.empty(8, 6)] * 2)
-            out["ranking"] = auto.ranking(shape, dist.group.WORLD)
+            shape = choice.Shape.of_all_gather_matmul(torch.empty(4, 8), [torch.empty(8, 6)] * 2)
+            out["ranking"] = choice._ranked[shape.key(dist.group.WORLD)]
             unready = out["ranking"] if all_unready else out["ranking"][:1]
             tpk.reset_comm_stats()
             records.messages.clear()
@@ -366,12 +366,11 @@ def _backward_by_name() -> dict:
     """torchtitan 0.3's Functions' way: the forward through the op with ``backend="auto"``, the
     backward through the custom op, passed ``"auto"`` by name; under capture ``auto``'s timed
     choice says it cannot be captured."""
-    found = auto.Candidates(("pipelined", "reference"), {}, {})
+    found = choice.Candidates(("pipelined", "reference"), {}, {})
     fresh = [
-        (auto, "candidates", lambda shape, group, unavailable: found),
-        (auto, "_timed", {}),
-        (auto, "_ranked", {}),
-        (auto, "_logged", set()),
+        (choice, "candidates", lambda shape, group, block_scaled=False: found),
+        (choice, "_ranked", {}),
+        (choice, "_logged", set()),
         (planning, "_plans", weakref.WeakKeyDictionary()),
     ]
     group = dist.group.WORLD
@@ -386,8 +385,8 @@ def _backward_by_name() -> dict:
 
     with _patched(fresh):
         step()
-        shape = auto.Shape.of_all_gather_matmul(torch.empty(4, 8), [torch.empty(8, 6)])
-        first, second = auto.ranking(shape, group)
+        shape = choice.Shape.of_all_gather_matmul(torch.empty(4, 8), [torch.empty(8, 6)])
+        first, second = choice._ranked[shape.key(group)]
         stub = [(get_backend(first), "capture_unready_reason", lambda g, d, need: "not ready")]
         tpk.reset_comm_stats()
         with _patched(stub), _forbidding() as seen, _capturing():

@@ -580,24 +580,24 @@ class _Group:
 def test_auto_rules_fusion_out_where_the_model_says_none_beats_reference(
     monkeypatch, m, k, ns, fusion
 ):
-    from tp_kernels.backends import auto
+    from tp_kernels.backends import choice
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H100 80GB HBM3")
-    monkeypatch.setattr(auto, "_agreed_max", lambda values, group, device: values)
+    monkeypatch.setattr(choice, "_agreed_max", lambda values, group, device: values)
     # Built from the call's tensors as the ops build it (meta tensors: only shapes are read).
     a_shard = torch.empty(m, k, dtype=torch.bfloat16, device="meta")
     bs = [torch.empty(k, n, dtype=torch.bfloat16, device="meta") for n in ns]
     shape = dataclasses.replace(
-        auto.Shape.of_all_gather_matmul(a_shard, bs), device=torch.device("cuda", 0)
+        choice.Shape.of_all_gather_matmul(a_shard, bs), device=torch.device("cuda", 0)
     )
     assert (shape.ns, shape.n, shape.num_bs) == (ns, sum(ns), len(ns))
     names = ("torch_symm_mem", "symm", "pipelined", "reference")
-    found = auto._ruled_out_by_model(shape, _Group(), auto.Candidates(names, {}, {}))
+    found = choice._ruled_out_by_model(shape, _Group(), choice.Candidates(names, {}, {}))
     predicted = cost.op_cost(AG, m, k, sum(ns), 8, "bf16", H100, ns=ns).backends_s
     assert found.predicted_s == {b: predicted[b] for b in names}
     fused = min(predicted[b] for b in names[:3])
     assert (fused < predicted["reference"]) == fusion  # the case is what it says
-    within = tuple(b for b in names if predicted[b] <= auto.RULE_OUT * min(predicted.values()))
+    within = tuple(b for b in names if predicted[b] <= choice.RULE_OUT * min(predicted.values()))
     if fusion:
         assert found.names == within and within[0] == "torch_symm_mem"
     else:
@@ -606,7 +606,8 @@ def test_auto_rules_fusion_out_where_the_model_says_none_beats_reference(
     # On a CPU the timing decides: the same predictions rule out only past RULE_OUT.
     cpu = dataclasses.replace(shape, device=torch.device("cpu"))
     monkeypatch.setattr(cost, "device_spec", lambda device: H100)
-    assert auto._ruled_out_by_model(cpu, _Group(), auto.Candidates(names, {}, {})).names == within
+    found = choice._ruled_out_by_model(cpu, _Group(), choice.Candidates(names, {}, {}))
+    assert found.names == within
 
 
 def test_auto_predicts_each_right_hand_width_not_an_even_split():

@@ -81,7 +81,7 @@ def test_cpu_mode_passes_every_check(capsys):
 
 def _rank_row_with_a_wrong_all_gather(task: fr.RowTask) -> fr.RankRow:
     """``fr.rank_row``, with pipelined's ``all_gather_matmul`` off by 1000 in one element."""
-    from tp_kernels.backends import get_backend
+    from tp_kernels.backends.choice import get_backend
 
     impl = get_backend("pipelined")
     original = impl.all_gather_matmul

@@ -161,22 +161,27 @@ def test_a_fused_linear_is_one_autograd_node(worlds):
         ]
 
 
-def test_an_eager_colwise_call_runs_eleven_modules(worlds):
+def test_an_eager_colwise_call_runs_fourteen_modules(worlds):
     """One eager colwise Linear forward on symm's Triton path (the GPU's protocol) runs the code
-    of these eleven modules of tp_kernels and no others (17 before the ops were one module each;
-    10 before the kernels' tiles were chosen by ``kernels/tuning.py``, whose lookup each call
-    makes): the path a newcomer reads. The kernel's and the copier's modules must be among them,
-    so a run that silently took the torch path fails."""
+    of these fourteen modules of tp_kernels and no others (17 before the ops were one module
+    each; 10 before the kernels' tiles were chosen by ``kernels/tuning.py``, whose lookup each
+    call makes; 11 before planning's helpers moved to the modules named for them: the layout,
+    the DTensor helpers, the counters): the path a newcomer reads. The kernel's and the copier's
+    modules must be among them, so a run that silently took the torch path fails; the backend's
+    choice must not, as a reused plan never asks it."""
     pytest.importorskip("triton")
     for modules, _ in worlds(2).run(overhead.hot_path):
         assert "kernels/ag_matmul.py" in modules and "backends/symm_gather.py" in modules
         assert modules == [
             "styles.py",
-            "ops/planning.py",
+            "ops/dtensors.py",
             "ops/ag_matmul.py",
+            "ops/planning.py",
+            "ops/comm_stats.py",
             "config.py",
             "backends/base.py",
             "deadline.py",
+            "ops/layout.py",
             "backends/symm.py",
             "backends/symm_gather.py",
             "kernels/ag_matmul.py",

@@ -42,7 +42,7 @@ import tp_kernels
 from tp_kernels.examples import train_llama
 from tp_kernels.models import Llama, LlamaConfig
 from tp_kernels.models.plans import check_tp_compatible, llama_tp_plan
-from tp_kernels.ops.planning import record
+from tp_kernels.ops.comm_stats import record
 
 # Divisible by 2 and 4 everywhere it must be (heads, kv heads, ffn, vocab, sequence).
 CONFIG = LlamaConfig(

@@ -381,16 +381,17 @@ def test_a_backend_that_takes_no_block_scales_falls_back_counted(worlds):
 
 
 def _block_scaled_choice() -> dict:
-    """``scaled_backend`` for a block-scaled call when the choice lands on a backend that takes
-    no block scales (torch_symm_mem, which cannot run on this CPU: its choice is faked)."""
+    """``scaled_backend`` for a block-scaled call whose shape class ``auto`` ranked with a backend
+    that takes no block scales first (torch_symm_mem, which cannot run on this CPU: the ranking
+    is faked)."""
+    from tp_kernels.backends import choice
     from tp_kernels.ops import scaled
 
     group = dist.group.WORLD
     order = ("torch_symm_mem", "pipelined", "reference")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(scaled, "resolve", lambda name, shape, group: name or order[0])
-        patch.setattr(scaled, "current_backend", lambda: "auto")
-        patch.setattr(scaled, "capture_order", lambda shape, group: order)
+    shape = choice.Shape("all_gather_matmul", 32, 64, (64,), torch.bfloat16, torch.device("cpu"))
+    with pytest.MonkeyPatch.context() as patch, tpk.use_backend("auto"):
+        patch.setitem(choice._ranked, shape.key(group), order)
         args = (group, "scaled_all_gather_matmul", 32, 64, [64], torch.bfloat16)
         chosen = scaled.scaled_backend(None, *args, torch.device("cpu"), block_scaled=True)
         try:

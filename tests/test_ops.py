@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 
 import tp_kernels as tpk
-from tp_kernels import backends, config
-from tp_kernels.backends import auto, current_backend, pipelined
+from tp_kernels import config
+from tp_kernels.backends import choice, pipelined
+from tp_kernels.backends.choice import current_backend
 from tp_kernels.ops._checks import check_all_gather_matmul, check_matmul_reduce_scatter
 from tp_kernels.testing.numerics import check_close
 
@@ -387,7 +388,7 @@ def test_matmul_reduce_scatter_numerics(worlds, world_size):
 @contextlib.contextmanager
 def _symm_disabled():
     """Make the symm backend report itself unavailable, as on a machine without the heap."""
-    symm = backends.get_backend("symm")
+    symm = choice.get_backend("symm")
     symm.unavailable_reason = lambda group, device: "disabled by the test"
     try:
         yield
@@ -624,7 +625,7 @@ def test_auto_rules_out_times_the_rest_and_logs_once(worlds):
 def _auto_timing_agrees_on_the_slowest_rank() -> tuple[str, int]:
     """pipelined is made slow on rank 1 only: its own median would win on rank 0, but the
     slowest rank's does not, so both ranks must settle on another backend."""
-    impl = backends.get_backend("pipelined")
+    impl = choice.get_backend("pipelined")
     calls = 0
 
     def slow_on_rank_1(*args, **kwargs):
@@ -640,7 +641,7 @@ def _auto_timing_agrees_on_the_slowest_rank() -> tuple[str, int]:
             a = torch.ones(3000, 700)  # a shape class no other test uses
             for _ in range(3):
                 tpk.all_gather_matmul(a, [torch.ones(700, 2)], 0, dist.group.WORLD)
-            [backend] = [v for k, v in auto._timed.items() if k[-1] == (12, 10)]
+            [backend] = [v[0] for k, v in choice._ranked.items() if k[-1] == (12, 10)]
     finally:
         del impl.all_gather_matmul
     return backend, calls
@@ -649,7 +650,7 @@ def _auto_timing_agrees_on_the_slowest_rank() -> tuple[str, int]:
 def test_auto_timing_takes_the_slowest_rank_and_times_once(worlds):
     for backend, calls in worlds(2).run(_auto_timing_agrees_on_the_slowest_rank):
         assert backend == "reference"
-        assert calls == auto.WARMUP + auto.ROUNDS  # timed once, then never run again
+        assert calls == choice.WARMUP + choice.ROUNDS  # timed once, then never run again
 
 
 def _auto_with_uneven_columns() -> list[str]:

@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 import tp_kernels as tpk
-from tp_kernels.backends import BACKEND_NAMES
+from tp_kernels.backends.choice import BACKEND_NAMES
 
 B, S, H, F, V = 12, 12, 24, 48, 48
 UNEVEN, UNEVEN_SMALL = 49, 25

@@ -22,9 +22,9 @@ import torch.distributed._symmetric_memory  # noqa: F401  (defines torch.ops.sym
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 import tp_kernels as tpk
-from tp_kernels import backends, symmetric_memory
+from tp_kernels import symmetric_memory
 from tp_kernels._compat import all_gather_single, reduce_scatter_single
-from tp_kernels.backends import auto, base, torch_symm_mem
+from tp_kernels.backends import base, choice, torch_symm_mem
 from tp_kernels.testing.fused_cases import AGCase, RSCase, run_case
 from tp_kernels.testing.numerics import assert_no_failures, check_close
 
@@ -43,8 +43,8 @@ def test_unavailable_on_cpu_says_why():
 
 
 def test_registered_as_a_backend():
-    assert NAME in backends.BACKEND_NAMES
-    assert backends.get_backend(NAME) is torch_symm_mem.BACKEND
+    assert NAME in choice.BACKEND_NAMES
+    assert choice.get_backend(NAME) is torch_symm_mem.BACKEND
 
 
 class _FakeGroup:
@@ -60,15 +60,16 @@ class _FakeGroup:
         return types.SimpleNamespace(name=lambda: self.collectives)
 
 
-def _shape(device: str) -> auto.Shape:
+def _shape(device: str) -> choice.Shape:
     # 4096 x 1024 fp32 rows per rank: large enough to pipeline.
-    return auto.Shape("all_gather_matmul", 4096, 1024, (1024,), torch.float32, torch.device(device))
+    device = torch.device(device)
+    return choice.Shape("all_gather_matmul", 4096, 1024, (1024,), torch.float32, device)
 
 
 @contextlib.contextmanager
 def _reasons(**why: str | None) -> Iterator[None]:
     """Backends named here report ``why`` as their unavailability (``None``: available)."""
-    objs = {name: backends.get_backend(name) for name in why}
+    objs = {name: choice.get_backend(name) for name in why}
     for name, obj in objs.items():
         obj.unavailable_reason = lambda group, device, _w=why[name]: _w
     try:
@@ -78,11 +79,9 @@ def _reasons(**why: str | None) -> Iterator[None]:
             del obj.unavailable_reason
 
 
-def _candidates(device: str) -> auto.Candidates:
+def _candidates(device: str) -> choice.Candidates:
     group = _FakeGroup()
-    return auto.candidates(
-        _shape(device), group, lambda n: backends._unavailable(n, group, torch.device(device))
-    )
+    return choice.candidates(_shape(device), group)
 
 
 def test_auto_on_cuda_prefers_torch_symm_mem_then_symm():
@@ -638,7 +637,7 @@ def test_captured_calls_reuse_the_warmups_workspace(worlds):
 
 def _reserved(names: list[str] | None, nbytes: object) -> object:
     """What ``tp_kernels.reserve`` asked of each backend (recorded by a spy), or its error."""
-    from tp_kernels.backends import BACKEND_NAMES, get_backend
+    from tp_kernels.backends.choice import BACKEND_NAMES, get_backend
 
     asked: list[tuple] = []
     # Every backend class's own reserve (symm has one) and the base's, spied on.

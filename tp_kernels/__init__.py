@@ -13,8 +13,12 @@ import_before_any_group()
 from torch.distributed.tensor.parallel import loss_parallel  # noqa: E402
 
 from tp_kernels.api import parallelize_module  # noqa: E402
-from tp_kernels.backends import available_backends, set_backend, use_backend  # noqa: E402
 from tp_kernels.backends.base import CaptureUnreadyError  # noqa: E402
+from tp_kernels.backends.choice import (  # noqa: E402
+    available_backends,  # noqa: E402
+    set_backend,
+    use_backend,
+)
 from tp_kernels.deadline import PeerTimeoutError, get_timeout, set_timeout  # noqa: E402
 from tp_kernels.ops import (  # noqa: E402
     all_gather_matmul,
@@ -23,7 +27,7 @@ from tp_kernels.ops import (  # noqa: E402
     scaled_matmul_reduce_scatter,
 )
 from tp_kernels.ops.capture import reserve  # noqa: E402
-from tp_kernels.ops.planning import comm_stats, reset_comm_stats  # noqa: E402
+from tp_kernels.ops.comm_stats import comm_stats, reset_comm_stats  # noqa: E402
 from tp_kernels.styles import (  # noqa: E402
     ColwiseParallel,
     ParallelStyle,

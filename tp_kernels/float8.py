@@ -86,19 +86,13 @@ from torchao.float8.float8_training_tensor import (
 from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax
 
 from tp_kernels import deadline
-from tp_kernels.backends import check_backend_name
 from tp_kernels.backends.base import Backend, CaptureNeed
+from tp_kernels.backends.choice import check_backend_name
 from tp_kernels.ops import scaled_compiled
 from tp_kernels.ops.capture import requires_grad
-from tp_kernels.ops.planning import (
-    as_grad,
-    dtensor_specs,
-    flatten_rows,
-    gather_bytes,
-    local_tensor,
-    record,
-    unflatten_rows,
-)
+from tp_kernels.ops.comm_stats import gather_bytes, record
+from tp_kernels.ops.dtensors import as_grad, dtensor_specs, local_tensor
+from tp_kernels.ops.layout import flatten_rows, unflatten_rows
 from tp_kernels.ops.scaled import gather_scaled, reduce_scatter_scaled, scaled_backend
 from tp_kernels.tiling import ROW_SCALE_BYTES
 

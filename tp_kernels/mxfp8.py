@@ -75,20 +75,14 @@ from torchao.prototype.mx_formats.mx_tensor import MXTensor
 from torchao.prototype.mx_formats.utils import _to_mxfp8_dim1_kernel_wrapper
 from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
 
-from tp_kernels.backends import current_backend, get_backend
 from tp_kernels.backends.base import Backend, CaptureNeed
+from tp_kernels.backends.choice import current_backend, get_backend
 from tp_kernels.backends.scaled import BlockScaling, pack_mx_rows, unpack_mx_rows
 from tp_kernels.float8 import BIAS_SUM_BYTES, bias_grad, plain_param
 from tp_kernels.ops.capture import requires_grad
-from tp_kernels.ops.planning import (
-    as_grad,
-    dtensor_specs,
-    flatten_rows,
-    gather_bytes,
-    local_tensor,
-    record,
-    unflatten_rows,
-)
+from tp_kernels.ops.comm_stats import gather_bytes, record
+from tp_kernels.ops.dtensors import as_grad, dtensor_specs, local_tensor
+from tp_kernels.ops.layout import flatten_rows, unflatten_rows
 from tp_kernels.ops.scaled import run_gather, run_reduce_scatter, scaled_backend
 from tp_kernels.tiling import MX_BLOCK, mx_row_bytes
 

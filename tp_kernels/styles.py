@@ -63,11 +63,12 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import style as _torch_style
 from torch.distributed.tensor.placement_types import Placement
 
-from tp_kernels.backends import check_backend_name
+from tp_kernels.backends.choice import check_backend_name
 from tp_kernels.ops._checks import resolve_group
 from tp_kernels.ops.ag_matmul import all_gather_matmul, colwise_linears
+from tp_kernels.ops.comm_stats import record
+from tp_kernels.ops.dtensors import eager_path, local_tensor
 from tp_kernels.ops.matmul_rs import matmul_reduce_scatter, rowwise_linear
-from tp_kernels.ops.planning import eager_path, local_tensor, record
 
 # These styles have nothing to fuse: they are PyTorch's classes, re-exported.
 ParallelStyle = _torch_style.ParallelStyle

@@ -194,7 +194,7 @@ def _time(fn: Callable[[], object], n: int, device: torch.device) -> tuple[float
 def _unavailable_reason(backend: str, device: torch.device) -> str | None:
     """Why the backend cannot run the step on this world's group at all, or None."""
     import tp_kernels
-    from tp_kernels.backends import get_backend
+    from tp_kernels.backends.choice import get_backend
 
     if backend in ("auto", LOCAL):  # auto takes whichever of the others can
         return None
@@ -208,8 +208,8 @@ def _unavailable_reason(backend: str, device: torch.device) -> str | None:
 def _unready_reason(task: CaptureTask, device: torch.device, x: torch.Tensor) -> str | None:
     """Why the backend cannot capture the step's calls now (after the eager steps), or None;
     ``auto`` answers for itself inside the captured call."""
-    from tp_kernels.backends import get_backend
     from tp_kernels.backends.base import CaptureNeed
+    from tp_kernels.backends.choice import get_backend
 
     if task.backend in ("auto", LOCAL) or device.type != "cuda":
         return None

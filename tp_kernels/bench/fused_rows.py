@@ -146,7 +146,7 @@ def rank_backends(device_kind: str) -> dict[str, str]:
     device, then each backend's own check for this world's group (what a call with
     ``backend=name`` asks); on CPU also ``symm[triton]``, with ``config.SYMM_TRITON`` on."""
     import tp_kernels
-    from tp_kernels.backends import get_backend
+    from tp_kernels.backends.choice import get_backend
 
     device = rank_device(device_kind)
     group = dist.group.WORLD

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from tp_kernels.backends import get_backend
+from tp_kernels.backends.choice import get_backend
 from tp_kernels.bench.protocol import REFERENCE, ROOF, BenchCase, BenchConfig, Provider
 
 __all__ = [

@@ -580,7 +580,7 @@ def _public_reason(peers: Peers, repeat: int, backend: str) -> str | None:
     if repeat > 1:
         return f"--copy-repeat {repeat} slows only the data path's copies, not the op's"
     import tp_kernels
-    from tp_kernels.backends import get_backend
+    from tp_kernels.backends.choice import get_backend
 
     why = tp_kernels.available_backends(peers.device).get(backend, "not registered")
     if why != "ok":

@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 import tp_kernels
-from tp_kernels.backends import check_backend_name
+from tp_kernels.backends.choice import check_backend_name
 from tp_kernels.models import Llama, LlamaConfig
 from tp_kernels.models.plans import check_tp_compatible, llama_tp_plan
 from tp_kernels.testing import LocalWorld

@@ -56,9 +56,9 @@ import torch
 import torch.nn as nn
 
 from tp_kernels import styles
-from tp_kernels.backends import current_backend
+from tp_kernels.backends.choice import current_backend
 from tp_kernels.ops import all_gather_matmul, matmul_reduce_scatter
-from tp_kernels.ops.planning import record
+from tp_kernels.ops.comm_stats import record
 
 __all__ = ["AllGatherLinear", "AllGatherLinearMulti", "LinearReduceScatter"]
 

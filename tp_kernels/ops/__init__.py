@@ -1,6 +1,6 @@
 """The public fused ops, one module each (``ag_matmul.py``, ``matmul_rs.py``; their scaled fp8
-forms in ``scaled.py``); ``planning.py`` plans every call (checks, backend, agreement) and counts
-it."""
+forms in ``scaled.py``); ``planning.py`` plans every call (checks, backend, agreement),
+``comm_stats.py`` counts it."""
 
 from tp_kernels.ops.ag_matmul import all_gather_matmul
 from tp_kernels.ops.matmul_rs import matmul_reduce_scatter

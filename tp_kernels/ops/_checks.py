@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 GroupLike = dist.ProcessGroup | DeviceMesh | str | None
 
@@ -36,8 +37,6 @@ def resolve_group(group: object, *, op: str) -> dist.ProcessGroup:
             )
         group = group.get_group()
     elif isinstance(group, str):
-        from torch.distributed.distributed_c10d import _resolve_process_group
-
         try:
             group = _resolve_process_group(group)
         except (ValueError, RuntimeError, KeyError) as exc:
@@ -59,6 +58,12 @@ def resolve_group(group: object, *, op: str) -> dist.ProcessGroup:
             f"group {group.group_name!r}"
         )
     return group
+
+
+def group_size(group_name: str) -> int:
+    """The size of the group registered as ``group_name`` (the custom ops' fake kernels, which
+    get the group by name)."""
+    return _resolve_process_group(group_name).size()
 
 
 # The fused ops multiply and sum in floating point: an integer or bool input would be rounded

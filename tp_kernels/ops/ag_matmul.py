@@ -39,22 +39,14 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from tp_kernels import deadline
-from tp_kernels.backends import get_backend
-from tp_kernels.backends.auto import Shape
 from tp_kernels.backends.base import Backend
+from tp_kernels.backends.choice import Shape, at_run_time, get_backend
 from tp_kernels.ops import capture, planning
-from tp_kernels.ops._checks import GroupLike, check_all_gather_matmul
-from tp_kernels.ops.planning import (
-    agree,
-    as_grad,
-    dtensor_specs,
-    eager_path,
-    flatten_rows,
-    local_tensor,
-    record,
-    resolve_group_or_note,
-    unflatten_rows,
-)
+from tp_kernels.ops._checks import GroupLike, check_all_gather_matmul, group_size
+from tp_kernels.ops.comm_stats import count_as_collective, gather_bytes, record
+from tp_kernels.ops.dtensors import as_grad, dtensor_specs, eager_path, local_tensor
+from tp_kernels.ops.layout import flatten_rows, unflatten_rows
+from tp_kernels.ops.planning import agree, resolve_group_or_note
 
 __all__ = ["AllGatherMatmul", "all_gather_matmul", "colwise_linears"]
 
@@ -72,7 +64,7 @@ def _forward(
     keep_a: bool,
 ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
     """``(A if keep_a else None, [A @ b_j])`` for the shard's rows ``a [m, K]``."""
-    record("forward", _OP, impl.name, sent_bytes=planning.gather_bytes(a, group))
+    record("forward", _OP, impl.name, sent_bytes=gather_bytes(a, group))
     return impl.all_gather_matmul(a.contiguous(), bs, group, return_a=keep_a)
 
 
@@ -273,11 +265,11 @@ def _plan(
         backend,
         lambda: check_all_gather_matmul(x, bs, gather_dim),
         {"return_a": return_a, "save": save_gathered_a},
-        lambda plan, name: get_backend(name).all_gather_matmul(
-            flatten_rows(x, plan.dim)[0].contiguous(), bs, group, return_a=keep_a
+        lambda dim, name: get_backend(name).all_gather_matmul(
+            flatten_rows(x, dim)[0].contiguous(), bs, group, return_a=keep_a
         ),
         lambda: capture.all_gather_matmul_needs(
-            x, save_gathered_a, group.size(), *planning.grads_wanted(grads)
+            x, save_gathered_a, group.size(), *capture.grads_wanted(grads)
         ),
     )
 
@@ -355,7 +347,7 @@ def colwise_linears(
     """``(A if return_a else None, [y_j])`` of the colwise Linears ``(weights[j], biases[j])``
     (``[N_j, K]``, ``[N_j]`` or None; local or DTensor) on ``x`` (``[..., s, ..., K]`` local shard
     or its DTensor), gathered along ``gather_dim`` over ``group``: ``y_j = A @ w_j^T + bias_j``,
-    all local tensors. Eager only: the caller has checked :func:`planning.eager_path`."""
+    all local tensors. Eager only: the caller has checked :func:`.dtensors.eager_path`."""
     x_local = local_tensor(x)
     bs = [local_tensor(w).t() for w in weights]
     plan, owed = _plan(x_local, bs, gather_dim, group, backend, return_a, False, (x, weights))
@@ -381,7 +373,7 @@ def colwise_linears(
 # On 2-D rows; the group travels as its registered name and the backend as a name, so the ops
 # trace as opaque nodes with these fake kernels. Eager calls pass the backend already resolved; a
 # compiled graph passes what the user asked for ("": the default in force when the graph runs, or
-# "auto") and the op resolves it when it runs (planning.runtime_backend), under CUDA graph capture
+# "auto") and the op has it chosen when it runs (choice.at_run_time), under CUDA graph capture
 # too: a backward resolved by name (torchtitan 0.3's Functions pass "auto") may find auto's timed
 # choice unable to capture it, and takes the next of auto's ranking that can, as the forward did.
 #
@@ -405,7 +397,7 @@ def all_gather_matmul_2d(
     group = _resolve_process_group(group_name)
     with deadline.fused_call(group, _OP, "forward"):
         shape = Shape.of_all_gather_matmul(a_shard, bs)
-        impl = planning.runtime_backend(backend, group, shape, [(_OP, a_shard.nbytes)])
+        impl = at_run_time(backend, shape, group, [(_OP, a_shard.nbytes)])
         keep_a = return_a or save_a
         a, outs = _forward(impl, group, a_shard, bs, keep_a)
         return [a, *outs] if keep_a else outs
@@ -413,7 +405,7 @@ def all_gather_matmul_2d(
 
 @all_gather_matmul_2d.register_fake
 def _(a_shard, bs, group_name, backend, return_a, save_a):
-    rows = planning.group_size(group_name) * a_shard.shape[0]
+    rows = group_size(group_name) * a_shard.shape[0]
     outs = [a_shard.new_empty((rows, b.shape[1])) for b in bs]
     return [a_shard.new_empty((rows, a_shard.shape[1])), *outs] if return_a or save_a else outs
 
@@ -432,7 +424,7 @@ def _backward_2d(
         needs = [("matmul_reduce_scatter", group.size() * shard)] if need_a else []
         if any(need_b) and not saved_is_gathered:
             needs.append(("all_gather", shard))
-        impl = planning.runtime_backend(backend, group, shape, needs)
+        impl = at_run_time(backend, shape, group, needs)
         grad_shard, grad_bs = _backward(
             impl,
             group,
@@ -476,7 +468,7 @@ def _backward_op(
 def _(saved, bs, grad_outs, grad_a, saved_is_gathered, group_name, backend, need_b):
     first = grad_outs[0] if grad_outs else grad_a
     k = bs[0].shape[0] if bs else grad_a.shape[1]
-    grad_shard = first.new_empty((first.shape[0] // planning.group_size(group_name), k))
+    grad_shard = first.new_empty((first.shape[0] // group_size(group_name), k))
     return [grad_shard, *_fake_weight_grads(saved, grad_outs, need_b)]
 
 
@@ -556,5 +548,5 @@ def _autograd_backward(ctx, grads):
 
 
 all_gather_matmul_2d.register_autograd(_autograd_backward, setup_context=_setup_context)
-planning.count_as_collective("all_gather_matmul", "all_gather_into_tensor")
-planning.count_as_collective("all_gather_matmul_backward", "reduce_scatter_tensor")
+count_as_collective("all_gather_matmul", "all_gather_into_tensor")
+count_as_collective("all_gather_matmul_backward", "reduce_scatter_tensor")

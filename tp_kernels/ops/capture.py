@@ -5,25 +5,23 @@ may launch only stream-ordered work: no host synchronization, no allocation outs
 order, no exchange on the host (agreement, object exchange, ``auto``'s timing). Whether a call is
 captured is asked once per call and only for CUDA tensors
 (:func:`tp_kernels.backends.base.capturing`, looked up on its module at each call: tests
-replace it to capture CPU tensors). Under capture ``ops/planning.py`` reuses the plan
-an eager call of the shape class made (a call with none is refused by :func:`refuse_new_plan`),
-skips the agreement, and takes the backend :func:`capture_backend` says can capture the call and
-the backward parts autograd will run for it. :func:`reserve` makes, outside capture, what a
+replace it to capture CPU tensors). Under capture ``ops/planning.py`` reuses the plan an eager
+call of the shape class made and skips the agreement; the backend is the one
+:func:`tp_kernels.backends.choice.captured` says can capture what this module says the call and
+the backward parts autograd will run for it need. :func:`reserve` makes, outside capture, what a
 backend would otherwise make on a call's first use.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NoReturn
 
 import torch
-import torch.distributed as dist
 
 from tp_kernels import deadline
-from tp_kernels.backends import BACKEND_NAMES, _unavailable, base, capture_order, get_backend
-from tp_kernels.backends.auto import Shape, log_once
-from tp_kernels.backends.base import Backend, CaptureNeed, CaptureUnreadyError
+from tp_kernels.backends import base
+from tp_kernels.backends.base import CaptureNeed, CaptureUnreadyError
+from tp_kernels.backends.choice import BACKEND_NAMES, get_backend, unavailable_reason
 from tp_kernels.ops._checks import GroupLike, resolve_group
 
 __all__ = ["CaptureUnreadyError", "reserve"]
@@ -35,6 +33,11 @@ def requires_grad(tensors: Sequence[object]) -> bool:
     return torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in tensors
     )
+
+
+def grads_wanted(grads: tuple[object, Sequence[object]]) -> tuple[bool, bool]:
+    """Whether autograd will want the grad of the input, and of any of the parameters."""
+    return requires_grad([grads[0]]), requires_grad(grads[1])
 
 
 def all_gather_matmul_needs(
@@ -68,67 +71,6 @@ def matmul_reduce_scatter_needs(
     return needs
 
 
-def refuse_new_plan(op: str, group: dist.ProcessGroup, what: str) -> NoReturn:
-    """Raise for a captured call whose shape class has no plan yet (``what`` describes the call).
-    Every rank captures the same step with the same plans, so every rank raises here together."""
-    raise CaptureUnreadyError(
-        f"{op}: {what} on group {group.group_name!r} has no plan yet, and it is being captured in "
-        "a CUDA graph: making a plan agrees with the other ranks on the host (and may time "
-        "auto's candidates), which a graph cannot capture; nothing was launched. Run one eager "
-        "step with the same shapes before capturing (torchtitan's CUDA graph wrapper does: its "
-        "first call is eager)"
-    )
-
-
-def _unready(
-    impl: Backend, group: dist.ProcessGroup, device: torch.device, needs: Sequence[CaptureNeed]
-) -> str | None:
-    for need in needs:
-        why = impl.capture_unready_reason(group, device, need)
-        if why is not None:
-            return why
-    return None
-
-
-def capture_backend(
-    op: str,
-    group: dist.ProcessGroup,
-    device: torch.device,
-    needs: Sequence[CaptureNeed],
-    name: str,
-    impl: Backend,
-    shape: Shape | None,
-    auto: bool,
-) -> tuple[str, Backend]:
-    """The backend a captured call takes: its plan's ``name``/``impl`` when that can capture every
-    one of ``needs``; under ``auto`` (``shape`` its shape), the first of ``auto``'s order that can
-    (logged once at INFO); else :class:`CaptureUnreadyError`, before anything is launched."""
-    why = _unready(impl, group, device, needs)
-    if why is None:
-        return name, impl
-    tried = {name: why}
-    if auto and shape is not None:
-        for other in capture_order(shape, group):
-            if other in tried:
-                continue
-            other_impl = get_backend(other)
-            tried[other] = _unready(other_impl, group, device, needs)
-            if tried[other] is None:
-                log_once(
-                    shape,
-                    group,
-                    other,
-                    f"under CUDA graph capture {name} (the warmup's choice) cannot run it ({why}); "
-                    f"{other} is the next of auto's order that can",
-                )
-                return other, other_impl
-    reasons = "; ".join(f"{n}: {w}" for n, w in tried.items())
-    raise CaptureUnreadyError(
-        f"{op}: backend {name!r} cannot be captured in a CUDA graph for this call on group "
-        f"{group.group_name!r} ({reasons}); nothing was launched"
-    )
-
-
 def reserve(
     group: GroupLike,
     nbytes: int,
@@ -157,14 +99,16 @@ def reserve(
             "collective and allocates, so call it before the capture"
         )
     if backends is None:
-        names = [n for n in BACKEND_NAMES if n != "auto" and _unavailable(n, pg, device) is None]
+        names = [
+            n for n in BACKEND_NAMES if n != "auto" and unavailable_reason(n, pg, device) is None
+        ]
     else:
         if isinstance(backends, str):
             raise TypeError(f"{op}: backends must be a list of names, got the string {backends!r}")
         names = list(backends)
         for name in names:
             get_backend(name)  # a ValueError naming it when it is no backend
-            why = _unavailable(name, pg, device)
+            why = unavailable_reason(name, pg, device)
             if why is not None:
                 raise RuntimeError(f"{op}: backend {name!r} cannot run here: {why}")
     with deadline.fused_call(pg, op, "setup"):

@@ -30,22 +30,14 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from tp_kernels import deadline
-from tp_kernels.backends import get_backend
-from tp_kernels.backends.auto import Shape
 from tp_kernels.backends.base import Backend
+from tp_kernels.backends.choice import Shape, at_run_time, get_backend
 from tp_kernels.ops import capture, planning
-from tp_kernels.ops._checks import GroupLike, check_matmul_reduce_scatter
-from tp_kernels.ops.planning import (
-    agree,
-    as_grad,
-    dtensor_specs,
-    eager_path,
-    flatten_rows,
-    local_tensor,
-    record,
-    resolve_group_or_note,
-    unflatten_rows,
-)
+from tp_kernels.ops._checks import GroupLike, check_matmul_reduce_scatter, group_size
+from tp_kernels.ops.comm_stats import count_as_collective, record
+from tp_kernels.ops.dtensors import as_grad, dtensor_specs, eager_path, local_tensor
+from tp_kernels.ops.layout import flatten_rows, unflatten_rows
+from tp_kernels.ops.planning import agree, resolve_group_or_note
 
 __all__ = ["MatmulReduceScatter", "matmul_reduce_scatter", "rowwise_linear"]
 
@@ -188,11 +180,11 @@ def _plan(
             check_matmul_reduce_scatter(x, b, scatter_dim, reduce_op, group, bias)
         ),
         {"reduce_op": reduce_op, "bias": bias is not None},
-        lambda plan, name: get_backend(name).matmul_reduce_scatter(
-            flatten_rows(x, plan.dim)[0].contiguous(), b, group
+        lambda dim, name: get_backend(name).matmul_reduce_scatter(
+            flatten_rows(x, dim)[0].contiguous(), b, group
         ),
         lambda: capture.matmul_reduce_scatter_needs(
-            x, b.shape[1], group.size(), *planning.grads_wanted(grads)
+            x, b.shape[1], group.size(), *capture.grads_wanted(grads)
         ),
     )
 
@@ -285,13 +277,13 @@ def matmul_reduce_scatter_2d(
     with deadline.fused_call(group, _OP, "forward"):
         shape = Shape.of_matmul_reduce_scatter(a, b, group.size())
         product = a.shape[0] * b.shape[1] * a.dtype.itemsize
-        impl = planning.runtime_backend(backend, group, shape, [(_OP, product)])
+        impl = at_run_time(backend, shape, group, [(_OP, product)])
         return _forward(impl, group, a, b, bias, avg)
 
 
 @matmul_reduce_scatter_2d.register_fake
 def _(a, b, bias, group_name, backend, avg):
-    return a.new_empty((a.shape[0] // planning.group_size(group_name), b.shape[1]))
+    return a.new_empty((a.shape[0] // group_size(group_name), b.shape[1]))
 
 
 @torch.library.custom_op("tp_kernels::matmul_reduce_scatter_backward", mutates_args=())
@@ -315,7 +307,7 @@ def _backward_op(
             needs = [("all_gather_matmul", grad.nbytes)]
         else:
             needs = [("all_gather", grad.nbytes)] if need_b or need_bias else []
-        impl = planning.runtime_backend(backend, group, shape, needs)
+        impl = at_run_time(backend, shape, group, needs)
         grads = _backward(
             impl, group, a, b, grad, avg, need_a, need_b, need_bias, linear_weight=False
         )
@@ -324,7 +316,7 @@ def _backward_op(
 
 @_backward_op.register_fake
 def _(a, b, grad, group_name, backend, avg, need_a, need_b, need_bias):
-    rows = grad.shape[0] * planning.group_size(group_name)
+    rows = grad.shape[0] * group_size(group_name)
     grads = [grad.new_empty((rows, b.shape[0]))] if need_a else []
     grads += [grad.new_empty((a.shape[1], grad.shape[1]))] if need_b else []
     return grads + ([grad.new_empty(grad.shape[1])] if need_bias else [])
@@ -347,5 +339,5 @@ def _autograd_backward(ctx, grad):
 
 
 matmul_reduce_scatter_2d.register_autograd(_autograd_backward, setup_context=_setup_context)
-planning.count_as_collective("matmul_reduce_scatter", "reduce_scatter_tensor")
-planning.count_as_collective("matmul_reduce_scatter_backward", "all_gather_into_tensor")
+count_as_collective("matmul_reduce_scatter", "reduce_scatter_tensor")
+count_as_collective("matmul_reduce_scatter_backward", "all_gather_into_tensor")

@@ -25,19 +25,14 @@ import torch
 import torch.distributed as dist
 
 from tp_kernels import config, deadline
-from tp_kernels.backends import base, capture_order, current_backend, get_backend, resolve
-from tp_kernels.backends.auto import Shape
+from tp_kernels.backends import base, choice
 from tp_kernels.backends.base import Backend, CaptureNeed
+from tp_kernels.backends.choice import Choice, Shape
 from tp_kernels.backends.scaled import FP8_DTYPES, Scaled, Scaling, pack_rows
-from tp_kernels.ops import capture
 from tp_kernels.ops._checks import GroupLike
-from tp_kernels.ops.planning import (
-    flatten_rows,
-    gather_bytes,
-    record,
-    resolve_group_or_note,
-    unflatten_rows,
-)
+from tp_kernels.ops.comm_stats import gather_bytes, record
+from tp_kernels.ops.layout import flatten_rows, unflatten_rows
+from tp_kernels.ops.planning import resolve_group_or_note
 
 __all__ = [
     "all_gather_scaled_matmul",
@@ -52,8 +47,8 @@ __all__ = [
 _AG = "scaled_all_gather_matmul"
 _RS = "scaled_matmul_reduce_scatter"
 
-# group -> {call key -> backend}: a Float8Linear asks on every call. Weak, as the plan cache.
-_chosen: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple, Backend]]
+# group -> {call key -> the choice}: a Float8Linear asks on every call. Weak, as the plan cache.
+_chosen: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple, Choice]]
 _chosen = weakref.WeakKeyDictionary()
 _MAX_CHOSEN_PER_GROUP = 1024
 
@@ -63,45 +58,26 @@ def scaled_backend(
     out_dtype: torch.dtype, device: torch.device,
     capture_needs: Callable[[], Sequence[CaptureNeed]] = tuple, *, block_scaled: bool = False,
 ) -> Backend:  # fmt: skip
-    """The backend a scaled call runs on: the one named (or in force), ``auto``'s choice for the
-    unscaled call of the same shape and output dtype (it times no fp8 call), raising where the
-    named one cannot run. Kept per call key and settings (``use_backend`` included).
-
-    Under CUDA graph capture (as the unscaled ops' plans, ``ops/capture.py``): a call key no eager
-    call chose for is refused, and the kept backend must be able to capture ``capture_needs()``
-    (the call's and its backward's buffers), else ``CaptureUnreadyError``, before anything runs.
-
-    ``block_scaled`` (an MXFP8 call): a backend that cannot take block scales
-    (``Backend.block_scales_reason``) raises where named; ``auto`` takes the next of its ranking
-    that can (the same on every rank)."""
+    """The backend a scaled call runs on: :mod:`tp_kernels.backends.choice`'s for the unscaled
+    call of the same shape class and output dtype (a scaled call times nothing), asked once per
+    call key and settings (``use_backend`` included) and kept. Under CUDA graph capture the kept
+    choice must capture ``capture_needs()`` (the call's and its backward's buffers), or the choice
+    falls back or refuses, as for the unscaled ops. ``block_scaled``: an MXFP8 call."""
     key = (backend, op, m, k, tuple(ns), out_dtype, device, block_scaled, config.settings_key())
     chosen = _chosen.setdefault(group, {})
-    impl = chosen.get(key)
-    if base.capturing(device):
-        if impl is None:
-            what = f"a scaled call of a new shape class (m={m}, K={k}, N={list(ns)})"
-            capture.refuse_new_plan(op, group, what)
-        needs = capture_needs()
-        return capture.capture_backend(op, group, device, needs, impl.name, impl, None, False)[1]
-    if impl is not None:
-        return impl
-    op_name = "all_gather_matmul" if op == _AG else "matmul_reduce_scatter"
-    shape = Shape(op_name, m, k, tuple(ns), out_dtype, device)
-    name = resolve(backend, shape, group)
-    impl = get_backend(name)
-    if block_scaled and impl.block_scales_reason is not None:
-        if (backend or current_backend()) != "auto":
-            raise RuntimeError(f"backend={name!r} cannot run {op}: {impl.block_scales_reason}")
-        name = next(n for n in capture_order(shape, group)
-                    if get_backend(n).block_scales_reason is None)  # fmt: skip
-        impl = get_backend(name)
-    why = impl.unavailable_reason(group, device)
-    if why is not None:
-        raise RuntimeError(f"backend={name!r} cannot run {op} here: {why}")
+    kept = chosen.get(key)
+    capturing = base.capturing(device)
+    if kept is not None and not capturing:
+        return kept.impl
+    unscaled = "all_gather_matmul" if op == _AG else "matmul_reduce_scatter"
+    shape = Shape(unscaled, m, k, tuple(ns), out_dtype, device)
+    if capturing:
+        return choice.captured(op, kept, shape, group, capture_needs()).impl
+    made = choice.choose(backend, shape, group, may_time=False, block_scaled=block_scaled)
     if len(chosen) >= _MAX_CHOSEN_PER_GROUP:
         chosen.clear()
-    chosen[key] = impl
-    return impl
+    chosen[key] = made
+    return made.impl
 
 
 def gather_scaled(

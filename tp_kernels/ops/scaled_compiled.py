@@ -39,8 +39,8 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from tp_kernels import deadline
 from tp_kernels.backends.base import Backend
-from tp_kernels.ops import planning
-from tp_kernels.ops.planning import gather_bytes, record
+from tp_kernels.ops._checks import group_size
+from tp_kernels.ops.comm_stats import count_as_collective, gather_bytes, record
 from tp_kernels.ops.scaled import gather_scaled, reduce_scatter_scaled, scaled_backend
 
 __all__ = [
@@ -97,7 +97,7 @@ def scaled_all_gather_matmul(
 
 @scaled_all_gather_matmul.register_fake
 def _(a, a_scale, bs, b_scales, out_dtype, fast_accum, post_scale, group_name, *_):
-    rows = planning.group_size(group_name) * a.shape[0]
+    rows = group_size(group_name) * a.shape[0]
     return [a.new_empty((rows, b.shape[1]), dtype=out_dtype) for b in bs]
 
 
@@ -137,7 +137,7 @@ def scaled_matmul_reduce_scatter(
 
 @scaled_matmul_reduce_scatter.register_fake
 def _(a, a_scale, b, b_scale, addend, out_dtype, fast_accum, post_scale, group_name, *_):
-    rows = a.shape[0] // planning.group_size(group_name)
+    rows = a.shape[0] // group_size(group_name)
     return a.new_empty((rows, b.shape[1]), dtype=out_dtype)
 
 
@@ -190,11 +190,11 @@ def scaled_all_gather(
 
 @scaled_all_gather.register_fake
 def _(shard, group_name, *_):
-    return shard.new_empty((planning.group_size(group_name) * shard.shape[0], *shard.shape[1:]))
+    return shard.new_empty((group_size(group_name) * shard.shape[0], *shard.shape[1:]))
 
 
 # What CommDebugMode counts each as (a compiled graph's ops under a dispatch mode).
-planning.count_as_collective("scaled_all_gather_matmul", "all_gather_into_tensor")
-planning.count_as_collective("scaled_matmul_reduce_scatter", "reduce_scatter_tensor")
-planning.count_as_collective("amax_all_reduce", "all_reduce")
-planning.count_as_collective("scaled_all_gather", "all_gather_into_tensor")
+count_as_collective("scaled_all_gather_matmul", "all_gather_into_tensor")
+count_as_collective("scaled_matmul_reduce_scatter", "reduce_scatter_tensor")
+count_as_collective("amax_all_reduce", "all_reduce")
+count_as_collective("scaled_all_gather", "all_gather_into_tensor")
