@@ -331,11 +331,11 @@ def fp8_predictions_ms(
     """:mod:`tp_kernels.cost`'s ms per provider for one ``dtype`` ("fp8" or "mxfp8") call with
     ``m`` rows per rank, and a note; empty where the model has no rate of ``dtype`` for the
     device. As ``bench model --fp8`` / ``--mxfp8``: the backends' scaled schedules (those the
-    model has: MXFP8's are ``reference`` and ``pipelined``), ``torchao`` the unfused
-    ``reference`` schedule (its all-gather moving bf16) plus the cast of the ``W*m`` rows it
-    casts, ``auto+cast`` ``auto`` plus the cast of the rows it casts (``m`` before a gather,
-    ``W*m`` before a reduce-scatter); the weights' casts and fp8's amax all-reduces are not
-    modeled."""
+    model has: MXFP8's are ``reference``, ``pipelined`` and on a GPU ``symm``), ``torchao``
+    the unfused ``reference`` schedule (its all-gather moving bf16) plus the cast of the
+    ``W*m`` rows it casts, ``auto+cast`` ``auto`` plus the cast of the rows it casts (``m``
+    before a gather, ``W*m`` before a reduce-scatter); the weights' casts and fp8's amax
+    all-reduces are not modeled."""
     spec = cost.device_spec(device)
     if spec is None:
         return {}, f"no description of {device} in tp_kernels.cost"
