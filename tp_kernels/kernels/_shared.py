@@ -6,6 +6,7 @@ The protocol they implement is described in the package docstring."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -186,17 +187,19 @@ def gemm_kind(dtype: torch.dtype, *, block_scaled: bool = False) -> str:
     return "fp32" if dtype == torch.float32 else "16bit"
 
 
-def gemm_configs(kind: str) -> list[triton.Config]:
+@functools.cache
+def gemm_configs(kind: str) -> tuple[triton.Config, ...]:
     """The configs of the tile menu of ``kind`` (:func:`tp_kernels.tiling.gemm_shapes`), which
     :mod:`tp_kernels.kernels.tuning` chooses from per shape; one small fixed tile under the
-    interpreter (:func:`tp_kernels.tiling.interpreter_shape`)."""
+    interpreter (:func:`tp_kernels.tiling.interpreter_shape`). Made once per kind: every call
+    of a consumer asks for them."""
     if INTERPRET:
         blocks = dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K"), tiling.interpreter_shape(kind)))
-        return [triton.Config(blocks, num_warps=1)]
-    return [
+        return (triton.Config(blocks, num_warps=1),)
+    return tuple(
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
         for bm, bn, bk, w, st in tiling.gemm_shapes(kind)
-    ]
+    )
 
 
 # Programs of a persistent launch in the interpreter: more than one, so that the tile loops and
