@@ -196,7 +196,7 @@ def test_fp8_check_flags_a_wrong_scale():
         "ag_matmul_consumer": consumer,
         "matmul_rs_producer": lambda: p.scaled_mm(out=p.slots[0]),
     }
-    verdicts = {r.name: r for r in gk.check_fp8(p, run, tol)}
+    verdicts = {r.name: r for r in gk.check_scaled(p, run, tol)}
     assert list(verdicts) == [gk.FP8_BASELINE, "ag_matmul_consumer", "matmul_rs_producer"]
     assert verdicts[gk.FP8_BASELINE].ok, verdicts[gk.FP8_BASELINE].check
     assert verdicts["matmul_rs_producer"].ok, verdicts["matmul_rs_producer"].check
@@ -220,3 +220,49 @@ def test_interpreted_fp8_run_checks_both_gemms_against_scaled_mm():
     ]:
         row = next((line for line in lines if line.startswith(name + " ")), None)
         assert row is not None and " ok, " in row and row.endswith(f"vs {against}"), proc.stdout
+
+
+def test_interpreted_mxfp8_run_checks_both_gemms_against_the_emulated_mm():
+    """``--dtype mxfp8`` on a CPU: the block-scaled consumer and producer (each K step's scales
+    applied in the kernel) against torchao's emulation (the bf16-dequantized operands'
+    ``torch.mm``), itself checked against the fp32 product; K of three MX blocks."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "tp_kernels.bench.gpu_kernels", "--device", "cpu"]
+    cmd += ["--M", "40", "--N", "48", "--K", "96", "--dtype", "mxfp8"]
+    cmd += ["--warmup", "0", "--reps", "1"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    baseline = gk.MX_EMULATED_BASELINE
+    assert any(line.startswith("kernel ") and f"vs {baseline}" in line for line in lines)
+    for name, against in [
+        (baseline, "fp32"),
+        ("ag_matmul_consumer", baseline),
+        ("matmul_rs_producer", baseline),
+    ]:
+        row = next((line for line in lines if line.startswith(name + " ")), None)
+        assert row is not None and " ok, " in row and row.endswith(f"vs {against}"), proc.stdout
+
+
+def test_mxfp8_check_flags_a_wrong_block_scale():
+    """The MXFP8 checks can fail: the consumer done by torch with one block's scale of row 0
+    doubled."""
+    p = gk.MxProblem(8, 16, 64, seed=0, device=CPU)
+    tol = gk.matmul_tolerance(torch.bfloat16, 64, roundings=1)
+    wrong = p.a_scale.view(torch.uint8).clone()
+    wrong[0, 1] += 1
+
+    def consumer() -> None:
+        left = gk._mx_dequantize(p.a_data, wrong.view(torch.float8_e8m0fnu))
+        right = gk._mx_dequantize(p.b_weight, p.b_scale)
+        p.c.copy_(torch.mm(left, right.t()))
+
+    run = {
+        p.baseline: lambda: p.scaled_mm(out=p.c),
+        "ag_matmul_consumer": consumer,
+        "matmul_rs_producer": lambda: p.scaled_mm(out=p.slots[0]),
+    }
+    verdicts = {r.name: r for r in gk.check_scaled(p, run, tol)}
+    assert verdicts[p.baseline].ok, verdicts[p.baseline].check
+    assert verdicts["matmul_rs_producer"].ok, verdicts["matmul_rs_producer"].check
+    assert not verdicts["ag_matmul_consumer"].ok

@@ -43,6 +43,13 @@ that outputs are O(1); bf16 out, ``use_fast_accum=False``:
 * ``matmul_rs_producer``: ``a_scale``/``b_scale`` in its epilogue; checked against
   ``torch._scaled_mm``.
 
+``--dtype mxfp8`` (issue 36; a B200's check): the same two launchers on MXFP8 operands, e4m3
+with one e8m0 scale per 32 elements along K (:class:`MxProblem`): the consumer reads the packed
+MX rows (:func:`tp_kernels.backends.scaled.pack_mx_rows`), the producer ``a`` with its scales
+beside it; the baseline is ``torch._scaled_mm`` with the scales in cuBLAS's blocked layout
+(torchao's ``to_blocked``) on sm_100, and elsewhere (Hopper, whose kernels upcast to bf16, and
+a CPU) the bf16-dequantized operands' ``torch.mm``, as the table's header says.
+
 Each within :func:`tp_kernels.bench.tolerance.matmul_tolerance` with one rounding to bf16: the fp8
 products are exact in fp32 and every side sums them in fp32 and rounds once to bf16 (the
 kernels scale the accumulator in the epilogue; ``_scaled_mm``'s epilogue too), as the bf16
@@ -71,7 +78,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tp_kernels import signals
-from tp_kernels.backends.scaled import pack_rows
+from tp_kernels.backends.scaled import pack_mx_rows, pack_rows
 from tp_kernels.bench.driver import device_ready
 from tp_kernels.bench.protocol import (
     DTYPES,
@@ -104,8 +111,11 @@ UNIT_SCALE = {"TFLOP/s": 1e12, "GB/s": 1e9}
 BASELINE = "torch.mm"
 HEADER = ("kernel", "median ms", "p20 ms", "p80 ms", "rate", "vs torch.mm", "check")
 FP8 = "fp8-rowwise"
+MXFP8 = "mxfp8"
 FP8_BASELINE = "torch._scaled_mm"
-FP8_HEADER = (*HEADER[:5], f"vs {FP8_BASELINE}", HEADER[6])
+# MXFP8's baseline where no block-scaled GEMM runs (a CPU, Hopper): torchao's emulation, the
+# operands dequantized to bf16 and multiplied by torch.mm.
+MX_EMULATED_BASELINE = "dequantized torch.mm"
 
 
 def per_second(amount: float, ms: float, unit: str) -> float:
@@ -170,10 +180,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--K", type=positive_int, default=8192, help="reduction dim")
     p.add_argument(
         "--dtype",
-        choices=[*DTYPES, FP8],
+        choices=[*DTYPES, FP8, MXFP8],
         default="bf16",
         help=f"the GEMMs' dtype; {FP8}: e4m3 operands with row-wise scales, bf16 out, against "
-        f"{FP8_BASELINE}",
+        f"{FP8_BASELINE}; {MXFP8}: e4m3 with e8m0 scales per 32 elements of K, against "
+        f"{FP8_BASELINE} with blocked scales on sm_100 ({MX_EMULATED_BASELINE} elsewhere)",
     )
     p.add_argument("--warmup", type=non_negative_int, default=5, help="untimed calls per kernel")
     p.add_argument(
@@ -260,7 +271,7 @@ def launchers(p: Problem) -> dict[str, Callable[[], None]]:
 
 
 def _producer(
-    p: Problem | Fp8Problem, a: torch.Tensor, **scales: torch.Tensor
+    p: Problem | Fp8Problem | MxProblem, a: torch.Tensor, **scales: torch.Tensor
 ) -> Callable[[], None]:
     """A zero-argument call of the reduce-scatter's producer on ``a @ p.b`` as the only rank (its
     only block is its own, so the staging buffer is never written); ``scales``: the fp8 GEMM's
@@ -270,6 +281,10 @@ def _producer(
         a, p.b, p.slots, p.slots, p.progress, p.pad_ptrs, counters=p.counters,
         channel=RS_CHANNEL, rank=0, world_size=1, **scales,
     )  # fmt: skip
+
+
+def _scaled_header(baseline: str) -> tuple[str, ...]:
+    return (*HEADER[:5], f"vs {baseline}", HEADER[6])
 
 
 class Fp8Problem(_OneRankWords):
@@ -298,6 +313,8 @@ class Fp8Problem(_OneRankWords):
         self.c = torch.empty_like(self.want)
         self.slots = torch.empty((1, m, n), dtype=self.want.dtype, device=device)
         self.flops = 2.0 * m * n * k
+        self.baseline = FP8_BASELINE
+        self.consumer_scales = {"a_dtype": self.a_data.dtype, "b_scales": [self.b_scale]}
 
     def scaled_mm(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """``torch._scaled_mm`` of the operands, bf16, without fast accumulation."""
@@ -307,9 +324,69 @@ class Fp8Problem(_OneRankWords):
         )  # fmt: skip
 
 
-def fp8_launchers(p: Fp8Problem) -> dict[str, Callable[[], None]]:
-    """Zero-argument calls of the two GEMM launchers in fp8 on ``p`` (and of
-    ``torch._scaled_mm``), by kernel name."""
+class MxProblem(_OneRankWords):
+    """The MXFP8 tensors of a world_size=1 run on ``device``: ``a_data [m, k]`` e4m3 with e8m0
+    ``a_scale [m, k / 32]`` (one per 32 elements of a row), packed into ``a [m,
+    mx_row_bytes(k)]`` as a block-scaled all-gather leaves its rows; ``b [k, n]`` e4m3
+    column-major (a weight cast along K) with e8m0 ``b_scale [n, k / 32]`` that carry the ``1 /
+    sqrt(k)``; ``want``: the baseline's bf16 product (``torch._scaled_mm`` with the scales in
+    cuBLAS's blocked layout on sm_100, else the bf16-dequantized operands' ``torch.mm``, torchao's
+    emulation), ``fp32``: the fp32 product of the dequantized operands."""
+
+    def __init__(self, m: int, n: int, k: int, seed: int, device: torch.device):
+        super().__init__(device)
+        gen = torch.Generator(device=device).manual_seed(seed)
+        e4m3, e8m0 = torch.float8_e4m3fn, torch.float8_e8m0fnu
+
+        def scales(rows: int, low: int, high: int) -> torch.Tensor:
+            # Biased exponents from low to high - 1: blocks of different magnitudes.
+            biased = torch.randint(low, high, (rows, k // 32), generator=gen, device=device)
+            return biased.to(torch.uint8).view(e8m0)
+
+        self.a_data = torch.randn(m, k, generator=gen, device=device).to(e4m3)
+        self.a_scale = scales(m, 124, 131)
+        self.a = pack_mx_rows(self.a_data, self.a_scale)
+        shift = round(math.log2(math.sqrt(k)))  # outputs O(1), as the tolerance assumes
+        self.b_weight = torch.randn(n, k, generator=gen, device=device).to(e4m3)
+        self.b = self.b_weight.t()
+        self.b_scale = scales(n, 125 - shift, 130 - shift)
+        blocked = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 10
+        self.baseline = FP8_BASELINE if blocked else MX_EMULATED_BASELINE
+        left, right = (
+            _mx_dequantize(self.a_data, self.a_scale),
+            _mx_dequantize(self.b_weight, self.b_scale),
+        )
+        self.fp32 = torch.mm(left, right.t())
+        self.want = self.scaled_mm()
+        self.c = torch.empty_like(self.want)
+        self.slots = torch.empty((1, m, n), dtype=self.want.dtype, device=device)
+        self.flops = 2.0 * m * n * k
+        self.consumer_scales = {"b_scales": [self.b_scale]}
+
+    def scaled_mm(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The baseline's bf16 product (see the class docstring)."""
+        if self.baseline == FP8_BASELINE:
+            from torchao.prototype.mx_formats.utils import to_blocked
+
+            return torch._scaled_mm(
+                self.a_data, self.b, to_blocked(self.a_scale), to_blocked(self.b_scale),
+                out_dtype=torch.bfloat16, out=out,
+            )  # fmt: skip
+        left = _mx_dequantize(self.a_data, self.a_scale).to(torch.bfloat16)
+        right = _mx_dequantize(self.b_weight, self.b_scale).to(torch.bfloat16)
+        return torch.mm(left, right.t(), out=out)
+
+
+def _mx_dequantize(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``data [r, c]`` (e4m3) times its e8m0 block scales ``[r, c / 32]``, in fp32 (exact)."""
+    r, c = data.shape
+    factor = torch.exp2(scale.view(torch.uint8).float() - 127)
+    return (data.float().reshape(r, c // 32, 32) * factor[:, :, None]).reshape(r, c)
+
+
+def scaled_launchers(p: Fp8Problem | MxProblem) -> dict[str, Callable[[], None]]:
+    """Zero-argument calls of the two GEMM launchers on the scaled operands ``p`` (and of its
+    baseline), by kernel name."""
     kernels = kernels_module()
     one = {"rank": 0, "world_size": 1}
     return {
@@ -321,24 +398,24 @@ def fp8_launchers(p: Fp8Problem) -> dict[str, Callable[[], None]]:
             chunk_rows=p.a.shape[0],
             timeout_s=WAIT_TIMEOUT_S,
             status=p.status,
-            a_dtype=p.a_data.dtype,
-            b_scales=[p.b_scale],
+            **p.consumer_scales,
             **one,
         ),  # fmt: skip
         "matmul_rs_producer": _producer(p, p.a_data, a_scale=p.a_scale, b_scale=p.b_scale),
-        FP8_BASELINE: lambda: p.scaled_mm(out=p.c),
+        p.baseline: lambda: p.scaled_mm(out=p.c),
     }
 
 
-def check_fp8(p: Fp8Problem, run: dict[str, Callable[[], None]], tol: float) -> list[Result]:
-    """Run each launcher of ``run`` once and check it: ``torch._scaled_mm`` against the fp32
-    product, the kernels against ``torch._scaled_mm``, each within ``tol``
+def check_scaled(
+    p: Fp8Problem | MxProblem, run: dict[str, Callable[[], None]], tol: float
+) -> list[Result]:
+    """Run each launcher of ``run`` once and check it: the baseline against the fp32 product,
+    the kernels against the baseline, each within ``tol``
     (:func:`~tp_kernels.bench.tolerance.error_ratio`)."""
-
     return [
-        _check_gemm(p, run, FP8_BASELINE, p.c, p.fp32, tol, versus="fp32"),
-        _check_gemm(p, run, "ag_matmul_consumer", p.c, p.want, tol, versus=FP8_BASELINE),
-        _check_gemm(p, run, "matmul_rs_producer", p.slots[0], p.want, tol, versus=FP8_BASELINE),
+        _check_gemm(p, run, p.baseline, p.c, p.fp32, tol, versus="fp32"),
+        _check_gemm(p, run, "ag_matmul_consumer", p.c, p.want, tol, versus=p.baseline),
+        _check_gemm(p, run, "matmul_rs_producer", p.slots[0], p.want, tol, versus=p.baseline),
     ]
 
 
@@ -401,8 +478,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     cuda = args.device == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    fp8 = args.dtype == FP8
-    dtype = torch.bfloat16 if fp8 else DTYPES[args.dtype]
+    scaled = args.dtype in (FP8, MXFP8)
+    dtype = torch.bfloat16 if scaled else DTYPES[args.dtype]
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)"
     v = versions()
     print(
@@ -412,9 +489,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         flush=True,
     )
     tol = matmul_tolerance(dtype, args.K, roundings=1)
-    if fp8:
-        problem = Fp8Problem(args.M, args.N, args.K, args.seed, device)
-        run, check, baseline, header = fp8_launchers(problem), check_fp8, FP8_BASELINE, FP8_HEADER
+    if scaled:
+        kind = Fp8Problem if args.dtype == FP8 else MxProblem
+        problem = kind(args.M, args.N, args.K, args.seed, device)
+        run, check, baseline = scaled_launchers(problem), check_scaled, problem.baseline
+        header = _scaled_header(baseline)
     else:
         problem = Problem(args.M, args.N, args.K, dtype, args.seed, device)
         run, check, baseline, header = launchers(problem), check_all, BASELINE, HEADER
