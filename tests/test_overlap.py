@@ -21,6 +21,7 @@ from _processes import run_without_interpreter
 
 from tp_kernels.backends import symm_gather
 from tp_kernels.bench import overlap as ov
+from tp_kernels.bench.driver import MpsDaemon
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["--device", "cpu", "--copy-repeat", "1", "2"]
@@ -149,7 +150,7 @@ def _fake_control(tmp_path: Path, exit_code: int) -> Path:
 
 
 def test_mps_daemon_start_and_stop(tmp_path):
-    daemon = ov.MpsDaemon(str(_fake_control(tmp_path, 0)), timeout_s=10.0)
+    daemon = MpsDaemon(str(_fake_control(tmp_path, 0)), timeout_s=10.0)
     pipe = Path(daemon.env["CUDA_MPS_PIPE_DIRECTORY"])
     assert pipe.is_dir() and Path(daemon.env["CUDA_MPS_LOG_DIRECTORY"]).is_dir()
     assert daemon.start() is None
@@ -191,7 +192,7 @@ def test_mps_run_on_cpu_ranks(tmp_path, capsys):
 
 
 def test_mps_daemon_that_cannot_start_says_why(tmp_path):
-    daemon = ov.MpsDaemon(str(_fake_control(tmp_path, 3)), timeout_s=10.0)
+    daemon = MpsDaemon(str(_fake_control(tmp_path, 3)), timeout_s=10.0)
     why = daemon.start()
     assert why is not None and "exited 3" in why
     daemon.stop()
@@ -204,7 +205,8 @@ def test_mps_daemon_that_cannot_start_says_why(tmp_path):
         (["--shape", "8,8"], "expected M,K,N"),
         (["--copy-repeat", "0"], "--copy-repeat: must be a positive integer, got 0"),
         (["--copy-repeat", "x"], "--copy-repeat: got 'x', expected a positive integer or auto"),
-        (["--spin-ms", "0"], "--spin-ms: got 0.0, expected a positive number"),
+        (["--spin-ms", "0"], "--spin-ms: must be a positive number, got 0"),
+        (["--timeout-s", "-1"], "--timeout-s: must be a positive number, got -1"),
     ],
 )
 def test_bad_arguments_name_the_argument(argv, message, capsys):

@@ -17,17 +17,15 @@ share the GPU's SMs at once, under CUDA MPS, or the copies come from local "peer
   one that ends after it waited for an SM;
 * the copy-only bandwidth: bytes copied per second of the same copy alone (median of 5).
 
-**2. The ranks.** Where MPS can start, the script starts its own control daemon
-(``nvidia-cuda-mps-control -d`` with ``CUDA_MPS_PIPE_DIRECTORY`` and ``CUDA_MPS_LOG_DIRECTORY`` in a
-temporary directory, within ``--mps-timeout-s``), runs 2 ranks (gloo, CUDA symmetric memory with
-``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``) each limited to half the SMs by
-``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50``, and stops the daemon (``quit``, then the directory
-goes) whatever happened. It changes no setting of the GPU (no compute mode, no reset). Where MPS
-cannot start (or its ranks cannot), the mode is **local peers**: one process whose "peer" buffers
-are local tensors holding what rank 1 would publish, read by the same copier; its persistent
-GEMMs take half the SMs (:data:`tp_kernels.config.SHARED_DEVICE_RANKS` 2, as two ranks on one GPU
-without MPS). Under MPS a rank's GEMMs take one program per SM of its share: all the SMs its
-device reports where MPS reports the share, else half of them. The output names the mode.
+**2. The ranks**, started by :mod:`tp_kernels.bench.driver`. Where MPS can start, 2 ranks under
+the script's own MPS daemon (:class:`~tp_kernels.bench.driver.MpsDaemon`, started within
+``--mps-timeout-s`` and stopped whatever happened; no GPU setting changes), each limited to half
+the SMs (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50``). Where MPS or its ranks cannot start, **local
+peers**: one process whose "peer" buffers are local tensors holding what rank 1 would publish,
+read by the same copier; its persistent GEMMs take half the SMs
+(:data:`tp_kernels.config.SHARED_DEVICE_RANKS` 2). Under MPS a rank's GEMMs take one program per
+SM of its share: all the SMs its device reports where MPS reports the share, else half of them.
+The output names the mode.
 
 **3. The rows**, per op (``ag_matmul``: ``[M/W, K]`` shards gathered into ``A [M, K]``, times ``B
 [K, N]``; ``matmul_rs``: ``A [M, K] @ B [K, N]`` cut into ``W`` row blocks, each sent to its
@@ -99,9 +97,7 @@ import math
 import os
 import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -113,20 +109,30 @@ import torch.distributed as dist
 
 from tp_kernels import config, signals
 from tp_kernels.backends import symm_gather, symm_scatter
-from tp_kernels.bench.driver import SHARED_GPU_ENV, device_ready, rank_device
+from tp_kernels.bench.driver import (
+    MpsDaemon,
+    Ranks,
+    device_ready,
+    exit_status,
+    rank_device,
+    run_row,
+)
 from tp_kernels.bench.protocol import (
     DTYPES,
+    add_timeout_argument,
     cuda_seconds_back_to_back,
     host_seconds,
     non_negative_int,
     positive_int,
+    positive_number,
     render_table,
     summarize,
+    time_cells,
     time_providers,
     versions,
 )
 from tp_kernels.bench.tolerance import error_ratio, matmul_tolerance
-from tp_kernels.testing import LocalWorld, RankError
+from tp_kernels.testing import RankError
 
 __all__ = [
     "LOCAL",
@@ -135,7 +141,6 @@ __all__ = [
     "OPS",
     "ROWS",
     "Case",
-    "MpsDaemon",
     "Peers",
     "Setup",
     "main",
@@ -292,17 +297,10 @@ class _AllGatherRows:
     """All-gather-matmul on rank ``r``: the peer's shard pulled from its region into ``A``.
     ``run[row]`` calls a row; ``poison``, ``check``: its outputs, filled with NaN, then checked."""
 
-    def __init__(
-        self,
-        peers: Peers,
-        shape: tuple[int, int, int],
-        dtype: torch.dtype,
-        repeat: int,
-        setup: Setup,
-    ) -> None:
-        kernels = _kernels()
+    def __init__(self, peers: Peers, case: Case, setup: Setup) -> None:
+        kernels, dtype, repeat = _kernels(), DTYPES[setup.dtype], case.repeat
         r, device = peers.rank, peers.device
-        M, K, N = shape
+        _, M, K, N = case.shape
         m = M // WORLD
         shards = [_normal((m, K), setup.seed + s, device).to(dtype) for s in range(WORLD)]
         self.b = _normal((K, N), setup.seed + WORLD, device, 1 / math.sqrt(K)).to(dtype)
@@ -429,17 +427,10 @@ class _ReduceScatterRows:
     rank ``d``'s region (the reduction after it is left out: it is the same in every row but
     ``torch``, whose op includes it). The same interface as :class:`_AllGatherRows`."""
 
-    def __init__(
-        self,
-        peers: Peers,
-        shape: tuple[int, int, int],
-        dtype: torch.dtype,
-        repeat: int,
-        setup: Setup,
-    ) -> None:
-        kernels = _kernels()
+    def __init__(self, peers: Peers, case: Case, setup: Setup) -> None:
+        kernels, dtype, repeat = _kernels(), DTYPES[setup.dtype], case.repeat
         r, device = peers.rank, peers.device
-        M, K, N = shape
+        _, M, K, N = case.shape
         m = M // WORLD
         a_of = [_normal((M, K), setup.seed + 100 + s, device).to(dtype) for s in range(WORLD)]
         b_of = [
@@ -600,10 +591,9 @@ def measure(
     op: str, shape: tuple[str, int, int, int], repeat: int, peers: Peers, setup: Setup
 ) -> Case:
     """Check, then time, every row of one case on this rank (every rank calls it together)."""
-    dtype = DTYPES[setup.dtype]
     case = Case(op, shape, repeat)
     build = _AllGatherRows if op == "ag_matmul" else _ReduceScatterRows
-    rows = build(peers, shape[1:], dtype, repeat, setup)
+    rows = build(peers, case, setup)
     for row, backend in PUBLIC_OPS.items():
         why_not = _public_reason(peers, repeat, backend)
         if why_not is not None:
@@ -746,51 +736,6 @@ def _copy_engine_verdict(
 
 
 # ---------------------------------------------------------------------------------------------
-# MPS
-
-
-class MpsDaemon:
-    """An MPS control daemon of this script's own (its pipe and log directories in a temporary
-    directory), started and stopped within ``timeout_s`` each; no GPU setting changes."""
-
-    def __init__(self, control: str, timeout_s: float) -> None:
-        self._control, self._timeout_s = control, timeout_s
-        self._dir = Path(tempfile.mkdtemp(prefix="tp_kernels_mps_"))
-        self.env = {
-            "CUDA_MPS_PIPE_DIRECTORY": str(self._dir / "pipe"),
-            "CUDA_MPS_LOG_DIRECTORY": str(self._dir / "log"),
-        }
-        for path in self.env.values():
-            Path(path).mkdir()
-
-    def _call(self, args: list[str], text: str | None = None) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [self._control, *args], input=text, env={**os.environ, **self.env},
-            capture_output=True, text=True, timeout=self._timeout_s, check=False,
-        )  # fmt: skip
-
-    def start(self) -> str | None:
-        """Start the daemon; ``None`` when it runs, else why not."""
-        try:
-            done = self._call(["-d"])
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            return f"{self._control} -d: {exc}"
-        if done.returncode != 0:
-            return f"{self._control} -d exited {done.returncode}: {done.stderr.strip()}"
-        return None
-
-    def stop(self) -> str:
-        """Stop the daemon (``quit``) and remove its directories; says how it went."""
-        try:
-            done = self._call([], "quit\n")
-            said = f"quit: exit {done.returncode}"
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            said = f"quit failed: {exc}"
-        shutil.rmtree(self._dir, ignore_errors=True)
-        return said
-
-
-# ---------------------------------------------------------------------------------------------
 # The command
 
 
@@ -858,21 +803,18 @@ def _parser() -> argparse.ArgumentParser:
         "--host-reps", type=positive_int, default=None, help="host-time calls per row (20; cpu 2)"
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the inputs")
-    p.add_argument("--spin-ms", type=float, default=20.0, help="the probe's spinner time")
+    p.add_argument("--spin-ms", type=positive_number, default=20.0, help="the probe's spinner time")
     p.add_argument(
         "--copy-mib", type=positive_int, default=None, help="the probe's copy (256; cpu 1)"
     )
     p.add_argument("--no-mps", action="store_true", help="local peers even where MPS could run")
-    p.add_argument("--mps-timeout-s", type=float, default=30.0, help="each MPS daemon start/stop")
     p.add_argument(
-        "--timeout-s",
-        type=float,
-        default=360.0,
-        help="deadline of the measurements (the ranks' whole run), seconds (default 360)",
+        "--mps-timeout-s", type=positive_number, default=30.0, help="each MPS daemon start/stop"
     )
+    add_timeout_argument(p, 360.0, "the measurements (the ranks' whole run)")
     p.add_argument(
         "--wait-timeout-s",
-        type=float,
+        type=positive_number,
         default=60.0,
         help="deadline of each GEMM wait for a progress word, seconds",
     )
@@ -881,8 +823,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line with the device's defaults filled in; exits 2 on bad arguments."""
-    parser = _parser()
-    args = parser.parse_args(argv)
+    args = _parser().parse_args(argv)
     gpu = args.device == "cuda"
     for name, cuda_default, cpu_default in (
         ("dtype", "bf16", "fp32"),
@@ -894,10 +835,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ):
         if getattr(args, name) is None:
             setattr(args, name, cuda_default if gpu else cpu_default)
-    for name in ("spin_ms", "mps_timeout_s", "timeout_s", "wait_timeout_s"):
-        if not getattr(args, name) > 0:
-            flag = "--" + name.replace("_", "-")
-            parser.error(f"{flag}: got {getattr(args, name)}, expected a positive number")
     shapes = GPU_SHAPES if gpu else CPU_SHAPES
     args.shapes = {op: tuple(args.shape) if args.shape else shapes[op] for op in args.ops}
     return args
@@ -927,17 +864,7 @@ def render_case(case: Case, mode: str, dtype: str) -> str:
         if not times:
             cells.append((row, "-", "-", "-", "-", verdict))
             continue
-        stats = summarize(times)
-        cells.append(
-            (
-                row,
-                _fmt(stats["median_ms"]),
-                _fmt(stats["p20_ms"]),
-                _fmt(stats["p80_ms"]),
-                _fmt(case.host_ms[row]),
-                verdict,
-            )
-        )
+        cells.append((row, *time_cells(times, 3), _fmt(case.host_ms[row]), verdict))
     lines.append(render_table(header, cells))
     # The arithmetic on the printed (rounded) medians, so a reader can redo it.
     medians = {row: round(ms, 3) for row, ms in case.medians().items()}
@@ -987,21 +914,19 @@ def mps_run(
         daemon.stop()
         print(f"MPS: cannot start ({why})")
         return None
-    env = {**daemon.env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(100 // WORLD), **SHARED_GPU_ENV}
-    world = LocalWorld(WORLD, timeout_s=args.timeout_s, env=env)
+    world = Ranks(args.device, args.timeout_s, mps=daemon).world(WORLD)
     try:
-        try:
-            hello = world.run(rank_hello, setup.device, timeout_s=HELLO_TIMEOUT_S)
-        except RankError as exc:
-            print(f"MPS: started, but its ranks could not: {str(exc).splitlines()[0]}")
+        hello = run_row(world, rank_hello, setup.device, timeout_s=HELLO_TIMEOUT_S)
+        if hello.per_rank is None:
+            print(f"MPS: started, but its ranks could not: {hello.error.splitlines()[0]}")
             return None
-        for r, h in enumerate(hello):
+        for r, h in enumerate(hello.per_rank):
             print(
                 f"MPS rank {r}: {h['sms']} SMs reported (the GPU has {full_sms}), "
                 f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={h['percentage']}"
             )
         # Where MPS reports each rank its share, its persistent GEMMs take all it reports.
-        shared = WORLD if all(h["sms"] == full_sms for h in hello) else 1
+        shared = WORLD if all(h["sms"] == full_sms for h in hello.per_rank) else 1
         print(f"persistent GEMMs: one program per SM of 1/{shared} of the SMs reported")
         return MPS, merge(world.run(run_cases, replace(setup, shared_ranks=shared), True))
     finally:
@@ -1009,25 +934,22 @@ def mps_run(
         print(f"MPS daemon stopped ({daemon.stop()})")
 
 
-def _local_run(args: argparse.Namespace, setup: Setup) -> tuple[str, list[Case]]:
+def _alone(
+    args: argparse.Namespace, timeout_s: float, fn: Callable[..., Any], *fn_args: Any
+) -> Any:
+    """``fn(*fn_args)`` within ``timeout_s``: on the CPU in this process (where the tests patch
+    what it calls), on CUDA in a process of its own, as the ranks are, so that this one never
+    holds a CUDA context."""
     if args.device == "cpu":
-        return LOCAL, run_cases(setup, False)
-    # In its own process, as the ranks are: this one keeps no CUDA context.
-    with LocalWorld(1, timeout_s=args.timeout_s) as world:
-        return LOCAL, world.run(run_cases, setup, False)[0]
-
-
-def _probe(args: argparse.Namespace) -> dict[str, Any]:
-    if args.device == "cpu":
-        return probe("cpu", args.spin_ms, args.copy_mib)
-    with LocalWorld(1, timeout_s=PROBE_TIMEOUT_S) as world:
-        return world.run(probe, "cuda", args.spin_ms, args.copy_mib)[0]
+        return fn(*fn_args)
+    with Ranks(args.device, timeout_s).world(1) as world:
+        return world.run(fn, *fn_args)[0]
 
 
 def _measure_all(args: argparse.Namespace) -> tuple[dict[str, Any], str, list[Case]]:
     """The probe (printed as it comes), then every case: under MPS where it runs, else on local
     peers. Returns the probe's facts, the mode and the cases."""
-    facts = _probe(args)
+    facts = _alone(args, PROBE_TIMEOUT_S, probe, args.device, args.spin_ms, args.copy_mib)
     print("== probe")
     for key, value in facts.items():
         print(f"  {key}: {_fmt(value, 1) if isinstance(value, float) else value}", flush=True)
@@ -1042,7 +964,7 @@ def _measure_all(args: argparse.Namespace) -> tuple[dict[str, Any], str, list[Ca
     if args.device == "cuda" and not args.no_mps and control != "not on PATH":
         outcome = mps_run(args, setup, control, facts["SMs"])
     if outcome is None:
-        outcome = _local_run(args, setup)
+        outcome = LOCAL, _alone(args, args.timeout_s, run_cases, setup, False)
     return facts, *outcome
 
 
@@ -1069,10 +991,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     failed = [f"{c.op}/{c.shape[0]}/x{c.repeat}/{row}" for c in cases for row in c.failed]
     if "FAIL" in str(facts.get("spinner", "")):
         failed.append("probe/spinner")
-    if failed:
-        print(f"ERROR: checks failed for {failed}; see the tables above", file=sys.stderr)
-        return 1
-    return 0
+    return exit_status(failed, "the tables above")
 
 
 if __name__ == "__main__":
