@@ -129,7 +129,7 @@ import torch
 from tp_kernels.bench import calibration, capture_check
 from tp_kernels.bench.driver import Ranks, device_ready
 from tp_kernels.bench.fused_rows import OPTIONAL, REQUIRED, TRITON_LABEL, check_world, render
-from tp_kernels.bench.protocol import DTYPES, FP8_DTYPES, add_timeout_argument, positive_number
+from tp_kernels.bench.protocol import DTYPES, FP8_DTYPES, add_timeout_argument
 from tp_kernels.testing.numerics import FLOOR
 
 __all__ = [
@@ -347,11 +347,8 @@ def _parser() -> argparse.ArgumentParser:
         "stream in one hardware queue, where a stream wait ahead of the work it waits for "
         "would never end",
     )
-    p.add_argument(
-        "--symm-timeout-s",
-        type=positive_number,
-        default=60.0,
-        help="TP_KERNELS_TIMEOUT_S of the ranks: symm's signal waits (default 60)",
+    add_timeout_argument(
+        p, 60.0, "symm's signal waits (the ranks' TP_KERNELS_TIMEOUT_S)", "--symm-timeout-s"
     )
     return p
 

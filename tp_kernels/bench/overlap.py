@@ -296,12 +296,7 @@ def _parser() -> argparse.ArgumentParser:
         "--mps-timeout-s", type=positive_number, default=30.0, help="each MPS daemon start/stop"
     )
     add_timeout_argument(p, 360.0, "the measurements (the ranks' whole run)")
-    p.add_argument(
-        "--wait-timeout-s",
-        type=positive_number,
-        default=60.0,
-        help="deadline of each GEMM wait for a progress word, seconds",
-    )
+    add_timeout_argument(p, 60.0, "each GEMM wait for a progress word", "--wait-timeout-s")
     return p
 
 

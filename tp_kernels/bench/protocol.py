@@ -240,10 +240,12 @@ def positive_number(text: str) -> float:
     return value
 
 
-def add_timeout_argument(parser: argparse.ArgumentParser, default_s: float, what: str) -> None:
-    """``--timeout-s``: the deadline of ``what``, a positive number of seconds."""
+def add_timeout_argument(
+    parser: argparse.ArgumentParser, default_s: float, what: str, flag: str = "--timeout-s"
+) -> None:
+    """``flag``: the deadline of ``what``, a positive number of seconds."""
     parser.add_argument(
-        "--timeout-s",
+        flag,
         type=positive_number,
         default=default_s,
         help=f"deadline of {what}, seconds (default {default_s:g})",
