@@ -234,7 +234,7 @@ class _WorldWithBrokenTriton:
     def __init__(self, world_size: int, **_: object) -> None:
         self.world_size = world_size
 
-    def run(self, fn, *args):
+    def run(self, fn, *args, timeout_s=None):
         if fn is fr.rank_backends:
             return [{"pipelined": "ok", "symm": "ok", fr.TRITON_LABEL: "ok"}] * self.world_size
         task = args[0]

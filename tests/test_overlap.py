@@ -21,6 +21,8 @@ from _processes import run_without_interpreter
 
 from tp_kernels.backends import symm_gather
 from tp_kernels.bench import overlap as ov
+from tp_kernels.bench.driver import MpsDaemon
+from tp_kernels.bench.overlap_rows import OPS, ROWS, Setup
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["--device", "cpu", "--copy-repeat", "1", "2"]
@@ -38,7 +40,7 @@ def _tables(out: str) -> dict[tuple[str, int], dict[str, list[str]]]:
             current = tables.setdefault((head.group(1), int(head.group(2))), {})
             continue
         cells = line.split()
-        if current is not None and cells and (cells[0] in ov.ROWS or cells[0].endswith(":")):
+        if current is not None and cells and (cells[0] in ROWS or cells[0].endswith(":")):
             current[cells[0]] = cells
     return tables
 
@@ -59,7 +61,7 @@ def test_cpu_mode_computes_and_checks_every_row(capsys):
     assert "spinner: ok (checked)" in out and "copy engine: n/a on cpu" in out
     assert f"({ov.LOCAL})" in out
     tables = _tables(out)
-    assert set(tables) == {(op, k) for op in ov.OPS for k in (1, 2)}
+    assert set(tables) == {(op, k) for op in OPS for k in (1, 2)}
     for (op, repeat), rows in tables.items():
         for row in ("gemm", "copies", "bound", "unfused", "symm"):
             cells = rows[row]
@@ -114,7 +116,7 @@ def test_wrong_gemm_fails(monkeypatch, capsys):
     monkeypatch.setattr(kernels, "matmul_rs_producer", wrong_producer)
     assert ov.main(["--device", "cpu", "--copy-repeat", "1"]) == 1
     tables = _tables(capsys.readouterr().out)
-    for op in ov.OPS:
+    for op in OPS:
         rows = tables[(op, 1)]
         for row in ("gemm", "bound", "unfused", "symm"):
             assert rows[row][1] == "-" and "FAIL," in rows[row], (op, rows[row])
@@ -149,7 +151,7 @@ def _fake_control(tmp_path: Path, exit_code: int) -> Path:
 
 
 def test_mps_daemon_start_and_stop(tmp_path):
-    daemon = ov.MpsDaemon(str(_fake_control(tmp_path, 0)), timeout_s=10.0)
+    daemon = MpsDaemon(str(_fake_control(tmp_path, 0)), timeout_s=10.0)
     pipe = Path(daemon.env["CUDA_MPS_PIPE_DIRECTORY"])
     assert pipe.is_dir() and Path(daemon.env["CUDA_MPS_LOG_DIRECTORY"]).is_dir()
     assert daemon.start() is None
@@ -165,7 +167,7 @@ def test_mps_run_on_cpu_ranks(tmp_path, capsys):
     the CPU symmetric heap): the daemon started, the ranks' first allocation, every case on the
     peers' memory with verdicts agreed and merged, the daemon stopped."""
     args = ov.parse_args([*FAST, "--rounds", "1", "--warmup", "0", "--host-reps", "1"])
-    setup = ov.Setup(
+    setup = Setup(
         device="cpu", dtype="fp32", shapes=args.shapes, repeats=(1, 2), rounds=1, warmup=0,
         host_reps=1, seed=0, wait_timeout_s=30.0,
     )  # fmt: skip
@@ -178,7 +180,7 @@ def test_mps_run_on_cpu_ranks(tmp_path, capsys):
         "args=-d",
         "args=",
     ]
-    assert [(c.op, c.repeat) for c in cases] == [(op, k) for op in ov.OPS for k in (1, 2)]
+    assert [(c.op, c.repeat) for c in cases] == [(op, k) for op in OPS for k in (1, 2)]
     for case in cases:
         assert not case.failed, (case.op, case.checks)
         rows = {"gemm", "copies", "bound", "unfused", "symm"}
@@ -191,7 +193,7 @@ def test_mps_run_on_cpu_ranks(tmp_path, capsys):
 
 
 def test_mps_daemon_that_cannot_start_says_why(tmp_path):
-    daemon = ov.MpsDaemon(str(_fake_control(tmp_path, 3)), timeout_s=10.0)
+    daemon = MpsDaemon(str(_fake_control(tmp_path, 3)), timeout_s=10.0)
     why = daemon.start()
     assert why is not None and "exited 3" in why
     daemon.stop()
@@ -204,7 +206,8 @@ def test_mps_daemon_that_cannot_start_says_why(tmp_path):
         (["--shape", "8,8"], "expected M,K,N"),
         (["--copy-repeat", "0"], "--copy-repeat: must be a positive integer, got 0"),
         (["--copy-repeat", "x"], "--copy-repeat: got 'x', expected a positive integer or auto"),
-        (["--spin-ms", "0"], "--spin-ms: got 0.0, expected a positive number"),
+        (["--spin-ms", "0"], "--spin-ms: must be a positive number, got 0"),
+        (["--timeout-s", "-1"], "--timeout-s: must be a positive number, got -1"),
     ],
 )
 def test_bad_arguments_name_the_argument(argv, message, capsys):

@@ -51,6 +51,7 @@ from tp_kernels.bench.protocol import (
     MXFP8,
     SCALED_DTYPES,
     BenchConfig,
+    add_timeout_argument,
     format_table,
     machine_info,
     non_negative_int,
@@ -127,12 +128,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument("--out", type=Path, default=None, help="path of the JSON report")
-    p.add_argument(
-        "--timeout-s",
-        type=float,
-        default=1800.0,
-        help="deadline of the whole run on local ranks, seconds (default 1800)",
-    )
+    add_timeout_argument(p, 1800.0, "the whole run on local ranks")
     return p
 
 

@@ -2,25 +2,32 @@
 its deadline, and a rank's failure told in a line.
 
 ``gpu_check``'s per-op rows (:mod:`tp_kernels.bench.fused_rows`) and capture rows
-(:mod:`tp_kernels.bench.capture_check`) run on worlds started here (:class:`Ranks`), one row at a
-time (:func:`run_row`); ``gpu_kernels``, the calibration and ``overlap`` take their device from
-here (:func:`device_ready`, :func:`rank_device`). Every one of them times by
-:mod:`tp_kernels.bench.protocol` and prints its table by
+(:mod:`tp_kernels.bench.capture_check`) and ``overlap``'s probe, MPS and local-peer runs
+(:mod:`tp_kernels.bench.overlap`) run on worlds started here (:class:`Ranks`); ``gpu_kernels`` and
+the calibration take their device from here (:func:`device_ready`, :func:`rank_device`). Every
+one of them times by :mod:`tp_kernels.bench.protocol` and prints its table by
 :func:`~tp_kernels.bench.protocol.render_table`.
 
 Ranks that share one GPU: their process group is gloo, since NCCL refuses two ranks on one
 device; every rank works on ``cuda:0`` and has ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``
-(:data:`SHARED_GPU_ENV`). On ``--device cpu`` the ranks work on CPU tensors with
-``TRITON_INTERPRET=1`` set before Triton is first imported.
+(:data:`SHARED_GPU_ENV`). They are time-sliced on the GPU, unless they run under an MPS daemon
+(:class:`MpsDaemon`): then they share its SMs at once, each limited to an equal share. On
+``--device cpu`` the ranks work on CPU tensors with ``TRITON_INTERPRET=1`` set before Triton is
+first imported.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,10 +36,12 @@ from tp_kernels.testing import LocalWorld, RankError
 
 __all__ = [
     "SHARED_GPU_ENV",
+    "MpsDaemon",
     "Ranks",
     "RowRun",
     "device_ready",
     "error_tail",
+    "exit_status",
     "rank_device",
     "run_row",
     "summarize_rank_error",
@@ -75,22 +84,70 @@ def device_ready(parser: argparse.ArgumentParser, device: str, *, interpreted_cp
     return True
 
 
+class MpsDaemon:
+    """An MPS control daemon of the check's own (its pipe and log directories in a temporary
+    directory), started and stopped within ``timeout_s`` each; no GPU setting changes."""
+
+    def __init__(self, control: str, timeout_s: float) -> None:
+        self._control, self._timeout_s = control, timeout_s
+        self._dir = Path(tempfile.mkdtemp(prefix="tp_kernels_mps_"))
+        self.env = {
+            "CUDA_MPS_PIPE_DIRECTORY": str(self._dir / "pipe"),
+            "CUDA_MPS_LOG_DIRECTORY": str(self._dir / "log"),
+        }
+        for path in self.env.values():
+            Path(path).mkdir()
+
+    def _call(self, args: list[str], text: str | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [self._control, *args], input=text, env={**os.environ, **self.env},
+            capture_output=True, text=True, timeout=self._timeout_s, check=False,
+        )  # fmt: skip
+
+    def start(self) -> str | None:
+        """Start the daemon; ``None`` when it runs, else why not."""
+        try:
+            done = self._call(["-d"])
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return f"{self._control} -d: {exc}"
+        if done.returncode != 0:
+            return f"{self._control} -d exited {done.returncode}: {done.stderr.strip()}"
+        return None
+
+    def stop(self) -> str:
+        """Stop the daemon (``quit``) and remove its directories; says how it went."""
+        try:
+            done = self._call([], "quit\n")
+            said = f"quit: exit {done.returncode}"
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            said = f"quit failed: {exc}"
+        shutil.rmtree(self._dir, ignore_errors=True)
+        return said
+
+
 @dataclass(frozen=True)
 class Ranks:
     """How a check's local ranks start: on ``device`` (``"cuda"``: all on ``cuda:0``; ``"cpu"``),
     each run on them within ``timeout_s`` (compiling included), symm's signal waits within
-    ``symm_timeout_s``, and ``cuda_max_connections`` hardware queues per rank (None: the
-    driver's, 8)."""
+    ``symm_timeout_s`` (None: tp_kernels' own), ``cuda_max_connections`` hardware queues per rank
+    (None: the driver's, 8), and under the MPS daemon ``mps`` (None: time-sliced)."""
 
     device: str
     timeout_s: float
-    symm_timeout_s: float
+    symm_timeout_s: float | None = None
     cuda_max_connections: int | None = None
+    mps: MpsDaemon | None = None
 
     def env(self, world_size: int | None = None) -> dict[str, str]:
         """What the ranks' environment sets; with ``world_size`` on CUDA also how many ranks
-        share the GPU."""
-        env = {"TP_KERNELS_TIMEOUT_S": f"{self.symm_timeout_s:g}"}
+        share the GPU (under MPS: each rank's share of its SMs)."""
+        env: dict[str, str] = {}
+        if self.symm_timeout_s is not None:
+            env["TP_KERNELS_TIMEOUT_S"] = f"{self.symm_timeout_s:g}"
+        if self.mps is not None and world_size is not None:
+            # The ranks reach the daemon by its pipe directory; each gets an equal share of SMs.
+            env.update(self.mps.env)
+            env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(100 // world_size)
         if self.device == "cuda":
             env.update(SHARED_GPU_ENV)
             if self.cuda_max_connections is not None:
@@ -123,13 +180,15 @@ class RowRun:
     seconds: float
 
 
-def run_row(world: LocalWorld, fn: Callable[..., Any], *args: Any) -> RowRun:
-    """``fn(*args)`` on every rank of ``world`` within its deadline. A rank that raises, crashes
-    or misses the deadline fails the row, not the check: the world is torn down (its next run
-    starts a fresh one) and the error's text is returned."""
+def run_row(
+    world: LocalWorld, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None
+) -> RowRun:
+    """``fn(*args)`` on every rank of ``world`` within its deadline (``timeout_s``, else the
+    world's). A rank that raises, crashes or misses the deadline fails the row, not the check: the
+    world is torn down (its next run starts a fresh one) and the error's text is returned."""
     started = time.perf_counter()
     try:
-        per_rank, error = world.run(fn, *args), ""
+        per_rank, error = world.run(fn, *args, timeout_s=timeout_s), ""
     except RankError as exc:
         per_rank, error = None, str(exc)
     return RowRun(per_rank, error, time.perf_counter() - started)
@@ -160,3 +219,12 @@ def error_tail(text: str, lines: int = 14) -> str:
     body = first[1] if len(first) > 1 else text
     kept = body.splitlines()[-lines:]
     return "\n".join("      " + line for line in kept)
+
+
+def exit_status(failed: Sequence[str], tables: str = "the table above") -> int:
+    """A check's exit status: 0 when ``failed`` (what failed) is empty, else 1, said on stderr
+    with where to read why (``tables``)."""
+    if failed:
+        print(f"ERROR: checks failed for {list(failed)}; see {tables}", file=sys.stderr)
+        return 1
+    return 0

@@ -120,7 +120,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import math
 import sys
 import time
 from collections.abc import Sequence
@@ -130,7 +129,7 @@ import torch
 from tp_kernels.bench import calibration, capture_check
 from tp_kernels.bench.driver import Ranks, device_ready
 from tp_kernels.bench.fused_rows import OPTIONAL, REQUIRED, TRITON_LABEL, check_world, render
-from tp_kernels.bench.protocol import DTYPES, FP8_DTYPES
+from tp_kernels.bench.protocol import DTYPES, FP8_DTYPES, add_timeout_argument
 from tp_kernels.testing.numerics import FLOOR
 
 __all__ = [
@@ -276,13 +275,6 @@ def _world_size(text: str) -> int:
     return value
 
 
-def _seconds(text: str) -> float:
-    value = float(text)
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
-    return value
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m tp_kernels.bench.gpu_check",
@@ -345,12 +337,7 @@ def _parser() -> argparse.ArgumentParser:
         help="print rank 0's cProfile of each capture row's eager steps (where the host's time "
         "per step goes)",
     )
-    p.add_argument(
-        "--timeout-s",
-        type=_seconds,
-        default=120.0,
-        help="deadline of one row on every rank, compiling included (default 120)",
-    )
+    add_timeout_argument(p, 120.0, "one row on every rank, compiling included")
     p.add_argument(
         "--cuda-max-connections",
         type=int,
@@ -360,11 +347,8 @@ def _parser() -> argparse.ArgumentParser:
         "stream in one hardware queue, where a stream wait ahead of the work it waits for "
         "would never end",
     )
-    p.add_argument(
-        "--symm-timeout-s",
-        type=_seconds,
-        default=60.0,
-        help="TP_KERNELS_TIMEOUT_S of the ranks: symm's signal waits (default 60)",
+    add_timeout_argument(
+        p, 60.0, "symm's signal waits (the ranks' TP_KERNELS_TIMEOUT_S)", "--symm-timeout-s"
     )
     return p
 

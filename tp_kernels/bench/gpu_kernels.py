@@ -70,7 +70,6 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -79,13 +78,14 @@ import torch
 
 from tp_kernels import signals
 from tp_kernels.backends.scaled import pack_mx_rows, pack_rows
-from tp_kernels.bench.driver import device_ready
+from tp_kernels.bench.driver import device_ready, exit_status
 from tp_kernels.bench.protocol import (
     DTYPES,
     non_negative_int,
     positive_int,
     render_table,
     summarize,
+    time_cells,
     time_providers,
     versions,
 )
@@ -151,21 +151,10 @@ def result_rows(results: Sequence[Result], baseline: str = BASELINE) -> list[tup
         if not r.times_ms:
             rows.append((r.name, "-", "-", "-", "-", "-", r.check))
             continue
-        stats = summarize(r.times_ms)
-        med = stats["median_ms"]
+        med = summarize(r.times_ms)["median_ms"]
         rate = f"{per_second(r.amount, med, r.unit):.1f} {r.unit}" if r.amount and med > 0 else "-"
         vs = f"{base_ms / med:.2f}x" if base and base.unit == r.unit and r.amount else "-"
-        rows.append(
-            (
-                r.name,
-                f"{med:.4f}",
-                f"{stats['p20_ms']:.4f}",
-                f"{stats['p80_ms']:.4f}",
-                rate,
-                vs,
-                r.check,
-            )
-        )
+        rows.append((r.name, *time_cells(r.times_ms, 4), rate, vs, r.check))
     return rows
 
 
@@ -514,11 +503,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         failed = Result("timed calls", "FAILED, a wait timed out", False)
         results.append(failed)
     print(render_table(header, result_rows(results, baseline)))
-    bad = [r.name for r in results if not r.ok]
-    if bad:
-        print(f"ERROR: checks failed for {bad}; see the table above", file=sys.stderr)
-        return 1
-    return 0
+    return exit_status([r.name for r in results if not r.ok])
 
 
 if __name__ == "__main__":

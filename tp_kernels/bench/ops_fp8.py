@@ -365,6 +365,37 @@ def _mesh(group: dist.ProcessGroup, device: torch.device) -> Any:
     return DeviceMesh.from_group(group, device.type)
 
 
+def _fp8_case(
+    name: str,
+    cfg: BenchConfig,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    operands: _Operands,
+    fused: Callable[..., Provider],
+    *,
+    torchao: Provider,
+    roof: Provider,
+    shapes: dict[str, list[int]],
+    roundings: int,
+) -> BenchCase:
+    """The scaled op ``name``'s case: the fused providers (``fused(backend, cast=False)``), the
+    fused call with its casts, torchao's Linear and the roof, within ``roundings`` roundings to
+    bf16; the cost model's times and the table's note from ``operands``."""
+    return op_case(
+        name,
+        cfg,
+        group,
+        device,
+        fused=fused,
+        extra={CAST: fused("auto", cast=True), TORCHAO: torchao, ROOF: roof},
+        shapes=shapes,
+        tolerance=fp8_tolerance(cfg.K, roundings=roundings),
+        predict=functools.partial(fp8_predictions_ms, device=device, dtype=operands.cost_dtype),
+        block_scaled=operands.block_scaled,
+        note=operands.note,
+    )
+
+
 def ag_matmul_fp8(cfg: BenchConfig, group: dist.ProcessGroup, device: torch.device) -> BenchCase:
     """The scaled ``ag_matmul``: ``out [M, N] = all_gather(a8 [M/W, K]) @ b8 [K, N]`` scaled
     (module docstring)."""
@@ -397,22 +428,17 @@ def ag_matmul_fp8(cfg: BenchConfig, group: dist.ProcessGroup, device: torch.devi
 
     style = ColwiseParallel(input_layouts=Shard(0))
     torchao = _torchao_linear(operands.linear(w.repeat(world, 1)), mesh, style)
-    return op_case(
+    return _fp8_case(
         "ag_matmul",
         cfg,
         group,
         device,
-        fused=fused,
-        extra={
-            CAST: fused("auto", cast=True),
-            TORCHAO: lambda: [torchao(a_shard)],
-            ROOF: lambda: [operands.product(full8, b8)],
-        },
+        operands,
+        fused,
+        torchao=lambda: [torchao(a_shard)],
+        roof=lambda: [operands.product(full8, b8)],
         shapes={"a_shard": list(a_shard.shape), "b": list(b.shape), "out": [cfg.M, cfg.N]},
-        tolerance=fp8_tolerance(cfg.K, roundings=1),
-        predict=functools.partial(fp8_predictions_ms, device=device, dtype=operands.cost_dtype),
-        block_scaled=operands.block_scaled,
-        note=operands.note,
+        roundings=1,
     )
 
 
@@ -452,20 +478,15 @@ def matmul_rs_fp8(cfg: BenchConfig, group: dist.ProcessGroup, device: torch.devi
     full_w = torch.cat([w if s == rank else operands_of(s)[1] for s in range(world)], dim=1)
     style = RowwiseParallel(output_layouts=Shard(0))
     torchao = _torchao_linear(operands.linear(full_w), mesh, style)
-    return op_case(
+    return _fp8_case(
         "matmul_rs",
         cfg,
         group,
         device,
-        fused=fused,
-        extra={
-            CAST: fused("auto", cast=True),
-            TORCHAO: lambda: torchao(a),
-            ROOF: lambda: operands.product(a8, b8),
-        },
+        operands,
+        fused,
+        torchao=lambda: torchao(a),
+        roof=lambda: operands.product(a8, b8),
         shapes={"a": list(a.shape), "b": list(b.shape), "out": [cfg.M // world, cfg.N]},
-        tolerance=fp8_tolerance(cfg.K, roundings=world + 1),
-        predict=functools.partial(fp8_predictions_ms, device=device, dtype=operands.cost_dtype),
-        block_scaled=operands.block_scaled,
-        note=operands.note,
+        roundings=world + 1,
     )

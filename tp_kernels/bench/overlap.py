@@ -17,45 +17,25 @@ share the GPU's SMs at once, under CUDA MPS, or the copies come from local "peer
   one that ends after it waited for an SM;
 * the copy-only bandwidth: bytes copied per second of the same copy alone (median of 5).
 
-**2. The ranks.** Where MPS can start, the script starts its own control daemon
-(``nvidia-cuda-mps-control -d`` with ``CUDA_MPS_PIPE_DIRECTORY`` and ``CUDA_MPS_LOG_DIRECTORY`` in a
-temporary directory, within ``--mps-timeout-s``), runs 2 ranks (gloo, CUDA symmetric memory with
-``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``) each limited to half the SMs by
-``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50``, and stops the daemon (``quit``, then the directory
-goes) whatever happened. It changes no setting of the GPU (no compute mode, no reset). Where MPS
-cannot start (or its ranks cannot), the mode is **local peers**: one process whose "peer" buffers
-are local tensors holding what rank 1 would publish, read by the same copier; its persistent
-GEMMs take half the SMs (:data:`tp_kernels.config.SHARED_DEVICE_RANKS` 2, as two ranks on one GPU
-without MPS). Under MPS a rank's GEMMs take one program per SM of its share: all the SMs its
-device reports where MPS reports the share, else half of them. The output names the mode.
+**2. The ranks**, started by :mod:`tp_kernels.bench.driver`. Where MPS can start, 2 ranks under
+the script's own MPS daemon (:class:`~tp_kernels.bench.driver.MpsDaemon`, started within
+``--mps-timeout-s`` and stopped whatever happened; no GPU setting changes), each limited to half
+the SMs (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50``). Where MPS or its ranks cannot start, **local
+peers**: one process whose "peer" buffers are local tensors holding what rank 1 would publish,
+read by the same copier; its persistent GEMMs take half the SMs
+(:data:`tp_kernels.config.SHARED_DEVICE_RANKS` 2). Under MPS a rank's GEMMs take one program per
+SM of its share: all the SMs its device reports where MPS reports the share, else half of them.
+The output names the mode.
 
-**3. The rows**, per op (``ag_matmul``: ``[M/W, K]`` shards gathered into ``A [M, K]``, times ``B
-[K, N]``; ``matmul_rs``: ``A [M, K] @ B [K, N]`` cut into ``W`` row blocks, each sent to its
-rank), forward, per shape, per copy repeat, each on rank ``r`` of ``W = 2``. The first five are
-the symm backend's own parts (the copier of :mod:`tp_kernels.backends.symm_gather`, the pusher of
-:mod:`tp_kernels.backends.symm_scatter`, the GEMM launchers of :mod:`tp_kernels.kernels`) on
-buffers published once, without the public op's per-call barriers; the last two are public ops:
+**3. The rows** (:mod:`tp_kernels.bench.overlap_rows` says what each runs and how it is checked),
+per op, shape and copy repeat: ``gemm``, ``copies``, ``bound`` (both at once, independent),
+``unfused``, ``symm`` (the backend's fused data path), ``symm_op`` (the public op on ``symm``)
+and ``torch`` (PyTorch's fused op through ``torch_symm_mem``), each checked on NaN-filled
+outputs first; a row that fails says FAIL and is not timed.
 
-* ``gemm``: the GEMM alone, every progress word it waits for already raised;
-* ``copies``: the copies alone (the all-gather pulls the peer's shard; the reduce-scatter pushes
-  its block to the peer's slot);
-* ``bound``: both at once, on independent streams (disjoint buffers): what perfect overlap costs;
-* ``unfused``: the copies, then the GEMM (all-gather), or the GEMM, then the copies;
-* ``symm``: the fused data path: the GEMM's tiles wait on the copies' progress words
-  (all-gather), or the pusher copies each block once the GEMM raised its word (reduce-scatter);
-* ``symm_op``: the public op (:func:`tp_kernels.all_gather_matmul`,
-  :func:`tp_kernels.matmul_reduce_scatter`) on the ``symm`` backend: the data path plus its
-  per-call barriers, the reduction and the host's planning, as a user gets it;
-* ``torch``: PyTorch's ``fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter`` through the
-  ``torch_symm_mem`` backend, at the same SM share.
-
-The two public ops' rows say "n/a: why" where they cannot run: on local peers (no group of
-ranks), on the CPU (``torch``), at a copy repeat above 1 (it slows only the data path's copies).
-
-``--copy-repeat k``, a test-only knob, copies each chunk (all-gather: into a scratch buffer, then
-the last time into ``A`` and its word) or each block (reduce-scatter) ``k`` times, so that copies
-inside one GPU take as long as over NVLink; ``auto`` is the probed bandwidth over
-:data:`NVLINK_GBPS` (rounded, at least 1). Shapes: ``llama3-8b`` is Llama-3-8B's w1|w3 (all-gather)
+``--copy-repeat k``, a test-only knob, makes every copy ``k`` copies, so that copies inside one
+GPU take as long as over NVLink; ``auto`` is the probed bandwidth over :data:`NVLINK_GBPS`
+(rounded, at least 1). Shapes: ``llama3-8b`` is Llama-3-8B's w1|w3 (all-gather)
 and w2 (reduce-scatter) at 8192 tokens and TP 8; ``balanced`` cuts N (K) to 512 so that the GEMM
 on half an H100 and the copies at NVLink speed should take about the same time (an estimate
 from published peak rates; the ``gemm`` and ``copies`` rows show what they take).
@@ -70,11 +50,6 @@ device; the slowest rank's). Per case, for each fused row (``symm``, ``symm_op``
 
     overlap efficiency = (unfused - fused) / (unfused - bound)   (1: perfect, 0: none)
     exposed comm (ms)  = fused - gemm
-
-**Checks.** Before timing, every row runs once on outputs first filled with NaN and is checked:
-GEMM outputs against ``torch.mm`` within :func:`tp_kernels.bench.tolerance.matmul_tolerance`, copied
-rows bit for bit, the GEMM's wait record clean. A row that fails says FAIL and is not timed; the
-exit status is then 1.
 
 ``--device cpu``: the same code with ``TRITON_INTERPRET=1`` (set before starting) and CPU tensors,
 in this process, local peers, tiny shapes: the copier and pusher are host threads, the copies host
@@ -95,68 +70,56 @@ Without CUDA and without ``--device cpu`` it says so and exits 0.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from tp_kernels import config, signals
-from tp_kernels.backends import symm_gather, symm_scatter
-from tp_kernels.bench.driver import SHARED_GPU_ENV, device_ready, rank_device
+from tp_kernels.bench.driver import (
+    MpsDaemon,
+    Ranks,
+    device_ready,
+    exit_status,
+    rank_device,
+    run_row,
+)
+from tp_kernels.bench.overlap_rows import OPS, ROWS, WORLD, Case, Setup, rank_hello, run_cases
 from tp_kernels.bench.protocol import (
     DTYPES,
+    add_timeout_argument,
     cuda_seconds_back_to_back,
     host_seconds,
     non_negative_int,
     positive_int,
+    positive_number,
     render_table,
-    summarize,
-    time_providers,
+    time_cells,
     versions,
 )
-from tp_kernels.bench.tolerance import error_ratio, matmul_tolerance
-from tp_kernels.testing import LocalWorld, RankError
+from tp_kernels.testing import RankError
 
 __all__ = [
     "LOCAL",
     "MPS",
     "NO_CUDA_MESSAGE",
-    "OPS",
-    "ROWS",
-    "Case",
-    "MpsDaemon",
-    "Peers",
-    "Setup",
     "main",
-    "measure",
     "merge",
     "mps_run",
     "overlap_metrics",
     "parse_args",
     "probe",
-    "rank_hello",
     "render_case",
-    "run_cases",
 ]
 
 NO_CUDA_MESSAGE = "no CUDA device: nothing to measure"
-OPS = ("ag_matmul", "matmul_rs")
-ROWS = ("gemm", "copies", "bound", "unfused", "symm", "symm_op", "torch")
 FUSED = ("symm", "symm_op", "torch")
-# The rows of a public fused op, and the backend each asks for.
-PUBLIC_OPS = {"symm_op": "symm", "torch": "torch_symm_mem"}
-WORLD = 2
 MPS, LOCAL = "2 ranks under MPS", "local peers: one process"
 # NVLink 4 (H100, H200): 900 GB/s both ways, 450 GB/s each way.
 NVLINK_GBPS = 450.0
@@ -166,52 +129,9 @@ GPU_SHAPES = {
     "matmul_rs": (("llama3-8b", 8192, 1792, 4096), ("balanced", 8192, 512, 4096)),
 }
 CPU_SHAPES = {op: (("tiny", 32, 32, 48),) for op in OPS}
-SLOT_CHANNEL = 0  # the pad channel the reduce-scatter's signals use here
 # Deadlines of the probe (compiling the spinner included) and of the MPS ranks' first allocation;
 # a world's start has its own (LocalWorld's process group init).
 PROBE_TIMEOUT_S, HELLO_TIMEOUT_S = 90.0, 60.0
-
-
-@dataclass(frozen=True)
-class Setup:
-    """What one run measures (picklable: it goes to the ranks)."""
-
-    device: str
-    dtype: str
-    shapes: dict[str, tuple[tuple[str, int, int, int], ...]]
-    repeats: tuple[int, ...]
-    rounds: int
-    warmup: int
-    host_reps: int
-    seed: int
-    wait_timeout_s: float
-    # Ranks whose persistent GEMMs share the SMs this rank's device reports (the GEMMs launch
-    # one program per SM of its share): 1 where MPS already reports the rank's share.
-    shared_ranks: int = WORLD
-
-
-@dataclass
-class Case:
-    """One (op, shape, copy repeat): per row its per-round times (empty when not timed), host
-    time, check text, this rank's verdict and the verdict agreed over ranks, or why it cannot
-    run."""
-
-    op: str
-    shape: tuple[str, int, int, int]
-    repeat: int
-    times_ms: dict[str, list[float]] = field(default_factory=dict)
-    host_ms: dict[str, float] = field(default_factory=dict)
-    checks: dict[str, str] = field(default_factory=dict)
-    local_ok: dict[str, bool] = field(default_factory=dict)
-    ok: dict[str, bool] = field(default_factory=dict)
-    na: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def failed(self) -> list[str]:
-        return [row for row, good in self.ok.items() if not good]
-
-    def medians(self) -> dict[str, float]:
-        return {row: summarize(t)["median_ms"] for row, t in self.times_ms.items() if t}
 
 
 def overlap_metrics(medians: Mapping[str, float], fused: str) -> tuple[float | None, float]:
@@ -221,452 +141,6 @@ def overlap_metrics(medians: Mapping[str, float], fused: str) -> tuple[float | N
     unfused, bound, done = medians["unfused"], medians["bound"], medians[fused]
     efficiency = (unfused - done) / (unfused - bound) if unfused > bound else None
     return efficiency, done - medians["gemm"]
-
-
-# ---------------------------------------------------------------------------------------------
-# Where the peers' memory is
-
-
-class Peers:
-    """The memory a rank's copies read and write: each rank's region (a byte buffer) and signal
-    pad. Local peers: every rank's region is a tensor of this process (rank ``rank`` is this
-    one). Otherwise: the group's symmetric workspace, grown as a case needs."""
-
-    def __init__(self, rank: int, group: dist.ProcessGroup | None, device: torch.device) -> None:
-        self.rank, self.group, self.device = rank, group, device
-        self._regions: list[torch.Tensor] = []
-        self._pads = [torch.zeros(WORLD, dtype=torch.int32, device=device) for _ in range(WORLD)]
-        self._workspace = None
-
-    def reserve(self, nbytes: int) -> None:
-        """Room for ``nbytes`` per rank (collective when ranks share a group)."""
-        if self.group is not None:
-            from tp_kernels import symmetric_memory
-
-            self._workspace = symmetric_memory.get_workspace(
-                self.group, nbytes, self.device, tag="overlap"
-            )
-        elif not self._regions or self._regions[0].numel() < nbytes:
-            self._regions = [
-                torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(WORLD)
-            ]
-
-    def region(self, s: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        """Rank ``s``'s region viewed as ``shape`` of ``dtype`` from its start."""
-        if self._workspace is not None:
-            return self._workspace.buffer(s, tuple(shape), dtype)
-        return self._regions[s][: math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
-
-    def pads(self) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """Every rank's int32 signal pad, and the table of their addresses."""
-        if self._workspace is not None:
-            pads = [self._workspace.signal_pad(d) for d in range(WORLD)]
-            return pads, self._workspace.signal_pad_ptrs()
-        table = torch.tensor([p.data_ptr() for p in self._pads], dtype=torch.int64)
-        return self._pads, table.to(self.device)
-
-    def barrier(self) -> None:
-        """Every rank's writes so far are in place (local peers: nothing to wait for)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        if self.group is not None:
-            dist.barrier(group=self.group)
-
-
-# ---------------------------------------------------------------------------------------------
-# The two ops' rows
-
-
-def _kernels():
-    from tp_kernels import kernels  # imports Triton: after TRITON_INTERPRET is set
-
-    return kernels
-
-
-def _normal(shape: tuple[int, ...], seed: int, device: torch.device, scale: float = 1.0):
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(shape, generator=gen) * scale).to(device)
-
-
-class _AllGatherRows:
-    """All-gather-matmul on rank ``r``: the peer's shard pulled from its region into ``A``.
-    ``run[row]`` calls a row; ``poison``, ``check``: its outputs, filled with NaN, then checked."""
-
-    def __init__(
-        self,
-        peers: Peers,
-        shape: tuple[int, int, int],
-        dtype: torch.dtype,
-        repeat: int,
-        setup: Setup,
-    ) -> None:
-        kernels = _kernels()
-        r, device = peers.rank, peers.device
-        M, K, N = shape
-        m = M // WORLD
-        shards = [_normal((m, K), setup.seed + s, device).to(dtype) for s in range(WORLD)]
-        self.b = _normal((K, N), setup.seed + WORLD, device, 1 / math.sqrt(K)).to(dtype)
-        self.want_a = torch.cat(shards)
-        self.want_c = torch.mm(self.want_a, self.b)
-        self.tol = matmul_tolerance(dtype, K, roundings=1)
-        peers.reserve(m * K * dtype.itemsize)
-        local = peers.group is None
-        for s in range(WORLD) if local else (r,):  # a rank publishes only its own shard
-            peers.region(s, (m, K), dtype).copy_(shards[s])
-        peers.barrier()
-        sources = [(s, peers.region(s, (m, K), dtype)) for s in _peer_order(r)]
-        self.own_rows = slice(r * m, (r + 1) * m)
-        rows = symm_gather.chunk_rows(m, K, (N,), dtype, WORLD, device, interpret=kernels.INTERPRET)
-        chunks = -(-m // rows)
-        self.a = self.want_a.clone()  # own rows stay; the peer's rows are what a row copies
-        self.a_side = self.want_a.clone()  # the bound's copies land here, apart from the GEMM's A
-        self.c = torch.empty_like(self.want_c)
-        scratch = torch.empty((m, K), dtype=dtype, device=device)
-        words = torch.zeros(WORLD * chunks, dtype=torch.int32, device=device)
-        raised = torch.full_like(words, signals.RAISED)
-        self.status = kernels.new_status(WORLD, device)
-        copier = symm_gather.Copier(device)
-
-        def pull(dest: torch.Tensor, progress: torch.Tensor | None) -> list[symm_gather.Copies]:
-            copies = []
-            for s, shard in sources:
-                # The repeats land in scratch with no word, so a chunk's word is raised only after
-                # its k-th copy: a link k times slower, as the consumer sees it.
-                for _ in range(repeat - 1):
-                    copies.append(copier.start([(0, shard)], scratch, rows, None))
-                copies.append(copier.start([(s, shard)], dest, rows, progress))
-            return copies
-
-        def gemm(a: torch.Tensor, progress: torch.Tensor) -> None:
-            kernels.ag_matmul_consumer(
-                a, [self.b], [self.c], progress=progress, chunk_rows=rows, status=self.status,
-                rank=r, world_size=WORLD, timeout_s=setup.wait_timeout_s,
-            )  # fmt: skip
-
-        def bound() -> None:
-            copies = pull(self.a_side, None)
-            gemm(self.want_a, raised)
-            _join(copies)
-
-        def unfused() -> None:
-            _join(pull(self.a, None))
-            gemm(self.a, raised)
-
-        def fused() -> None:
-            words.zero_()  # the start barrier's clearing, in stream order before the copies
-            copies = pull(self.a, words)
-            try:
-                gemm(self.a, words)
-            finally:
-                _join(copies)
-
-        self.run = {
-            "gemm": lambda: gemm(self.want_a, raised),
-            "copies": lambda: _join(pull(self.a, None)),
-            "bound": bound,
-            "unfused": unfused,
-            "symm": fused,
-        }
-        if peers.group is not None:
-            import tp_kernels
-
-            def gather(backend: str) -> torch.Tensor:
-                _, (out,) = tp_kernels.all_gather_matmul(
-                    shards[r], [self.b], 0, peers.group, backend=backend
-                )
-                return out
-
-            self.run.update(_public_rows(gather, self.c))
-
-    def timed_out(self) -> bool:
-        """Whether a wait of the GEMM passed its deadline in any call so far (host memory)."""
-        return bool(self.status.any())
-
-    def _peer_rows(self, a: torch.Tensor) -> torch.Tensor:
-        keep = torch.ones(a.shape[0], dtype=torch.bool)
-        keep[self.own_rows] = False
-        return a[keep.to(a.device)]
-
-    def outputs(self, row: str) -> list[torch.Tensor]:
-        return {
-            "gemm": [self.c],
-            "copies": [self.a],
-            "bound": [self.c, self.a_side],
-            **{public: [self.c] for public in PUBLIC_OPS},
-        }.get(row, [self.c, self.a])
-
-    def poison(self, row: str) -> None:
-        for t in self.outputs(row):
-            if t is self.c:
-                t.fill_(math.nan)
-            else:  # only the peer's rows: the own rows are in place before a call
-                t.copy_(torch.where(_own_mask(t, self.own_rows), t, math.nan))
-
-    def check(self, row: str) -> tuple[bool, str]:
-        parts, ok = [], not self.timed_out()
-        for t in self.outputs(row):
-            if t is self.c:
-                ratio = error_ratio(self.c, self.want_c, self.tol)
-                ok = ok and ratio <= 1.0
-                parts.append(f"C err {ratio:.2g} x tol")
-            else:
-                same = torch.equal(self._peer_rows(t), self._peer_rows(self.want_a))
-                ok = ok and same
-                parts.append("A rows exact" if same else "A rows DIFFER")
-        if self.timed_out():
-            parts.append("a wait timed out")
-        return ok, ", ".join(parts)
-
-
-def _own_mask(t: torch.Tensor, own: slice) -> torch.Tensor:
-    mask = torch.zeros(t.shape[0], 1, dtype=torch.bool, device=t.device)
-    mask[own] = True
-    return mask
-
-
-class _ReduceScatterRows:
-    """Matmul-reduce-scatter on rank ``r``: block ``d`` of ``A @ B`` pushed into slot ``r`` of
-    rank ``d``'s region (the reduction after it is left out: it is the same in every row but
-    ``torch``, whose op includes it). The same interface as :class:`_AllGatherRows`."""
-
-    def __init__(
-        self,
-        peers: Peers,
-        shape: tuple[int, int, int],
-        dtype: torch.dtype,
-        repeat: int,
-        setup: Setup,
-    ) -> None:
-        kernels = _kernels()
-        r, device = peers.rank, peers.device
-        M, K, N = shape
-        m = M // WORLD
-        a_of = [_normal((M, K), setup.seed + 100 + s, device).to(dtype) for s in range(WORLD)]
-        b_of = [
-            _normal((K, N), setup.seed + 200 + s, device, 1 / math.sqrt(K)).to(dtype)
-            for s in range(WORLD)
-        ]
-        products = [torch.mm(a, b) for a, b in zip(a_of, b_of, strict=True)]
-        self.want = products[r].view(WORLD, m, N)  # block d: the rows owed to rank d
-        self.want_out = sum(p.float()[r * m : (r + 1) * m] for p in products).to(dtype)
-        self.tol = matmul_tolerance(dtype, K, roundings=1)
-        self.out_tol = matmul_tolerance(dtype, K, roundings=WORLD + 1)
-        peers.reserve(WORLD * m * N * dtype.itemsize)
-        pads, pad_ptrs = peers.pads()
-        slots_of = [peers.region(d, (WORLD, m, N), dtype) for d in range(WORLD)]
-        self.r, self.own = r, slots_of[r]
-        self.sent = [slots_of[d][r] for d in _peer_order(r)]  # what this rank writes to peers
-        self.staging = torch.empty_like(self.want)
-        self.out = torch.empty_like(self.want_out)
-        # The copies-only and bound rows push these (never poisoned), the others staging.
-        self.source = self.want.clone()
-        words = torch.zeros(WORLD, dtype=torch.int32, device=device)
-        raised = torch.full_like(words, signals.RAISED)
-        counters = kernels.new_counters(WORLD, device)
-        pusher = symm_scatter.Pusher(device, pads, where="the overlap check")
-        signal = SLOT_CHANNEL * WORLD + r
-        # Consecutive repeats of a block: its peer's slot is complete only after the k-th.
-        pushes = [(d, self.staging[d], slots_of[d][r]) for d in _peer_order(r)]
-        pushes = [push for push in pushes for _ in range(repeat)]
-        side = [(d, self.source[d], slot) for d, _, slot in pushes]
-        a, b = a_of[r], b_of[r]
-
-        def produce() -> None:
-            kernels.matmul_rs_producer(
-                a, b, self.staging, self.own, words, pad_ptrs, counters=counters, rank=r,
-                world_size=WORLD, channel=SLOT_CHANNEL,
-            )  # fmt: skip
-
-        def gemm() -> None:
-            words.zero_()
-            produce()
-
-        def copies() -> None:
-            pusher.run(lambda: None, side, raised, signal).join()
-
-        def bound() -> None:
-            words.zero_()
-            pusher.run(produce, side, raised, signal).join()
-
-        def unfused() -> None:
-            gemm()
-            pusher.run(lambda: None, pushes, words, signal).join()
-
-        def fused() -> None:
-            words.zero_()  # before the pusher's waits are queued: they must see this call's words
-            pusher.run(produce, pushes, words, signal).join()
-
-        self.run = {"gemm": gemm, "copies": copies, "bound": bound, "unfused": unfused}
-        self.run["symm"] = fused
-        if peers.group is not None:
-            import tp_kernels
-
-            def scatter(backend: str) -> torch.Tensor:
-                return tp_kernels.matmul_reduce_scatter(a, b, 0, peers.group, backend=backend)
-
-            self.run.update(_public_rows(scatter, self.out))
-
-    def timed_out(self) -> bool:
-        """Always False: the producer waits for nothing, and the pusher's waits for its words
-        end when the producer does (a CPU pusher's deadline raises instead)."""
-        return False
-
-    def outputs(self, row: str) -> list[torch.Tensor]:
-        if row in PUBLIC_OPS:
-            return [self.out]
-        blocks = [self.staging, self.own[self.r]] if row in _RS_GEMM_ROWS else []
-        return blocks + (self.sent if row in _RS_COPY_ROWS else [])
-
-    def poison(self, row: str) -> None:
-        for t in self.outputs(row):
-            t.fill_(math.nan)
-
-    def check(self, row: str) -> tuple[bool, str]:
-        if row in PUBLIC_OPS:
-            ratio = error_ratio(self.out, self.want_out, self.out_tol)
-            return ratio <= 1.0, f"out err {ratio:.2g} x tol"
-        parts, ok = [], True
-        if row in _RS_GEMM_ROWS:
-            got = self.staging.clone()
-            got[self.r] = self.own[self.r]
-            ratio = error_ratio(got, self.want, self.tol)
-            ok = ratio <= 1.0
-            parts.append(f"blocks err {ratio:.2g} x tol")
-        if row in _RS_COPY_ROWS:
-            pushed = self.source if row in ("copies", "bound") else self.staging
-            want = [pushed[d] for d in _peer_order(self.r)]
-            same = all(torch.equal(g, w) for g, w in zip(self.sent, want, strict=True))
-            ok = ok and same
-            parts.append("sent exact" if same else "sent DIFFER")
-        return ok, ", ".join(parts)
-
-
-# The reduce-scatter's rows that run its GEMM, and those that send its blocks.
-_RS_GEMM_ROWS = ("gemm", "bound", "unfused", "symm")
-_RS_COPY_ROWS = ("copies", "bound", "unfused", "symm")
-
-
-def _public_rows(
-    op: Callable[[str], torch.Tensor], out: torch.Tensor
-) -> dict[str, Callable[[], None]]:
-    """The rows of the public fused op ``op(backend)``: one per backend of :data:`PUBLIC_OPS`,
-    each writing its result into ``out`` (the tensor its check reads)."""
-
-    def row(backend: str) -> Callable[[], None]:
-        return lambda: out.copy_(op(backend))
-
-    return {name: row(backend) for name, backend in PUBLIC_OPS.items()}
-
-
-def _peer_order(r: int) -> list[int]:
-    return [(r + i) % WORLD for i in range(1, WORLD)]
-
-
-def _join(copies: Sequence[symm_gather.Copies]) -> None:
-    for c in copies:
-        c.join()
-
-
-# ---------------------------------------------------------------------------------------------
-# One rank's measurements
-
-
-def _public_reason(peers: Peers, repeat: int, backend: str) -> str | None:
-    """Why the public op on ``backend`` cannot be a row of this case; None where it can."""
-    if peers.device.type == "cpu" and backend == "torch_symm_mem":
-        return "cpu: torch.ops.symm_mem's fused ops run on CUDA only"
-    if peers.group is None:
-        return "local peers: the public op needs a group of ranks"
-    if repeat > 1:
-        return f"--copy-repeat {repeat} slows only the data path's copies, not the op's"
-    import tp_kernels
-    from tp_kernels.backends.choice import get_backend
-
-    why = tp_kernels.available_backends(peers.device).get(backend, "not registered")
-    if why != "ok":
-        return why
-    return get_backend(backend).unavailable_reason(peers.group, peers.device)
-
-
-def _host_ms(fn: Callable[[], None], reps: int, peers: Peers) -> float:
-    """Median host time of ``fn`` started on an idle device (synchronized, the ranks together),
-    until it returns; the device finishes it after the clock stops."""
-    times = host_seconds(fn, reps, before=peers.barrier)
-    peers.barrier()
-    return statistics.median(times) * 1e3
-
-
-def measure(
-    op: str, shape: tuple[str, int, int, int], repeat: int, peers: Peers, setup: Setup
-) -> Case:
-    """Check, then time, every row of one case on this rank (every rank calls it together)."""
-    dtype = DTYPES[setup.dtype]
-    case = Case(op, shape, repeat)
-    build = _AllGatherRows if op == "ag_matmul" else _ReduceScatterRows
-    rows = build(peers, shape[1:], dtype, repeat, setup)
-    for row, backend in PUBLIC_OPS.items():
-        why_not = _public_reason(peers, repeat, backend)
-        if why_not is not None:
-            rows.run.pop(row, None)
-            case.na[row] = why_not
-    for row in rows.run:
-        rows.poison(row)
-        peers.barrier()
-        rows.run[row]()
-        peers.barrier()
-        case.local_ok[row], case.checks[row] = rows.check(row)
-    case.ok = _agreed(case.local_ok, peers)
-    timed = {row: fn for row, fn in rows.run.items() if case.ok[row]}
-    case.times_ms = time_providers(
-        timed, rounds=setup.rounds, warmup=setup.warmup, group=peers.group, device=peers.device
-    )
-    case.host_ms = {row: _host_ms(fn, setup.host_reps, peers) for row, fn in timed.items()}
-    # A wait that timed out in a timed call (the checked call passed) makes its times a deadline's.
-    if "symm" in timed:
-        late = rows.timed_out()
-        case.ok["symm"] = _agreed({"symm": not late}, peers)["symm"]
-        if late:
-            case.local_ok["symm"] = False
-            case.checks["symm"] += "; a wait timed out in the timed calls"
-    return case
-
-
-def _agreed(ok: dict[str, bool], peers: Peers) -> dict[str, bool]:
-    """Each row's verdict, failed where any rank failed it."""
-    if peers.group is None:
-        return dict(ok)
-    bad = torch.tensor([0.0 if v else 1.0 for v in ok.values()])  # gloo: host tensors
-    dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=peers.group)
-    return {row: flag == 0.0 for row, flag in zip(ok, bad.tolist(), strict=True)}
-
-
-def run_cases(setup: Setup, grouped: bool) -> list[Case]:
-    """Every case on this rank: with ``grouped``, of the default group (two ranks), else local
-    peers in this process."""
-    device = rank_device(setup.device)
-    group = dist.group.WORLD if grouped else None
-    peers = Peers(dist.get_rank() if grouped else 0, group, device)
-    with config.SHARED_DEVICE_RANKS.overriding(setup.shared_ranks, argument="shared_ranks"):
-        return [
-            measure(op, shape, repeat, peers, setup)
-            for op in setup.shapes
-            for shape in setup.shapes[op]
-            for repeat in setup.repeats
-        ]
-
-
-def rank_hello(kind: str) -> dict[str, Any]:
-    """A rank's first symmetric allocation (MPS mode's start), then its SM count (None on the
-    CPU) and its ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``."""
-    from tp_kernels import symmetric_memory
-
-    device = rank_device(kind)
-    symmetric_memory.get_workspace(dist.group.WORLD, 1 << 20, device, tag="overlap")
-    cuda = device.type == "cuda"
-    return {
-        "sms": torch.cuda.get_device_properties(device).multi_processor_count if cuda else None,
-        "percentage": os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
-    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -746,51 +220,6 @@ def _copy_engine_verdict(
 
 
 # ---------------------------------------------------------------------------------------------
-# MPS
-
-
-class MpsDaemon:
-    """An MPS control daemon of this script's own (its pipe and log directories in a temporary
-    directory), started and stopped within ``timeout_s`` each; no GPU setting changes."""
-
-    def __init__(self, control: str, timeout_s: float) -> None:
-        self._control, self._timeout_s = control, timeout_s
-        self._dir = Path(tempfile.mkdtemp(prefix="tp_kernels_mps_"))
-        self.env = {
-            "CUDA_MPS_PIPE_DIRECTORY": str(self._dir / "pipe"),
-            "CUDA_MPS_LOG_DIRECTORY": str(self._dir / "log"),
-        }
-        for path in self.env.values():
-            Path(path).mkdir()
-
-    def _call(self, args: list[str], text: str | None = None) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [self._control, *args], input=text, env={**os.environ, **self.env},
-            capture_output=True, text=True, timeout=self._timeout_s, check=False,
-        )  # fmt: skip
-
-    def start(self) -> str | None:
-        """Start the daemon; ``None`` when it runs, else why not."""
-        try:
-            done = self._call(["-d"])
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            return f"{self._control} -d: {exc}"
-        if done.returncode != 0:
-            return f"{self._control} -d exited {done.returncode}: {done.stderr.strip()}"
-        return None
-
-    def stop(self) -> str:
-        """Stop the daemon (``quit``) and remove its directories; says how it went."""
-        try:
-            done = self._call([], "quit\n")
-            said = f"quit: exit {done.returncode}"
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            said = f"quit failed: {exc}"
-        shutil.rmtree(self._dir, ignore_errors=True)
-        return said
-
-
-# ---------------------------------------------------------------------------------------------
 # The command
 
 
@@ -858,31 +287,22 @@ def _parser() -> argparse.ArgumentParser:
         "--host-reps", type=positive_int, default=None, help="host-time calls per row (20; cpu 2)"
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the inputs")
-    p.add_argument("--spin-ms", type=float, default=20.0, help="the probe's spinner time")
+    p.add_argument("--spin-ms", type=positive_number, default=20.0, help="the probe's spinner time")
     p.add_argument(
         "--copy-mib", type=positive_int, default=None, help="the probe's copy (256; cpu 1)"
     )
     p.add_argument("--no-mps", action="store_true", help="local peers even where MPS could run")
-    p.add_argument("--mps-timeout-s", type=float, default=30.0, help="each MPS daemon start/stop")
     p.add_argument(
-        "--timeout-s",
-        type=float,
-        default=360.0,
-        help="deadline of the measurements (the ranks' whole run), seconds (default 360)",
+        "--mps-timeout-s", type=positive_number, default=30.0, help="each MPS daemon start/stop"
     )
-    p.add_argument(
-        "--wait-timeout-s",
-        type=float,
-        default=60.0,
-        help="deadline of each GEMM wait for a progress word, seconds",
-    )
+    add_timeout_argument(p, 360.0, "the measurements (the ranks' whole run)")
+    add_timeout_argument(p, 60.0, "each GEMM wait for a progress word", "--wait-timeout-s")
     return p
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line with the device's defaults filled in; exits 2 on bad arguments."""
-    parser = _parser()
-    args = parser.parse_args(argv)
+    args = _parser().parse_args(argv)
     gpu = args.device == "cuda"
     for name, cuda_default, cpu_default in (
         ("dtype", "bf16", "fp32"),
@@ -894,10 +314,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ):
         if getattr(args, name) is None:
             setattr(args, name, cuda_default if gpu else cpu_default)
-    for name in ("spin_ms", "mps_timeout_s", "timeout_s", "wait_timeout_s"):
-        if not getattr(args, name) > 0:
-            flag = "--" + name.replace("_", "-")
-            parser.error(f"{flag}: got {getattr(args, name)}, expected a positive number")
     shapes = GPU_SHAPES if gpu else CPU_SHAPES
     args.shapes = {op: tuple(args.shape) if args.shape else shapes[op] for op in args.ops}
     return args
@@ -927,17 +343,7 @@ def render_case(case: Case, mode: str, dtype: str) -> str:
         if not times:
             cells.append((row, "-", "-", "-", "-", verdict))
             continue
-        stats = summarize(times)
-        cells.append(
-            (
-                row,
-                _fmt(stats["median_ms"]),
-                _fmt(stats["p20_ms"]),
-                _fmt(stats["p80_ms"]),
-                _fmt(case.host_ms[row]),
-                verdict,
-            )
-        )
+        cells.append((row, *time_cells(times, 3), _fmt(case.host_ms[row]), verdict))
     lines.append(render_table(header, cells))
     # The arithmetic on the printed (rounded) medians, so a reader can redo it.
     medians = {row: round(ms, 3) for row, ms in case.medians().items()}
@@ -987,21 +393,19 @@ def mps_run(
         daemon.stop()
         print(f"MPS: cannot start ({why})")
         return None
-    env = {**daemon.env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(100 // WORLD), **SHARED_GPU_ENV}
-    world = LocalWorld(WORLD, timeout_s=args.timeout_s, env=env)
+    world = Ranks(args.device, args.timeout_s, mps=daemon).world(WORLD)
     try:
-        try:
-            hello = world.run(rank_hello, setup.device, timeout_s=HELLO_TIMEOUT_S)
-        except RankError as exc:
-            print(f"MPS: started, but its ranks could not: {str(exc).splitlines()[0]}")
+        hello = run_row(world, rank_hello, setup.device, timeout_s=HELLO_TIMEOUT_S)
+        if hello.per_rank is None:
+            print(f"MPS: started, but its ranks could not: {hello.error.splitlines()[0]}")
             return None
-        for r, h in enumerate(hello):
+        for r, h in enumerate(hello.per_rank):
             print(
                 f"MPS rank {r}: {h['sms']} SMs reported (the GPU has {full_sms}), "
                 f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={h['percentage']}"
             )
         # Where MPS reports each rank its share, its persistent GEMMs take all it reports.
-        shared = WORLD if all(h["sms"] == full_sms for h in hello) else 1
+        shared = WORLD if all(h["sms"] == full_sms for h in hello.per_rank) else 1
         print(f"persistent GEMMs: one program per SM of 1/{shared} of the SMs reported")
         return MPS, merge(world.run(run_cases, replace(setup, shared_ranks=shared), True))
     finally:
@@ -1009,25 +413,22 @@ def mps_run(
         print(f"MPS daemon stopped ({daemon.stop()})")
 
 
-def _local_run(args: argparse.Namespace, setup: Setup) -> tuple[str, list[Case]]:
+def _alone(
+    args: argparse.Namespace, timeout_s: float, fn: Callable[..., Any], *fn_args: Any
+) -> Any:
+    """``fn(*fn_args)`` within ``timeout_s``: on the CPU in this process (where the tests patch
+    what it calls), on CUDA in a process of its own, as the ranks are, so that this one never
+    holds a CUDA context."""
     if args.device == "cpu":
-        return LOCAL, run_cases(setup, False)
-    # In its own process, as the ranks are: this one keeps no CUDA context.
-    with LocalWorld(1, timeout_s=args.timeout_s) as world:
-        return LOCAL, world.run(run_cases, setup, False)[0]
-
-
-def _probe(args: argparse.Namespace) -> dict[str, Any]:
-    if args.device == "cpu":
-        return probe("cpu", args.spin_ms, args.copy_mib)
-    with LocalWorld(1, timeout_s=PROBE_TIMEOUT_S) as world:
-        return world.run(probe, "cuda", args.spin_ms, args.copy_mib)[0]
+        return fn(*fn_args)
+    with Ranks(args.device, timeout_s).world(1) as world:
+        return world.run(fn, *fn_args)[0]
 
 
 def _measure_all(args: argparse.Namespace) -> tuple[dict[str, Any], str, list[Case]]:
     """The probe (printed as it comes), then every case: under MPS where it runs, else on local
     peers. Returns the probe's facts, the mode and the cases."""
-    facts = _probe(args)
+    facts = _alone(args, PROBE_TIMEOUT_S, probe, args.device, args.spin_ms, args.copy_mib)
     print("== probe")
     for key, value in facts.items():
         print(f"  {key}: {_fmt(value, 1) if isinstance(value, float) else value}", flush=True)
@@ -1042,7 +443,7 @@ def _measure_all(args: argparse.Namespace) -> tuple[dict[str, Any], str, list[Ca
     if args.device == "cuda" and not args.no_mps and control != "not on PATH":
         outcome = mps_run(args, setup, control, facts["SMs"])
     if outcome is None:
-        outcome = _local_run(args, setup)
+        outcome = LOCAL, _alone(args, args.timeout_s, run_cases, setup, False)
     return facts, *outcome
 
 
@@ -1069,15 +470,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     failed = [f"{c.op}/{c.shape[0]}/x{c.repeat}/{row}" for c in cases for row in c.failed]
     if "FAIL" in str(facts.get("spinner", "")):
         failed.append("probe/spinner")
-    if failed:
-        print(f"ERROR: checks failed for {failed}; see the tables above", file=sys.stderr)
-        return 1
-    return 0
+    return exit_status(failed, "the tables above")
 
 
 if __name__ == "__main__":
-    # Run through the imported module, so that what the ranks unpickle (the probe, the rank
-    # functions, Setup and Case) has the module's real name rather than __main__.
+    # Run through the imported module, so that what a rank unpickles (the probe) has the module's
+    # real name rather than __main__.
     from tp_kernels.bench.overlap import main as _main
 
     raise SystemExit(_main())

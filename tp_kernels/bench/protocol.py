@@ -49,18 +49,21 @@ __all__ = [
     "FP8_HIGH_PRECISION",
     "MXFP8",
     "SCALED_DTYPES",
+    "add_timeout_argument",
     "check_outputs",
     "cuda_seconds_back_to_back",
     "format_table",
     "host_seconds",
     "machine_info",
     "percentile",
+    "positive_number",
     "register",
     "render_table",
     "rotated",
     "run_case",
     "select_providers",
     "summarize",
+    "time_cells",
     "time_providers",
     "versions",
 ]
@@ -229,6 +232,26 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def positive_number(text: str) -> float:
+    """An argparse type: a finite float > 0."""
+    value = float(text)
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def add_timeout_argument(
+    parser: argparse.ArgumentParser, default_s: float, what: str, flag: str = "--timeout-s"
+) -> None:
+    """``flag``: the deadline of ``what``, a positive number of seconds."""
+    parser.add_argument(
+        flag,
+        type=positive_number,
+        default=default_s,
+        help=f"deadline of {what}, seconds (default {default_s:g})",
+    )
+
+
 def rotated(names: Sequence[str], shift: int) -> list[str]:
     """``names`` rotated left by ``shift``: the provider order of round ``shift``."""
     if not names:
@@ -258,6 +281,14 @@ def summarize(times_ms: Sequence[float]) -> dict[str, float]:
         "p20_ms": percentile(times_ms, 20),
         "p80_ms": percentile(times_ms, 80),
     }
+
+
+def time_cells(times_ms: Sequence[float], digits: int) -> tuple[str, str, str]:
+    """A table's ``median``, ``p20`` and ``p80`` cells of per-round times (ms), ``digits``
+    decimals each."""
+    stats = summarize(times_ms)
+    median, p20, p80 = (f"{stats[key]:.{digits}f}" for key in ("median_ms", "p20_ms", "p80_ms"))
+    return median, p20, p80
 
 
 def cuda_seconds_back_to_back(
