@@ -36,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import tp_kernels as tpk
+from tp_kernels.examples.train_llama import convert_to_mxfp8_linears
 from tp_kernels.tiling import mx_row_bytes
 
 pytest.importorskip("torchao.prototype.moe_training")
@@ -64,7 +65,6 @@ def _mx_config(*, wgrad_with_hp: bool):
 
 def _convert(model: nn.Module, conversion: str, *, skip: tuple[str, ...] = ()) -> nn.Module:
     """``model`` with every ``nn.Linear`` (but those named in ``skip``) converted in place."""
-    from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
     from torchao.quantization import quantize_
     from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
 
@@ -91,23 +91,9 @@ def _convert(model: nn.Module, conversion: str, *, skip: tuple[str, ...] = ()) -
         config = Float8LinearConfig.from_recipe_name("rowwise")
         convert_to_float8_training(model, config=config, module_filter_fn=chosen)
         return model
-    for name, module in list(model.named_modules()):
-        if not chosen(module, name):
-            continue
-        mx = MXFP8Linear(
-            module.in_features,
-            module.out_features,
-            bias=module.bias is not None,
-            kernel_preference=KernelPreference.EMULATED,
-            wgrad_with_hp=conversion.endswith("wgrad_with_hp"),
-            device=module.weight.device,
-            dtype=module.weight.dtype,
-        )
-        mx.weight = module.weight
-        mx.bias = module.bias
-        parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
-        setattr(parent, name.rpartition(".")[2], mx)
-    return model
+    kernels = KernelPreference.EMULATED
+    return convert_to_mxfp8_linears(model, kernel_preference=kernels, module_filter_fn=chosen,
+                                    wgrad_with_hp=conversion.endswith("wgrad_with_hp"))  # fmt: skip
 
 
 def _same_math(conversion: str) -> str:
