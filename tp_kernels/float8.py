@@ -91,11 +91,17 @@ from tp_kernels import deadline
 from tp_kernels.backends.base import Backend, CaptureNeed
 from tp_kernels.backends.choice import check_backend_name
 from tp_kernels.ops import scaled_compiled
-from tp_kernels.ops.capture import requires_grad
 from tp_kernels.ops.comm_stats import gather_bytes, record
 from tp_kernels.ops.dtensors import local_tensor
 from tp_kernels.ops.scaled import gather_scaled, reduce_scatter_scaled, scaled_backend
-from tp_kernels.quantized_linears import BIAS_SUM_BYTES, GEMM_PHASE, Gemm, WgradOperand
+from tp_kernels.quantized_linears import (
+    BIAS_SUM_BYTES,
+    GEMM_PHASE,
+    Gemm,
+    WgradOperand,
+    call_shape,
+    grads_needed,
+)
 from tp_kernels.tiling import ROW_SCALE_BYTES
 
 __all__ = ["call_for", "configs", "unfusable_reason"]
@@ -356,20 +362,14 @@ def call_for(
     """The :class:`_Call` of fused fp8 Linears ``modules`` (sharing one config) on the local
     ``x`` with its gathered or scattered ``dim``."""
     config, mm = configs(modules[0])
-    k = x.shape[-1]
-    m = x.numel() // k if colwise else x.numel() // k // group.size()
-    ns = [local_tensor(mod.weight).shape[0] for mod in modules]
+    world = group.size()
+    op, m, k, ns = call_shape(modules, x, world, colwise=colwise)
     out_dtype = x.dtype
-    op = "scaled_all_gather_matmul" if colwise else "scaled_matmul_reduce_scatter"
 
     def needs() -> list[CaptureNeed]:
-        grad_x = requires_grad([x])
-        grad_w = requires_grad([mod.weight for mod in modules])
-        grad_b = not colwise and requires_grad([mod.bias for mod in modules])
-        return _capture_needs(config, colwise, m, k, max(ns), out_dtype, group.size(),
-                              grad_x=grad_x, grad_w=grad_w, grad_b=grad_b)  # fmt: skip
+        grads = grads_needed(modules, x, colwise=colwise)
+        return _capture_needs(config, colwise, m, k, max(ns), out_dtype, world, **grads)
 
-    world = group.size()
     if torch.compiler.is_compiling():
         # Nothing is chosen while tracing (the backend registry's state is not traceable): the
         # custom ops resolve the backend by the call's key when the graph runs.

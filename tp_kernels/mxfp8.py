@@ -79,11 +79,17 @@ from torchao.quantization.quantize_.common.kernel_preference import KernelPrefer
 from tp_kernels.backends.base import Backend, CaptureNeed
 from tp_kernels.backends.choice import current_backend, get_backend
 from tp_kernels.backends.scaled import BlockScaling, pack_mx_rows, unpack_mx_rows
-from tp_kernels.ops.capture import requires_grad
 from tp_kernels.ops.comm_stats import gather_bytes, record
 from tp_kernels.ops.dtensors import local_tensor
 from tp_kernels.ops.scaled import run_gather, run_reduce_scatter, scaled_backend
-from tp_kernels.quantized_linears import BIAS_SUM_BYTES, GEMM_PHASE, Gemm, WgradOperand
+from tp_kernels.quantized_linears import (
+    BIAS_SUM_BYTES,
+    GEMM_PHASE,
+    Gemm,
+    WgradOperand,
+    call_shape,
+    grads_needed,
+)
 from tp_kernels.tiling import MX_BLOCK, mx_row_bytes
 
 __all__ = [
@@ -215,19 +221,13 @@ def call_for(
     colwise: bool,
 ) -> _Call:
     """The :class:`_Call` of fused MXFP8 Linears ``modules`` on the local ``x``."""
-    k = x.shape[-1]
-    world = group.size()
-    m = x.numel() // k if colwise else x.numel() // k // world
-    ns = [_weight(mod).shape[0] for mod in modules]
-    op = "scaled_all_gather_matmul" if colwise else "scaled_matmul_reduce_scatter"
     recipe = recipe_of(modules[0])
+    world = group.size()
+    op, m, k, ns = call_shape(modules, x, world, colwise=colwise)
 
     def needs() -> list[CaptureNeed]:
-        grad_x = requires_grad([x])
-        grad_w = requires_grad([mod.weight for mod in modules])
-        grad_b = not colwise and requires_grad([mod.bias for mod in modules])
-        return _capture_needs(recipe, colwise, m, k, max(ns), x.dtype, world,
-                              grad_x=grad_x, grad_w=grad_w, grad_b=grad_b)  # fmt: skip
+        grads = grads_needed(modules, x, colwise=colwise)
+        return _capture_needs(recipe, colwise, m, k, max(ns), x.dtype, world, **grads)
 
     impl = scaled_backend(backend, group, op, m, k, ns, x.dtype, x.device, needs,
                           block_scaled=True)  # fmt: skip

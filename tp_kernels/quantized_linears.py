@@ -15,13 +15,16 @@ styles override only the hooks that change.
 from __future__ import annotations
 
 import sys
-from typing import Literal, Protocol
+from collections.abc import Sequence
+from typing import Literal, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from tp_kernels.backends.base import Backend
 from tp_kernels.ops import scaled_compiled
+from tp_kernels.ops.capture import requires_grad
 from tp_kernels.ops.comm_stats import gather_bytes, record
 from tp_kernels.ops.dtensors import as_grad, dtensor_specs, local_tensor
 from tp_kernels.ops.layout import flatten_rows, unflatten_rows
@@ -29,10 +32,13 @@ from tp_kernels.ops.layout import flatten_rows, unflatten_rows
 __all__ = [
     "BIAS_SUM_BYTES",
     "GEMM_PHASE",
+    "CallShape",
     "ColwiseLinears",
     "QuantizedCall",
     "RowwiseLinear",
     "bias_grad",
+    "call_shape",
+    "grads_needed",
     "plain_param",
 ]
 
@@ -42,6 +48,8 @@ GEMM_PHASE: dict[Gemm, str] = {"forward": "forward", "dgrad": "backward"}  # com
 
 
 class Pending(Protocol):
+    """A gather in flight: :meth:`wait` gives the gathered operand."""
+
     def wait(self) -> torch.Tensor: ...
 
 
@@ -60,18 +68,15 @@ class QuantizedCall(Protocol):
     def cast_rows(self, rows: torch.Tensor, *, gemm: Gemm, sharded_dim: int) -> torch.Tensor:
         """The left operand of ``gemm``: ``rows`` (the input in forward, the output grad in
         dgrad), sharded over the ranks along ``sharded_dim``, cast along its last dim."""
-        ...
 
     def cast_weight(self, w: torch.Tensor, *, gemm: Gemm, sharded_dim: int) -> torch.Tensor:
         """The right operand of ``gemm`` from the weight ``w [N, K]`` (sharded along
         ``sharded_dim``): ``[K, N]`` cast along K in forward, ``[N, K]`` cast along N in dgrad."""
-        ...
 
     def gather_matmul(
         self, left: torch.Tensor, rights: list[torch.Tensor], *, gemm: Gemm
     ) -> list[torch.Tensor]:
         """``[all_gather(left) @ rights[j]]``: the fused all-gather-matmul of cast operands."""
-        ...
 
     def matmul_reduce_scatter(
         self, left: torch.Tensor, right: torch.Tensor, *, gemm: Gemm,
@@ -79,26 +84,57 @@ class QuantizedCall(Protocol):
     ) -> torch.Tensor:  # fmt: skip
         """This rank's rows of ``sum over ranks of left @ right (+ addend)``: the fused
         matmul-reduce-scatter of cast operands."""
-        ...
 
     def token_layout(self, t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """The form of a token tensor in which this kind's weight grad reads it: ``t`` as laid
         out, or ``rows`` (``flatten_rows(t, dim)``)."""
-        ...
 
     def start_wgrad_gather(self, t: torch.Tensor, *, operand: WgradOperand) -> Pending:
         """Start gathering ``t`` (:meth:`token_layout`'s form) cast as the weight grad's
         ``operand``; it runs while the caller computes."""
-        ...
 
     def cast_for_wgrad(self, t: torch.Tensor, *, operand: WgradOperand) -> torch.Tensor:
         """``t`` (:meth:`token_layout`'s form, every row of this rank's columns) cast as the
         weight grad's ``operand``."""
-        ...
 
     def weight_grad(self, grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``dY^T @ x`` ``[N, K]`` from the weight grad's cast operands."""
-        ...
+
+
+class CallShape(NamedTuple):
+    """What keys a fused call of Linears: its scaled op, ``m`` the local rows of the operand a
+    rank gathers or gets back scattered, ``k`` the input's features, ``ns`` each Linear's output
+    features (on this rank)."""
+
+    op: str
+    m: int
+    k: int
+    ns: list[int]
+
+
+def call_shape(
+    modules: Sequence[nn.Module], x: torch.Tensor, world: int, *, colwise: bool
+) -> CallShape:
+    """The :class:`CallShape` of Linears ``modules`` on the local ``x`` (colwise: this rank's
+    rows, gathered; rowwise: every rank's rows, scattered)."""
+    k = x.shape[-1]
+    rows = x.numel() // k
+    ns = [local_tensor(mod.weight).shape[0] for mod in modules]
+    if colwise:
+        return CallShape("scaled_all_gather_matmul", rows, k, ns)
+    return CallShape("scaled_matmul_reduce_scatter", rows // world, k, ns)
+
+
+def grads_needed(
+    modules: Sequence[nn.Module], x: torch.Tensor, *, colwise: bool
+) -> dict[str, bool]:
+    """Which grads a call's backward computes, as the kind's capture needs take them:
+    ``grad_x``, ``grad_w`` and ``grad_b`` (a rowwise bias grad gathers; a colwise one is local)."""
+    return {
+        "grad_x": requires_grad([x]),
+        "grad_w": requires_grad([mod.weight for mod in modules]),
+        "grad_b": not colwise and requires_grad([mod.bias for mod in modules]),
+    }
 
 
 def plain_param(param: torch.Tensor | None) -> torch.Tensor | None:
