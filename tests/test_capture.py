@@ -514,12 +514,13 @@ def test_a_captured_float8_step_does_nothing_forbidden(worlds):
 def _mxfp8_hygiene(backend: str) -> dict:
     """test_mxfp8's SwiGLU block of MXFP8Linears on tp_kernels' styles: an eager step, then the
     same step captured."""
+    import test_fp8
     import test_mxfp8 as mx
 
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
-    block = mx._convert(mx.SwiGLU(64, 64 * world).to(torch.bfloat16), "MXFP8Linear")
-    ours = tpk.parallelize_module(block, mx._mesh(), mx._block_plan(tpk))
+    block = mx._convert(test_fp8.SwiGLU(64, 64 * world).to(torch.bfloat16), "MXFP8Linear")
+    ours = tpk.parallelize_module(block, mx._mesh(), test_fp8._plan(tpk))
     x = torch.randn(mx.B, mx.TOKENS * world, 64).to(torch.bfloat16).chunk(world, dim=1)[rank]
 
     def step() -> list[torch.Tensor]:

@@ -32,8 +32,9 @@ import torch.distributed as dist
 import torch.distributed.tensor.parallel as torch_tp
 import torch.nn as nn
 import torch.nn.functional as F
+from test_fp8 import SwiGLU, _plan
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 
 import tp_kernels as tpk
 from tp_kernels.examples.train_llama import convert_to_mxfp8_linears
@@ -200,29 +201,7 @@ def _other(phase: str) -> str:
     return "backward" if phase == "forward" else "forward"
 
 
-# A SwiGLU block: the grouped gather of w1 and w3, w2 scattered; every conversion.
-
-
-class SwiGLU(nn.Module):
-    def __init__(self, hidden: int, ffn: int) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(hidden, ffn, bias=False)
-        self.w3 = nn.Linear(hidden, ffn, bias=False)
-        self.w2 = nn.Linear(ffn, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
-def _block_plan(styles) -> dict:
-    return {
-        "": styles.PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-        ),
-        "w1": styles.ColwiseParallel(),
-        "w3": styles.ColwiseParallel(),
-        "w2": styles.RowwiseParallel(output_layouts=Shard(1)),
-    }
+# test_fp8's SwiGLU block: the grouped gather of w1 and w3, w2 scattered; every conversion.
 
 
 def _block_step(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
@@ -236,11 +215,9 @@ def _block(conversion: str, backend: str, hidden: int = 64) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
     base = SwiGLU(hidden, 64 * world).to(torch.bfloat16)
-    ours = tpk.parallelize_module(
-        _convert(copy.deepcopy(base), conversion), _mesh(), _block_plan(tpk)
-    )
+    ours = tpk.parallelize_module(_convert(copy.deepcopy(base), conversion), _mesh(), _plan(tpk))
     theirs = torch_tp.parallelize_module(
-        _convert(copy.deepcopy(base), _same_math(conversion)), _mesh(), _block_plan(torch_tp)
+        _convert(copy.deepcopy(base), _same_math(conversion)), _mesh(), _plan(torch_tp)
     )
     full = torch.randn(B, TOKENS * world, hidden, generator=torch.Generator().manual_seed(1))
     x = full.to(torch.bfloat16).chunk(world, dim=1)[rank]
@@ -284,7 +261,7 @@ def _gathered_bytes(conversion: str | None) -> int:
     base = SwiGLU(512, 64 * world).to(torch.bfloat16)
     if conversion is not None:
         base = _convert(base, conversion)
-    model = tpk.parallelize_module(base, _mesh(), _block_plan(tpk))
+    model = tpk.parallelize_module(base, _mesh(), _plan(tpk))
     x = torch.randn(B, TOKENS * world, 512).to(torch.bfloat16).chunk(world, dim=1)[rank]
     tpk.reset_comm_stats()
     with tpk.use_backend("reference"):
@@ -431,7 +408,7 @@ def _frozen(conversion: str) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
     model = _convert(SwiGLU(64, 64 * world).to(torch.bfloat16), conversion)
-    model = tpk.parallelize_module(model, _mesh(), _block_plan(tpk))
+    model = tpk.parallelize_module(model, _mesh(), _plan(tpk))
     for p in model.w1.parameters():
         p.requires_grad_(False)
     x = torch.randn(B, TOKENS * world, 64).to(torch.bfloat16).chunk(world, dim=1)[rank]
