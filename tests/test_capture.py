@@ -282,6 +282,46 @@ def test_auto_with_nothing_capturable_refuses_naming_each(worlds):
         assert "reference: reference not ready" in error and "nothing was launched" in error
 
 
+def _spied_capture(
+    backend: str,
+    step: Callable[[], list[torch.Tensor]],
+    need_of: Callable[[base.CaptureNeed], object],
+    *,
+    device_max_all_reduce: bool = False,
+    then: Callable[[], object] | None = None,
+) -> dict:
+    """An eager ``step``, then the same step captured while ``backend``'s capture probe is spied
+    on: what it did that is forbidden, how often torch's probe was asked, whether its values are
+    the eager step's, the needs it asked the backend about (``need_of`` each) and the fused calls
+    it ran on ``backend``; ``then`` runs after it, still under capture (its result: "then")."""
+    needs: list[object] = []
+    impl = get_backend(backend)
+    ask = impl.capture_unready_reason
+
+    def spy(group, device, need):
+        needs.append(need_of(need))
+        return ask(group, device, need)
+
+    warm = step()
+    tpk.reset_comm_stats()
+    with _forbidding(device_max_all_reduce=device_max_all_reduce) as seen, _capturing() as asked:
+        with _patched([(impl, "capture_unready_reason", spy)]):
+            try:
+                captured = step()
+            except Forbidden:
+                captured = []
+        fused = tpk.comm_stats().total(backend=backend)
+        after = None if then is None else then()
+    return {
+        "forbidden": seen,
+        "probes": asked[0],
+        "same": len(captured) == len(warm) and all(map(torch.equal, captured, warm)),
+        "fused": fused,
+        "needs": needs,
+        "then": after,
+    }
+
+
 class _MLP(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -317,30 +357,8 @@ def _styles_hygiene(backend: str) -> dict:
         out.sum().backward()
         return [out.detach()] + [p.grad.to_local() for p in model.parameters()]
 
-    needs: list[str] = []
-    impl = get_backend(backend)
-    ask = impl.capture_unready_reason
-
-    def spy(group, device, need):
-        needs.append(need.op)
-        return ask(group, device, need)
-
     with _SETUP.get(backend, contextlib.nullcontext)():
-        warm = step()
-        tpk.reset_comm_stats()
-        with _forbidding() as seen, _capturing() as asked:
-            with _patched([(impl, "capture_unready_reason", spy)]):
-                try:
-                    captured = step()
-                except Forbidden:
-                    captured = []
-    return {
-        "forbidden": seen,
-        "probes": asked[0],
-        "same": len(captured) == len(warm) and all(map(torch.equal, captured, warm)),
-        "fused": tpk.comm_stats().total(backend=backend),
-        "needs": needs,
-    }
+        return _spied_capture(backend, step, lambda need: need.op)
 
 
 @pytest.mark.parametrize("backend", ["reference", "torch_symm_mem"])
@@ -447,42 +465,26 @@ def _float8_hygiene(backend: str) -> dict:
     import test_fp8
 
     ours, _, x, _ = test_fp8._block_pair("rowwise", torch.bfloat16)
-    needs: list[tuple[str, int]] = []
-    impl = get_backend(backend)
-    ask = impl.capture_unready_reason
-
-    def spy(group, device, need):
-        needs.append((need.op, need.nbytes))
-        return ask(group, device, need)
 
     def step(x: torch.Tensor) -> list[torch.Tensor]:
         ours.zero_grad(set_to_none=True)
         return list(test_fp8._step(ours, x))
 
+    def longer() -> str:
+        try:
+            step(torch.cat([x, x], dim=1))  # a sequence twice as long: a new shape class
+            return "not refused"
+        except base.CaptureUnreadyError as exc:
+            return str(exc)
+
     with tpk.use_backend(backend):
-        warm = step(x)
-        tpk.reset_comm_stats()
-        with _forbidding(device_max_all_reduce=True) as seen, _capturing() as asked:
-            with _patched([(impl, "capture_unready_reason", spy)]):
-                try:
-                    captured = step(x)
-                except Forbidden:
-                    captured = []
-            fused = tpk.comm_stats().total(backend=backend)
-            try:
-                step(torch.cat([x, x], dim=1))  # a sequence twice as long: a new shape class
-                refused = "not refused"
-            except base.CaptureUnreadyError as exc:
-                refused = str(exc)
-    return {
-        "forbidden": seen,
-        "probes": asked[0],
-        "same": len(captured) == len(warm) and all(map(torch.equal, captured, warm)),
-        "fused": fused,
-        "needs": needs,
-        "refused": refused,
-        "tokens": x.shape[0] * x.shape[1],
-    }
+        got = _spied_capture(backend, lambda: step(x), _op_and_bytes, device_max_all_reduce=True,
+                             then=longer)  # fmt: skip
+    return {**got, "refused": got["then"], "tokens": x.shape[0] * x.shape[1]}
+
+
+def _op_and_bytes(need: base.CaptureNeed) -> tuple[str, int]:
+    return need.op, need.nbytes
 
 
 def test_a_captured_float8_step_does_nothing_forbidden(worlds):
@@ -512,40 +514,22 @@ def test_a_captured_float8_step_does_nothing_forbidden(worlds):
 def _mxfp8_hygiene(backend: str) -> dict:
     """test_mxfp8's SwiGLU block of MXFP8Linears on tp_kernels' styles: an eager step, then the
     same step captured."""
+    import test_fp8
     import test_mxfp8 as mx
 
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
-    block = mx._convert(mx.SwiGLU(64, 64 * world).to(torch.bfloat16), "MXFP8Linear")
-    ours = tpk.parallelize_module(block, mx._mesh(), mx._block_plan(tpk))
+    block = mx._convert(test_fp8.SwiGLU(64, 64 * world).to(torch.bfloat16), "MXFP8Linear")
+    ours = tpk.parallelize_module(block, mx._mesh(), test_fp8._plan(tpk))
     x = torch.randn(mx.B, mx.TOKENS * world, 64).to(torch.bfloat16).chunk(world, dim=1)[rank]
-    needs: list[tuple[str, int]] = []
-    impl = get_backend(backend)
-    ask = impl.capture_unready_reason
-
-    def spy(group, device, need):
-        needs.append((need.op, need.nbytes))
-        return ask(group, device, need)
 
     def step() -> list[torch.Tensor]:
         ours.zero_grad(set_to_none=True)
         return mx._block_step(ours, x)
 
     with tpk.use_backend(backend):
-        warm = step()
-        with _forbidding() as seen, _capturing() as asked:
-            with _patched([(impl, "capture_unready_reason", spy)]):
-                try:
-                    captured = step()
-                except Forbidden:
-                    captured = []
-    return {
-        "forbidden": seen,
-        "probes": asked[0],
-        "same": len(captured) == len(warm) and all(map(torch.equal, captured, warm)),
-        "needs": needs,
-        "tokens": x.shape[0] * x.shape[1],
-    }
+        got = _spied_capture(backend, step, _op_and_bytes)
+    return {**got, "tokens": x.shape[0] * x.shape[1]}
 
 
 def test_a_captured_mxfp8_step_does_nothing_forbidden(worlds):

@@ -33,6 +33,7 @@ LAYERS: tuple[tuple[str, int, tuple[str, ...]], ...] = (
             "tp_kernels.float8",
             "tp_kernels.float8_tensor_parallel",
             "tp_kernels.mxfp8",
+            "tp_kernels.quantized_linears",
         ),
     ),
     ("ops", 4, ("tp_kernels.ops",)),

@@ -32,10 +32,12 @@ import torch.distributed as dist
 import torch.distributed.tensor.parallel as torch_tp
 import torch.nn as nn
 import torch.nn.functional as F
+from test_fp8 import SwiGLU, _plan
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 
 import tp_kernels as tpk
+from tp_kernels.examples.train_llama import convert_to_mxfp8_linears
 from tp_kernels.tiling import mx_row_bytes
 
 pytest.importorskip("torchao.prototype.moe_training")
@@ -64,7 +66,6 @@ def _mx_config(*, wgrad_with_hp: bool):
 
 def _convert(model: nn.Module, conversion: str, *, skip: tuple[str, ...] = ()) -> nn.Module:
     """``model`` with every ``nn.Linear`` (but those named in ``skip``) converted in place."""
-    from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
     from torchao.quantization import quantize_
     from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
 
@@ -91,23 +92,9 @@ def _convert(model: nn.Module, conversion: str, *, skip: tuple[str, ...] = ()) -
         config = Float8LinearConfig.from_recipe_name("rowwise")
         convert_to_float8_training(model, config=config, module_filter_fn=chosen)
         return model
-    for name, module in list(model.named_modules()):
-        if not chosen(module, name):
-            continue
-        mx = MXFP8Linear(
-            module.in_features,
-            module.out_features,
-            bias=module.bias is not None,
-            kernel_preference=KernelPreference.EMULATED,
-            wgrad_with_hp=conversion.endswith("wgrad_with_hp"),
-            device=module.weight.device,
-            dtype=module.weight.dtype,
-        )
-        mx.weight = module.weight
-        mx.bias = module.bias
-        parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
-        setattr(parent, name.rpartition(".")[2], mx)
-    return model
+    kernels = KernelPreference.EMULATED
+    return convert_to_mxfp8_linears(model, kernel_preference=kernels, module_filter_fn=chosen,
+                                    wgrad_with_hp=conversion.endswith("wgrad_with_hp"))  # fmt: skip
 
 
 def _same_math(conversion: str) -> str:
@@ -214,29 +201,7 @@ def _other(phase: str) -> str:
     return "backward" if phase == "forward" else "forward"
 
 
-# A SwiGLU block: the grouped gather of w1 and w3, w2 scattered; every conversion.
-
-
-class SwiGLU(nn.Module):
-    def __init__(self, hidden: int, ffn: int) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(hidden, ffn, bias=False)
-        self.w3 = nn.Linear(hidden, ffn, bias=False)
-        self.w2 = nn.Linear(ffn, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
-def _block_plan(styles) -> dict:
-    return {
-        "": styles.PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-        ),
-        "w1": styles.ColwiseParallel(),
-        "w3": styles.ColwiseParallel(),
-        "w2": styles.RowwiseParallel(output_layouts=Shard(1)),
-    }
+# test_fp8's SwiGLU block: the grouped gather of w1 and w3, w2 scattered; every conversion.
 
 
 def _block_step(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
@@ -250,11 +215,9 @@ def _block(conversion: str, backend: str, hidden: int = 64) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
     base = SwiGLU(hidden, 64 * world).to(torch.bfloat16)
-    ours = tpk.parallelize_module(
-        _convert(copy.deepcopy(base), conversion), _mesh(), _block_plan(tpk)
-    )
+    ours = tpk.parallelize_module(_convert(copy.deepcopy(base), conversion), _mesh(), _plan(tpk))
     theirs = torch_tp.parallelize_module(
-        _convert(copy.deepcopy(base), _same_math(conversion)), _mesh(), _block_plan(torch_tp)
+        _convert(copy.deepcopy(base), _same_math(conversion)), _mesh(), _plan(torch_tp)
     )
     full = torch.randn(B, TOKENS * world, hidden, generator=torch.Generator().manual_seed(1))
     x = full.to(torch.bfloat16).chunk(world, dim=1)[rank]
@@ -298,7 +261,7 @@ def _gathered_bytes(conversion: str | None) -> int:
     base = SwiGLU(512, 64 * world).to(torch.bfloat16)
     if conversion is not None:
         base = _convert(base, conversion)
-    model = tpk.parallelize_module(base, _mesh(), _block_plan(tpk))
+    model = tpk.parallelize_module(base, _mesh(), _plan(tpk))
     x = torch.randn(B, TOKENS * world, 512).to(torch.bfloat16).chunk(world, dim=1)[rank]
     tpk.reset_comm_stats()
     with tpk.use_backend("reference"):
@@ -445,7 +408,7 @@ def _frozen(conversion: str) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
     model = _convert(SwiGLU(64, 64 * world).to(torch.bfloat16), conversion)
-    model = tpk.parallelize_module(model, _mesh(), _block_plan(tpk))
+    model = tpk.parallelize_module(model, _mesh(), _plan(tpk))
     for p in model.w1.parameters():
         p.requires_grad_(False)
     x = torch.randn(B, TOKENS * world, 64).to(torch.bfloat16).chunk(world, dim=1)[rank]

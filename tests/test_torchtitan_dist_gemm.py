@@ -402,6 +402,26 @@ def test_patched_rebinds_dist_gemm_and_restores():
 # working conversion keeps ``wo`` out (``filter_fqns``). The tests also keep ``lm_head`` out: it
 # is not a dist_gemm module, and under torchtitan's own path its fp8 casts take local amaxes.
 FLOAT8_FILTER = ("attention.wo", "lm_head")
+# The children of the dist_gemm modules that the converters make low-precision Linears.
+CONVERTED = ("attention.qkv_linear.wqkv", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
+
+
+def _assert_every_converted_child_fused(converted: list[str], counts: dict) -> None:
+    """Every layer's :data:`CONVERTED` children were converted (``converted``: the names of the
+    low-precision Linears) and every step of theirs ran fused (``counts``: ``comm_stats``), zero
+    fallbacks, ``wo`` the bf16 fused op."""
+    layers = [f"layers.{i}." for i in range(t3.LAYERS)]
+    assert converted == sorted(f"{layer}{name}" for layer in layers for name in CONVERTED)
+    assert not [k for k in counts if k[1] == "fallback"], counts
+    fused = {(phase, kind): n for (phase, kind, _), n in counts.items() if "matmul" in kind}
+    assert fused == {
+        ("forward", "scaled_all_gather_matmul"): 2 * t3.LAYERS,  # wqkv, w1+w3
+        ("forward", "scaled_matmul_reduce_scatter"): t3.LAYERS,  # w2
+        ("forward", "matmul_reduce_scatter"): t3.LAYERS,  # wo: bf16
+        ("backward", "scaled_matmul_reduce_scatter"): 2 * t3.LAYERS,
+        ("backward", "scaled_all_gather_matmul"): t3.LAYERS,
+        ("backward", "all_gather_matmul"): t3.LAYERS,
+    }, counts
 
 
 def _float8_cases(recipe: str) -> dict:
@@ -484,21 +504,7 @@ def test_dist_gemm_runs_torchtitan_s_float8_linears_fused(worlds, recipe):
     from the fused path, which both do not share)."""
     pytest.importorskip("torchao.float8")
     result = worlds(2).run(_float8_cases, recipe)[0]
-    layers = [f"layers.{i}." for i in range(t3.LAYERS)]
-    names = ("attention.qkv_linear.wqkv", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
-    want = [f"{layer}{name}" for layer in layers for name in names]
-    assert result["fp8"] == sorted(want)
-    counts = result["counts"]
-    assert not [k for k in counts if k[1] == "fallback"], counts
-    fused = {(phase, kind): n for (phase, kind, _), n in counts.items() if "matmul" in kind}
-    assert fused == {
-        ("forward", "scaled_all_gather_matmul"): 2 * t3.LAYERS,  # wqkv, w1+w3
-        ("forward", "scaled_matmul_reduce_scatter"): t3.LAYERS,  # w2
-        ("forward", "matmul_reduce_scatter"): t3.LAYERS,  # wo: bf16
-        ("backward", "scaled_matmul_reduce_scatter"): 2 * t3.LAYERS,
-        ("backward", "scaled_all_gather_matmul"): t3.LAYERS,
-        ("backward", "all_gather_matmul"): t3.LAYERS,
-    }, counts
+    _assert_every_converted_child_fused(result["fp8"], result["counts"])
     errors = result["vs unsharded" if recipe == "tensorwise" else "vs stock"]
     assert len(errors) == 1 + N_PARAMS
     assert max(errors.values()) <= 2**-16, errors
@@ -512,10 +518,9 @@ def test_dist_gemm_runs_torchtitan_s_float8_linears_fused(worlds, recipe):
 
 # ---- MXFP8: torchtitan 0.3's MXFP8 converter on the dist_gemm modules ----------------------------
 #
-# The converter takes the names to convert (``fqns``), not a filter: the dist_gemm modules'
-# children, ``wo`` kept out for the reason FLOAT8_FILTER gives. At TP 2 each rank's rows
-# (4 x 8 tokens) are one whole MX block and every GEMM dim per rank (64, 96) a multiple of 32.
-MXFP8_FQNS = ("attention.qkv_linear.wqkv", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
+# The converter takes the names to convert (``fqns``), not a filter: :data:`CONVERTED`, ``wo``
+# kept out for the reason FLOAT8_FILTER gives. At TP 2 each rank's rows (4 x 8 tokens) are one
+# whole MX block and every GEMM dim per rank (64, 96) a multiple of 32.
 
 
 def _mxfp8_cases() -> dict:
@@ -525,11 +530,11 @@ def _mxfp8_cases() -> dict:
     from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
 
     t3.use_cpu()
-    base = t3.build("default", mxfp8=MXFP8_FQNS)
+    base = t3.build("default", mxfp8=CONVERTED)
     state = t3.copy_state(base)
     unsharded = t3.unsharded_loss_and_grads(copy.deepcopy(base))
     dims = t3.parallel_dims(2, 1)
-    model = t3.build("dist_gemm", 2, 1, state, mxfp8=MXFP8_FQNS)
+    model = t3.build("dist_gemm", 2, 1, state, mxfp8=CONVERTED)
     mx = sorted(n for n, m in model.named_modules() if isinstance(m, MXFP8Linear))
     model = t3.parallelize(model, dims, tp=2, dp=1)
     tp_kernels.reset_comm_stats()
@@ -569,23 +574,10 @@ def test_dist_gemm_runs_torchtitan_s_mxfp8_linears_fused(worlds):
     measured within 2^-21.3: this data's blocks happen to share their scales)."""
     pytest.importorskip("torchao.prototype.moe_training")
     result = worlds(2).run(_mxfp8_cases)[0]
-    layers = [f"layers.{i}." for i in range(t3.LAYERS)]
-    want = [f"{layer}{name}" for layer in layers for name in MXFP8_FQNS]
-    assert result["mx"] == sorted(want)
-    counts = result["counts"]
-    assert not [k for k in counts if k[1] == "fallback"], counts
-    fused = {(phase, kind): n for (phase, kind, _), n in counts.items() if "matmul" in kind}
-    assert fused == {
-        ("forward", "scaled_all_gather_matmul"): 2 * t3.LAYERS,  # wqkv, w1+w3
-        ("forward", "scaled_matmul_reduce_scatter"): t3.LAYERS,  # w2
-        ("forward", "matmul_reduce_scatter"): t3.LAYERS,  # wo: bf16
-        ("backward", "scaled_matmul_reduce_scatter"): 2 * t3.LAYERS,
-        ("backward", "scaled_all_gather_matmul"): t3.LAYERS,
-        ("backward", "all_gather_matmul"): t3.LAYERS,
-    }, counts
+    _assert_every_converted_child_fused(result["mx"], result["counts"])
     errors = result["vs unsharded"]
     assert len(errors) == 1 + N_PARAMS
-    token_blocked = {f"{name}.weight" for name in want}
+    token_blocked = {f"{name}.weight" for name in result["mx"]}
     assert max(e for n, e in errors.items() if n not in token_blocked) <= 2**-18, errors
     assert max(errors[n] for n in token_blocked) <= 2**-3, errors
     half = result["half-block counts"]

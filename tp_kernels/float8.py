@@ -9,7 +9,9 @@ two rounding and saturation: ``tensor_to_amax``, ``amax_to_scale``,
 change: where the cast's amax spans the ranks' shards (a tensor-wise amax of a sharded tensor; a
 row-wise amax along a sharded dim) the local amax is all-reduced (MAX) over the group first, as
 DTensor does under PyTorch's styles. So every rank holds the fp8 values and scales torchao would
-compute on the unsharded tensor, and the fused ops run the GEMMs on them:
+compute on the unsharded tensor, and the fused ops run the GEMMs on them. The fused call
+(:class:`_Call`) supplies these casts and GEMMs to the pattern's Function of
+:mod:`tp_kernels.quantized_linears`:
 
 =========================  =================================================  ===================
 colwise (gathered input)   cast (dim reduced by the amax; "spans": all-reduce)  GEMM
@@ -70,7 +72,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torchao.float8.config import Float8LinearConfig, ScalingGranularity, ScalingType
+from torchao.float8.config import CastConfig, Float8LinearConfig, ScalingGranularity, ScalingType
 from torchao.float8.float8_linear import Float8Linear
 from torchao.float8.float8_ops import preprocess_addmm
 from torchao.float8.float8_scaling_utils import (
@@ -89,14 +91,20 @@ from tp_kernels import deadline
 from tp_kernels.backends.base import Backend, CaptureNeed
 from tp_kernels.backends.choice import check_backend_name
 from tp_kernels.ops import scaled_compiled
-from tp_kernels.ops.capture import requires_grad
 from tp_kernels.ops.comm_stats import gather_bytes, record
-from tp_kernels.ops.dtensors import as_grad, dtensor_specs, local_tensor
-from tp_kernels.ops.layout import flatten_rows, unflatten_rows
+from tp_kernels.ops.dtensors import local_tensor
 from tp_kernels.ops.scaled import gather_scaled, reduce_scatter_scaled, scaled_backend
+from tp_kernels.quantized_linears import (
+    BIAS_SUM_BYTES,
+    GEMM_PHASE,
+    Gemm,
+    WgradOperand,
+    call_shape,
+    grads_needed,
+)
 from tp_kernels.tiling import ROW_SCALE_BYTES
 
-__all__ = ["Float8ColwiseLinears", "Float8RowwiseLinear", "unfusable_reason"]
+__all__ = ["call_for", "configs", "unfusable_reason"]
 
 
 def configs(module: nn.Module) -> tuple[Float8LinearConfig, LinearMMConfig] | None:
@@ -110,17 +118,6 @@ def configs(module: nn.Module) -> tuple[Float8LinearConfig, LinearMMConfig] | No
     if wrappers is not None and isinstance(weight, wrappers.Float8TrainingWeightWrapperTensor):
         return weight.config._float8_linear_config, weight.config._linear_mm_config
     return None
-
-
-def plain_param(param: torch.Tensor | None) -> torch.Tensor | None:
-    """A Linear's weight or bias, local, as a plain tensor: ``quantize_``'s training wrappers
-    (torchao's ``TrainingWeightWrapperBaseTensor``, fp8 and MXFP8: every parameter of a converted
-    Linear, its bias too) hold it as ``_data``."""
-    t = local_tensor(param)
-    wrappers = sys.modules.get("torchao.prototype.moe_training.tensor")
-    if wrappers is not None and isinstance(t, wrappers.TrainingWeightWrapperBaseTensor):
-        return t._data
-    return t
 
 
 def unfusable_reason(module: nn.Module) -> str | None:
@@ -173,6 +170,81 @@ class _Call(NamedTuple):
     def op_args(self, phase: str) -> tuple:
         """The trailing arguments of every custom op of ``ops/scaled_compiled.py``."""
         return (self.group_name, self.backend, *self.key, phase)
+
+    # The hooks of tp_kernels/quantized_linears.py's Functions (its QuantizedCall): torchao's
+    # casts and GEMMs of Float8TrainingTensors (``matmul_with_hp_or_float8_args``).
+
+    def cast_rows(self, rows: torch.Tensor, *, gemm: Gemm, sharded_dim: int) -> torch.Tensor:
+        c = self.config
+        if gemm == "forward":
+            return _cast(rows, c.cast_config_input, -1, GemmInputRole.INPUT, self,
+                         sharded_dim=sharded_dim, phase="forward")  # fmt: skip
+        return _cast(rows, c.cast_config_grad_output, -1, GemmInputRole.GRAD_OUTPUT, self,
+                     sharded_dim=sharded_dim, phase="backward")  # fmt: skip
+
+    def cast_weight(self, w: torch.Tensor, *, gemm: Gemm, sharded_dim: int) -> torch.Tensor:
+        # torchao casts w^T [K, N], sharded along w's other dim.
+        c, w_t, sharded_t = self.config, w.t(), 1 - sharded_dim
+        if gemm == "forward":
+            return _cast(w_t, c.cast_config_weight, 0, GemmInputRole.WEIGHT, self,
+                         sharded_dim=sharded_t, phase="forward")  # fmt: skip
+        w8_t = _cast(w_t, c.cast_config_weight_for_grad_input, -1, GemmInputRole.WEIGHT, self,
+                     sharded_dim=sharded_t, phase="backward")  # fmt: skip
+        return w8_t.t()
+
+    def gather_matmul(
+        self, left: torch.Tensor, rights: list[torch.Tensor], *, gemm: Gemm
+    ) -> list[torch.Tensor]:
+        """:func:`gather_scaled` with torchao's product (traced: its custom op)."""
+        operands = [_operands(left, right) for right in rights]
+        a, a_scale = operands[0][:2]
+        bs = [b for _, _, b, _ in operands]
+        b_scales = [b_scale for _, _, _, b_scale in operands]
+        out_dtype, fast_accum, phase = left._orig_dtype, self._fast_accum(gemm), GEMM_PHASE[gemm]
+        if self.impl is None:
+            return scaled_compiled.scaled_all_gather_matmul(
+                a, a_scale, bs, b_scales, out_dtype, fast_accum, True, *self.op_args(phase)
+            )
+        return gather_scaled(self.impl, self.group, a, a_scale, bs, b_scales, out_dtype=out_dtype,
+                             fast_accum=fast_accum, phase=phase, post_scale=True)  # fmt: skip
+
+    def matmul_reduce_scatter(
+        self, left: torch.Tensor, right: torch.Tensor, *, gemm: Gemm,
+        addend: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """:func:`reduce_scatter_scaled` with torchao's product (traced: its custom op)."""
+        a, a_scale, b, b_scale = _operands(left, right)
+        out_dtype, fast_accum, phase = left._orig_dtype, self._fast_accum(gemm), GEMM_PHASE[gemm]
+        if self.impl is None:
+            return scaled_compiled.scaled_matmul_reduce_scatter(
+                a, a_scale, b, b_scale, addend, out_dtype, fast_accum, True, *self.op_args(phase)
+            )
+        return reduce_scatter_scaled(self.impl, self.group, a, a_scale, b, b_scale,
+                                     out_dtype=out_dtype, fast_accum=fast_accum, phase=phase,
+                                     addend=addend, post_scale=True)  # fmt: skip
+
+    def token_layout(self, t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return rows  # a per-column scale is the same in any order of the rows
+
+    def start_wgrad_gather(self, t: torch.Tensor, *, operand: WgradOperand) -> _PendingCast:
+        cc, role = self._wgrad_cast(operand)
+        return _gather_cast(t, cc, role, self, phase="backward")
+
+    def cast_for_wgrad(self, t: torch.Tensor, *, operand: WgradOperand) -> torch.Tensor:
+        cc, role = self._wgrad_cast(operand)
+        return _cast(t, cc, 0, role, self, sharded_dim=1, phase="backward")
+
+    def weight_grad(self, grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return torch.mm(grad.t(), x)
+
+    def _fast_accum(self, gemm: Gemm) -> bool:
+        return (self.mm.output if gemm == "forward" else self.mm.grad_input).use_fast_accum
+
+    def _wgrad_cast(self, operand: WgradOperand) -> tuple[CastConfig, GemmInputRole]:
+        c = self.config
+        if operand == "input":
+            return c.cast_config_input_for_grad_weight, GemmInputRole.INPUT
+        return c.cast_config_grad_output_for_grad_weight, GemmInputRole.GRAD_OUTPUT
 
 
 def _cast(
@@ -278,233 +350,6 @@ class _Gathered(NamedTuple):
         return self.out
 
 
-def _gather_scaled(call: _Call, a, a_scale, bs, b_scales, *, fast_accum: bool, out_dtype,
-                   phase: str) -> list[torch.Tensor]:  # fmt: skip
-    """:func:`gather_scaled` with torchao's block product, on ``call``'s backend (traced: its
-    custom op)."""
-    if call.impl is None:
-        return scaled_compiled.scaled_all_gather_matmul(
-            a, a_scale, list(bs), list(b_scales), out_dtype, fast_accum, True,
-            *call.op_args(phase),
-        )  # fmt: skip
-    return gather_scaled(call.impl, call.group, a, a_scale, bs, b_scales, out_dtype=out_dtype,
-                         fast_accum=fast_accum, phase=phase, post_scale=True)  # fmt: skip
-
-
-def _reduce_scatter_scaled(call: _Call, a, a_scale, b, b_scale, *, fast_accum: bool, out_dtype,
-                           phase: str, addend=None) -> torch.Tensor:  # fmt: skip
-    """:func:`reduce_scatter_scaled` with torchao's block product, on ``call``'s backend
-    (traced: its custom op)."""
-    if call.impl is None:
-        return scaled_compiled.scaled_matmul_reduce_scatter(
-            a, a_scale, b, b_scale, addend, out_dtype, fast_accum, True, *call.op_args(phase)
-        )
-    return reduce_scatter_scaled(call.impl, call.group, a, a_scale, b, b_scale,
-                                 out_dtype=out_dtype, fast_accum=fast_accum, phase=phase,
-                                 addend=addend, post_scale=True)  # fmt: skip
-
-
-class Float8ColwiseLinears(torch.autograd.Function):
-    """``apply(call, x, *weights, *biases)`` -> ``y_j = Float8Linear_j(all_gather(x))`` for the
-    ``call.num_linears`` Linears (weights ``[N_j, K]``, biases ``[N_j]`` or None; local or
-    DTensor), laid out as ``x`` with the gathered dim ``W`` times longer. See the module
-    docstring's first table."""
-
-    @staticmethod
-    def forward(ctx, call: _Call, x, *params):
-        n = call.num_linears
-        weights = [plain_param(w) for w in params[:n]]
-        biases = params[n:]
-        rows, lead = flatten_rows(local_tensor(x), call.dim)
-        rows = rows.contiguous()
-        c = call.config
-        x8 = _cast(rows, c.cast_config_input, -1, GemmInputRole.INPUT, call,
-                   sharded_dim=0, phase="forward")  # fmt: skip
-        w8s = [
-            _cast(
-                w.t(),
-                c.cast_config_weight,
-                0,
-                GemmInputRole.WEIGHT,
-                call,
-                sharded_dim=1,
-                phase="forward",
-            )  # fmt: skip
-            for w in weights
-        ]
-        operands = [_operands(x8, w8) for w8 in w8s]
-        a, a_scale = operands[0][:2]
-        outs = _gather_scaled(
-            call,
-            a,
-            a_scale,
-            [b for _, _, b, _ in operands],
-            [b_scale for _, _, _, b_scale in operands],
-            out_dtype=rows.dtype,
-            fast_accum=call.mm.output.use_fast_accum,
-            phase="forward",
-        )
-        outs = [out if b is None else out + plain_param(b).to(out.dtype)
-                for out, b in zip(outs, biases)]  # fmt: skip
-        need = ctx.needs_input_grad
-        ctx.call, ctx.lead, ctx.specs = call, lead, dtensor_specs(x, *params)
-        ctx.need_x, ctx.need_w, ctx.need_bias = need[1], need[2 : 2 + n], need[2 + n :]
-        ctx.save_for_backward(rows if any(ctx.need_w) else None,
-                              *(weights if ctx.need_x else ()))  # fmt: skip
-        ctx.set_materialize_grads(False)
-        gathered_lead = (call.world * lead[0], *lead[1:])
-        return tuple(unflatten_rows(out, gathered_lead, call.dim) for out in outs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        call, c = ctx.call, ctx.call.config
-        rows, *weights = ctx.saved_tensors
-        used = [j for j, g in enumerate(grads) if g is not None]
-        gs = {j: flatten_rows(grads[j], call.dim)[0].contiguous() for j in used}
-        need_w = [j for j in used if ctx.need_w[j]]
-        gathered_x = None
-        if need_w:  # gathered while the input grad's reduce-scatter runs
-            gathered_x = _gather_cast(rows, c.cast_config_input_for_grad_weight,
-                                      GemmInputRole.INPUT, call, phase="backward")  # fmt: skip
-        grad_x = None
-        if ctx.need_x and used:
-            grad_x = _colwise_dgrad(call, [gs[j] for j in used], [weights[j] for j in used])
-            grad_x = unflatten_rows(grad_x, ctx.lead, call.dim)
-        grad_w = [None] * call.num_linears
-        if need_w:
-            a = gathered_x.wait()
-            for j in need_w:
-                g = _cast(gs[j], c.cast_config_grad_output_for_grad_weight, 0,
-                          GemmInputRole.GRAD_OUTPUT, call, sharded_dim=1,
-                          phase="backward")  # fmt: skip
-                grad_w[j] = torch.mm(g.t(), a)
-        grad_b = [gs[j].sum(0) if j in gs and need else None
-                  for j, need in enumerate(ctx.need_bias)]  # fmt: skip
-        return None, *map(as_grad, (grad_x, *grad_w, *grad_b), ctx.specs)
-
-
-def _colwise_dgrad(
-    call: _Call, grad_outs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor]
-) -> torch.Tensor:
-    """``reduce_scatter(sum_j dY_j @ w_j)`` [m, K] with torchao's casts: the first Linear's
-    product in the fused call, the others' (local GEMMs) added to it before the scatter."""
-    c = call.config
-    products = []
-    for g, w in zip(grad_outs, weights):
-        g8 = _cast(g, c.cast_config_grad_output, -1, GemmInputRole.GRAD_OUTPUT, call,
-                   sharded_dim=1, phase="backward")  # fmt: skip
-        w8 = _cast(w.t(), c.cast_config_weight_for_grad_input, -1, GemmInputRole.WEIGHT, call,
-                   sharded_dim=1, phase="backward")  # fmt: skip
-        products.append((g8, w8.t()))
-    addend = None
-    for g8, w8_t in products[1:]:
-        product = torch.mm(g8, w8_t)
-        addend = product if addend is None else addend + product
-    g8, w8_t = products[0]
-    a, a_scale, b, b_scale = _operands(g8, w8_t)
-    return _reduce_scatter_scaled(
-        call,
-        a,
-        a_scale,
-        b,
-        b_scale,
-        out_dtype=grad_outs[0].dtype,
-        fast_accum=call.mm.grad_input.use_fast_accum,
-        phase="backward",
-        addend=addend,
-    )
-
-
-BIAS_SUM_BYTES = torch.float32.itemsize  # a rank's column sum of dY, gathered by bias_grad
-
-
-def bias_grad(call, grad_rows: torch.Tensor) -> torch.Tensor:
-    """``d bias [N]`` of a rowwise Linear whose output is scattered: the sum of every rank's rows
-    of ``dY`` (``grad_rows``, this rank's). Each rank's fp32 column sums are gathered (one
-    ``[W, N]`` gather) and added in rank order, so every rank holds the same replicated grad.
-    ``call``: this module's or :mod:`tp_kernels.mxfp8`'s (its ``impl`` and ``group``; traced
-    when ``impl`` is None)."""
-    partial = grad_rows.float().sum(0, keepdim=True)
-    if call.impl is None:
-        sums = scaled_compiled.scaled_all_gather(partial, *call.op_args("backward"))
-    else:
-        sent = gather_bytes(partial, call.group)
-        record("backward", "all_gather", call.impl.name, sent_bytes=sent)
-        sums = call.impl.all_gather_async(partial, call.group).wait()
-    return sums.sum(0).to(grad_rows.dtype)
-
-
-class Float8RowwiseLinear(torch.autograd.Function):
-    """``apply(call, x, weight, bias)`` -> this rank's rows (along ``call.dim``) of
-    ``Float8Linear(x)`` summed over the group, plus ``bias``: ``x [..., K_r]`` sharded on its
-    last dim (``weight [N, K_r]``, local or DTensor; ``bias [N]``, replicated, or None), the
-    result ``[..., s, ..., N]`` with ``s`` the scattered dim's size over ``W``. See the module
-    docstring's second table."""
-
-    @staticmethod
-    def forward(ctx, call: _Call, x, weight, bias):
-        w = plain_param(weight)
-        rows, lead = flatten_rows(local_tensor(x), call.dim)
-        rows = rows.contiguous()
-        c = call.config
-        x8 = _cast(rows, c.cast_config_input, -1, GemmInputRole.INPUT, call,
-                   sharded_dim=1, phase="forward")  # fmt: skip
-        w8 = _cast(w.t(), c.cast_config_weight, 0, GemmInputRole.WEIGHT, call,
-                   sharded_dim=0, phase="forward")  # fmt: skip
-        a, a_scale, b, b_scale = _operands(x8, w8)
-        out = _reduce_scatter_scaled(
-            call,
-            a,
-            a_scale,
-            b,
-            b_scale,
-            out_dtype=rows.dtype,
-            fast_accum=call.mm.output.use_fast_accum,
-            phase="forward",
-        )
-        if bias is not None:  # added once, after the sum
-            out = out + plain_param(bias).to(out.dtype)
-        need = ctx.needs_input_grad
-        ctx.call, ctx.lead, ctx.specs = call, lead, dtensor_specs(x, weight, bias)
-        ctx.need_x, ctx.need_w, ctx.need_bias = need[1], need[2], need[3]
-        ctx.save_for_backward(rows if ctx.need_w else None, w if ctx.need_x else None)
-        return unflatten_rows(out, (lead[0] // call.world, *lead[1:]), call.dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        call, c = ctx.call, ctx.call.config
-        rows, w = ctx.saved_tensors
-        g = flatten_rows(grad, call.dim)[0].contiguous()
-        gathered_g = None
-        if ctx.need_w:  # gathered while the input grad's fused call runs
-            cc = c.cast_config_grad_output_for_grad_weight
-            gathered_g = _gather_cast(g, cc, GemmInputRole.GRAD_OUTPUT, call, phase="backward")
-        grad_x = grad_w = None
-        if ctx.need_x:
-            g8 = _cast(g, c.cast_config_grad_output, -1, GemmInputRole.GRAD_OUTPUT, call,
-                       sharded_dim=0, phase="backward")  # fmt: skip
-            w8 = _cast(w.t(), c.cast_config_weight_for_grad_input, -1, GemmInputRole.WEIGHT,
-                       call, sharded_dim=0, phase="backward")  # fmt: skip
-            a, a_scale, b, b_scale = _operands(g8, w8.t())
-            (grad_rows,) = _gather_scaled(
-                call,
-                a,
-                a_scale,
-                [b],
-                [b_scale],
-                out_dtype=g.dtype,
-                fast_accum=call.mm.grad_input.use_fast_accum,
-                phase="backward",
-            )
-            grad_x = unflatten_rows(grad_rows, ctx.lead, call.dim)
-        if ctx.need_w:
-            x8 = _cast(rows, c.cast_config_input_for_grad_weight, 0, GemmInputRole.INPUT, call,
-                       sharded_dim=1, phase="backward")  # fmt: skip
-            grad_w = torch.mm(gathered_g.wait().t(), x8)
-        grad_b = bias_grad(call, g) if ctx.need_bias else None
-        return None, *map(as_grad, (grad_x, grad_w, grad_b), ctx.specs)
-
-
 def call_for(
     modules: Sequence[nn.Module],
     x: torch.Tensor,
@@ -517,20 +362,14 @@ def call_for(
     """The :class:`_Call` of fused fp8 Linears ``modules`` (sharing one config) on the local
     ``x`` with its gathered or scattered ``dim``."""
     config, mm = configs(modules[0])
-    k = x.shape[-1]
-    m = x.numel() // k if colwise else x.numel() // k // group.size()
-    ns = [local_tensor(mod.weight).shape[0] for mod in modules]
+    world = group.size()
+    op, m, k, ns = call_shape(modules, x, world, colwise=colwise)
     out_dtype = x.dtype
-    op = "scaled_all_gather_matmul" if colwise else "scaled_matmul_reduce_scatter"
 
     def needs() -> list[CaptureNeed]:
-        grad_x = requires_grad([x])
-        grad_w = requires_grad([mod.weight for mod in modules])
-        grad_b = not colwise and requires_grad([mod.bias for mod in modules])
-        return _capture_needs(config, colwise, m, k, max(ns), out_dtype, group.size(),
-                              grad_x=grad_x, grad_w=grad_w, grad_b=grad_b)  # fmt: skip
+        grads = grads_needed(modules, x, colwise=colwise)
+        return _capture_needs(config, colwise, m, k, max(ns), out_dtype, world, **grads)
 
-    world = group.size()
     if torch.compiler.is_compiling():
         # Nothing is chosen while tracing (the backend registry's state is not traceable): the
         # custom ops resolve the backend by the call's key when the graph runs.
@@ -551,7 +390,7 @@ def _capture_needs(
     output): the gather of fp8 rows (``+16`` bytes a row where each carries its scale), the
     reduce-scatter of ``[W*m, .]`` ``out_dtype`` partials, the wgrad operand's re-gather
     (fp8 bytes, or high precision where the recipe disables that cast) and the rowwise bias
-    grad's gather of ``[N]`` fp32 sums (:func:`bias_grad`)."""
+    grad's gather of ``[N]`` fp32 sums (:func:`tp_kernels.quantized_linears.bias_grad`)."""
 
     def row_bytes(width: int, cc) -> int:
         rowwise = cc.scaling_granularity is ScalingGranularity.AXISWISE

@@ -34,10 +34,11 @@ wgrad                      dY: M, cast on the shard, its bytes gathered;       l
                            x: M (local)                                        gathered dY
 =========================  ==================================================  =================
 
-A gathered row moves ``K`` e4m3 bytes and ``K / 32`` scale bytes, padded to 16
-(:func:`tp_kernels.tiling.mx_row_bytes`: 0.52 of a bf16 row); a gather along M moves each
-column's bytes and scales the same way. The GEMMs are torchao's: ``torch.mm`` of its
-``MXTensor``\\ s, on the rows a backend hands over
+The fused call (:class:`_Call`) supplies these casts and GEMMs to the pattern's Function of
+:mod:`tp_kernels.quantized_linears`. A gathered row moves ``K`` e4m3 bytes and ``K / 32`` scale
+bytes, padded to 16 (:func:`tp_kernels.tiling.mx_row_bytes`: 0.52 of a bf16 row); a gather
+along M moves each column's bytes and scales the same way. The GEMMs are torchao's:
+``torch.mm`` of its ``MXTensor``\\ s, on the rows a backend hands over
 (:class:`tp_kernels.backends.scaled.BlockScaling`), so on ``reference`` a fused call equals
 torchao's unsharded Linear wherever the same rows meet the same GEMM (the reduce-scatter sums
 partials in fp32 in rank order: within a rounding there).
@@ -78,17 +79,20 @@ from torchao.quantization.quantize_.common.kernel_preference import KernelPrefer
 from tp_kernels.backends.base import Backend, CaptureNeed
 from tp_kernels.backends.choice import current_backend, get_backend
 from tp_kernels.backends.scaled import BlockScaling, pack_mx_rows, unpack_mx_rows
-from tp_kernels.float8 import BIAS_SUM_BYTES, bias_grad, plain_param
-from tp_kernels.ops.capture import requires_grad
 from tp_kernels.ops.comm_stats import gather_bytes, record
-from tp_kernels.ops.dtensors import as_grad, dtensor_specs, local_tensor
-from tp_kernels.ops.layout import flatten_rows, unflatten_rows
+from tp_kernels.ops.dtensors import local_tensor
 from tp_kernels.ops.scaled import run_gather, run_reduce_scatter, scaled_backend
+from tp_kernels.quantized_linears import (
+    BIAS_SUM_BYTES,
+    GEMM_PHASE,
+    Gemm,
+    WgradOperand,
+    call_shape,
+    grads_needed,
+)
 from tp_kernels.tiling import MX_BLOCK, mx_row_bytes
 
 __all__ = [
-    "MXColwiseLinears",
-    "MXRowwiseLinear",
     "Recipe",
     "all_gather_mx_matmul",
     "call_for",
@@ -174,6 +178,38 @@ class _Call(NamedTuple):
     recipe: Recipe
     num_linears: int
 
+    # The hooks of tp_kernels/quantized_linears.py's Functions (its QuantizedCall): torchao's
+    # ``mx_mm`` casts and GEMMs of MXTensors, every cast on the shard.
+
+    def cast_rows(self, rows: torch.Tensor, *, gemm: Gemm, sharded_dim: int) -> MXTensor:
+        return cast_rows(rows, self.recipe)  # blocks along the row: never across ranks
+
+    def cast_weight(self, w: torch.Tensor, *, gemm: Gemm, sharded_dim: int) -> MXTensor:
+        if gemm == "forward":
+            return cast_rows(w, self.recipe).t()
+        return _dim1(w, self.recipe).t()
+
+    def gather_matmul(self, left: MXTensor, rights: list[MXTensor], *, gemm: Gemm) -> list:
+        return _gather(self.impl, self.group, left, rights, phase=GEMM_PHASE[gemm])
+
+    def matmul_reduce_scatter(
+        self, left: MXTensor, right: MXTensor, *, gemm: Gemm, addend: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return _reduce_scatter(self.impl, self.group, left, right, phase=GEMM_PHASE[gemm],
+                               addend=addend)  # fmt: skip
+
+    def token_layout(self, t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return t  # torchao's token order, and the runs of it this rank holds, are t's layout
+
+    def start_wgrad_gather(self, t: torch.Tensor, *, operand: WgradOperand) -> _PendingTokens:
+        return _gather_tokens(self, t, phase="backward")
+
+    def cast_for_wgrad(self, t: torch.Tensor, *, operand: WgradOperand) -> torch.Tensor:
+        return _token_cast(t.reshape(-1, t.shape[-1]).contiguous(), self.recipe)
+
+    def weight_grad(self, grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return _wgrad(grad, x, self.recipe)
+
 
 def call_for(
     modules: Sequence[nn.Module],
@@ -185,19 +221,13 @@ def call_for(
     colwise: bool,
 ) -> _Call:
     """The :class:`_Call` of fused MXFP8 Linears ``modules`` on the local ``x``."""
-    k = x.shape[-1]
-    world = group.size()
-    m = x.numel() // k if colwise else x.numel() // k // world
-    ns = [_weight(mod).shape[0] for mod in modules]
-    op = "scaled_all_gather_matmul" if colwise else "scaled_matmul_reduce_scatter"
     recipe = recipe_of(modules[0])
+    world = group.size()
+    op, m, k, ns = call_shape(modules, x, world, colwise=colwise)
 
     def needs() -> list[CaptureNeed]:
-        grad_x = requires_grad([x])
-        grad_w = requires_grad([mod.weight for mod in modules])
-        grad_b = not colwise and requires_grad([mod.bias for mod in modules])
-        return _capture_needs(recipe, colwise, m, k, max(ns), x.dtype, world,
-                              grad_x=grad_x, grad_w=grad_w, grad_b=grad_b)  # fmt: skip
+        grads = grads_needed(modules, x, colwise=colwise)
+        return _capture_needs(recipe, colwise, m, k, max(ns), x.dtype, world, **grads)
 
     impl = scaled_backend(backend, group, op, m, k, ns, x.dtype, x.device, needs,
                           block_scaled=True)  # fmt: skip
@@ -400,110 +430,3 @@ def _gather_tokens(call: _Call, t: torch.Tensor, *, phase: str) -> _PendingToken
     data = flat if like is None else pack_mx_rows(like.qdata.contiguous(), like.scale.contiguous())
     record(phase, "all_gather", call.impl.name, sent_bytes=gather_bytes(data, call.group))
     return _PendingTokens(call.impl.all_gather_async(data, call.group), like, call.world, outer)
-
-
-class MXColwiseLinears(torch.autograd.Function):
-    """``apply(call, x, *weights, *biases)`` -> ``y_j = MXFP8Linear_j(all_gather(x))`` for the
-    ``call.num_linears`` Linears (weights ``[N_j, K]``, biases ``[N_j]`` or None; local or
-    DTensor), laid out as ``x`` with the gathered dim ``W`` times longer. See the module
-    docstring's first table."""
-
-    @staticmethod
-    def forward(ctx, call: _Call, x, *params):
-        n = call.num_linears
-        weights = [plain_param(w) for w in params[:n]]
-        biases = params[n:]
-        rows, lead = flatten_rows(local_tensor(x), call.dim)
-        rows = rows.contiguous()
-        x_mx = cast_rows(rows, call.recipe)
-        outs = _gather(
-            call.impl,
-            call.group,
-            x_mx,
-            [cast_rows(w, call.recipe).t() for w in weights],
-            phase="forward",
-        )
-        outs = [out if b is None else out + plain_param(b).to(out.dtype)
-                for out, b in zip(outs, biases)]  # fmt: skip
-        need = ctx.needs_input_grad
-        ctx.call, ctx.lead, ctx.specs = call, lead, dtensor_specs(x, *params)
-        ctx.need_x, ctx.need_w, ctx.need_bias = need[1], need[2 : 2 + n], need[2 + n :]
-        ctx.save_for_backward(local_tensor(x) if any(ctx.need_w) else None,
-                              *(weights if ctx.need_x else ()))  # fmt: skip
-        ctx.set_materialize_grads(False)
-        gathered_lead = (call.world * lead[0], *lead[1:])
-        return tuple(unflatten_rows(out, gathered_lead, call.dim) for out in outs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        call = ctx.call
-        x, *weights = ctx.saved_tensors
-        used = [j for j, g in enumerate(grads) if g is not None]
-        gs = {j: flatten_rows(grads[j], call.dim)[0].contiguous() for j in used}
-        need_w = [j for j in used if ctx.need_w[j]]
-        # Gathered while the input grad's reduce-scatter runs.
-        gathered_x = _gather_tokens(call, x, phase="backward") if need_w else None
-        grad_x = None
-        if ctx.need_x and used:
-            products = [(cast_rows(gs[j], call.recipe), _dim1(weights[j], call.recipe).t())
-                        for j in used]  # fmt: skip
-            addend = None
-            for g_mx, w_mx in products[1:]:  # the other Linears', added before the scatter
-                product = torch.mm(g_mx, w_mx)
-                addend = product if addend is None else addend + product
-            grad_x = _reduce_scatter(
-                call.impl, call.group, *products[0], phase="backward", addend=addend
-            )
-            grad_x = unflatten_rows(grad_x, ctx.lead, call.dim)
-        grad_w = [None] * call.num_linears
-        if need_w:
-            x_all = gathered_x.wait()
-            for j in need_w:  # dY in torchao's token order, as x_all
-                g = grads[j].reshape(-1, grads[j].shape[-1]).contiguous()
-                grad_w[j] = _wgrad(_token_cast(g, call.recipe), x_all, call.recipe)
-        grad_b = [gs[j].sum(0) if j in gs and need else None
-                  for j, need in enumerate(ctx.need_bias)]  # fmt: skip
-        return None, *map(as_grad, (grad_x, *grad_w, *grad_b), ctx.specs)
-
-
-class MXRowwiseLinear(torch.autograd.Function):
-    """``apply(call, x, weight, bias)`` -> this rank's rows (along ``call.dim``) of
-    ``MXFP8Linear(x)`` summed over the group, plus ``bias``: ``x [..., K_r]`` sharded on its last
-    dim (``weight [N, K_r]``, local or DTensor; ``bias [N]`` or None). See the module
-    docstring's second table."""
-
-    @staticmethod
-    def forward(ctx, call: _Call, x, weight, bias):
-        w = plain_param(weight)
-        rows, lead = flatten_rows(local_tensor(x), call.dim)
-        rows = rows.contiguous()
-        out = _reduce_scatter(call.impl, call.group, cast_rows(rows, call.recipe),
-                              cast_rows(w, call.recipe).t(), phase="forward")  # fmt: skip
-        if bias is not None:  # added once, after the sum
-            out = out + plain_param(bias).to(out.dtype)
-        need = ctx.needs_input_grad
-        ctx.call, ctx.lead, ctx.specs = call, lead, dtensor_specs(x, weight, bias)
-        ctx.need_x, ctx.need_w, ctx.need_bias = need[1], need[2], need[3]
-        ctx.save_for_backward(local_tensor(x) if ctx.need_w else None,
-                              w if ctx.need_x else None)  # fmt: skip
-        return unflatten_rows(out, (lead[0] // call.world, *lead[1:]), call.dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        call = ctx.call
-        x, w = ctx.saved_tensors
-        g = flatten_rows(grad, call.dim)[0].contiguous()
-        # Gathered while the input grad's fused call runs.
-        gathered_g = _gather_tokens(call, grad, phase="backward") if ctx.need_w else None
-        grad_x = grad_w = None
-        if ctx.need_x:
-            right = _dim1(w, call.recipe).t()
-            (grad_rows,) = _gather(
-                call.impl, call.group, cast_rows(g, call.recipe), [right], phase="backward"
-            )
-            grad_x = unflatten_rows(grad_rows, ctx.lead, call.dim)
-        if ctx.need_w:
-            rows = x.reshape(-1, x.shape[-1]).contiguous()  # torchao's token order, as g_all
-            grad_w = _wgrad(gathered_g.wait(), _token_cast(rows, call.recipe), call.recipe)
-        grad_b = bias_grad(call, g) if ctx.need_bias else None
-        return None, *map(as_grad, (grad_x, grad_w, grad_b), ctx.specs)

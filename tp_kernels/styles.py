@@ -52,6 +52,7 @@ import functools
 import logging
 import sys
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, NamedTuple
 
 import torch
@@ -405,10 +406,10 @@ def _quantized_why_not(
     custom ops); an MXFP8 call eagerly, when its shapes and backend allow
     (:func:`tp_kernels.mxfp8.call_unfusable_reason`)."""
     weights, biases = [c.weight for c in children], [c.bias for c in children]
-    from tp_kernels import float8
+    from tp_kernels.quantized_linears import plain_param
 
     # quantize_'s parameters are torchao's wrapper subclass: the path reads the tensor inside.
-    eager = _eager(x, [float8.plain_param(p) for p in weights + biases], [])
+    eager = _eager(x, [plain_param(p) for p in weights + biases], [])
     if fused.quantized == "float8":
         return None if torch.compiler.is_compiling() or eager else _NOT_EAGER["float8"]
     if not eager:
@@ -446,36 +447,39 @@ def _handed_on(y: torch.Tensor, fused: _FusedLinear, placements: tuple) -> Any:
     return DTensor.from_local(y, fused.mesh, placements, run_check=False)
 
 
-def _quantized_path(kind: str):
-    """The module of a low-precision Linear's fused path (``float8`` or ``mxfp8``, its ``call_for``)
-    and its two Functions: colwise ``apply(call, x, *weights, *biases)`` and rowwise
-    ``apply(call, x, weight, bias)``."""
+def _quantized_path(kind: str) -> ModuleType:
+    """The module of a low-precision Linear's fused path (``float8`` or ``mxfp8``): its
+    ``call_for`` makes the call that ``quantized_linears``' Functions run."""
     if kind == "float8":
         from tp_kernels import float8
 
-        return float8, float8.Float8ColwiseLinears, float8.Float8RowwiseLinear
+        return float8
     from tp_kernels import mxfp8
 
-    return mxfp8, mxfp8.MXColwiseLinears, mxfp8.MXRowwiseLinear
+    return mxfp8
 
 
 def _quantized_colwise(children: list[nn.Module], x: Any, dim: int, fused: _FusedLinear) -> tuple:
     """The local outputs of fused low-precision colwise Linears ``children`` (one torchao config)
     on the input ``x`` (local or DTensor) gathered along ``dim``."""
-    path, colwise, _ = _quantized_path(fused.quantized)
+    from tp_kernels.quantized_linears import ColwiseLinears
+
+    path = _quantized_path(fused.quantized)
     group = _traced_group(fused)
     call = path.call_for(children, local_tensor(x), dim, group, fused.backend, colwise=True)
     args = _traced_locals(x, *[c.weight for c in children], *[c.bias for c in children])
-    return colwise.apply(call, *args)
+    return ColwiseLinears.apply(call, *args)
 
 
 def _quantized_rowwise(module: nn.Module, x: Any, dim: int, fused: _FusedLinear) -> torch.Tensor:
     """The local output of a fused low-precision rowwise Linear (its replicated bias added after
     the scatter, as :func:`rowwise_linear` adds it)."""
-    path, _, rowwise = _quantized_path(fused.quantized)
+    from tp_kernels.quantized_linears import RowwiseLinear
+
+    path = _quantized_path(fused.quantized)
     group = _traced_group(fused)
     call = path.call_for([module], local_tensor(x), dim, group, fused.backend, colwise=False)
-    return rowwise.apply(call, *_traced_locals(x, module.weight, module.bias))
+    return RowwiseLinear.apply(call, *_traced_locals(x, module.weight, module.bias))
 
 
 def _sharded_last(placement: Placement, ndim: int) -> bool:

@@ -40,8 +40,36 @@ from tp_kernels.tiling import MX_BLOCK, ROW_SCALE_BYTES, mx_row_bytes
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
+class _LeftRows:
+    """What both scalings do alike with the left operand of a block: its rows and their scales,
+    read from the all-gather's packed bytes when :attr:`packed`, else taken from the
+    reduce-scatter's ``a`` and ``a_scale``. The packing (:meth:`_unpack`) is each scaling's."""
+
+    a_scale: torch.Tensor | None
+    a_dtype: torch.dtype
+    _unpack: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]  # (packed, K)
+
+    @property
+    def packed(self) -> bool:
+        """Whether the gathered rows carry their own scales (row-wise all-gather)."""
+        return self.a_scale is None
+
+    def _left(
+        self, a: torch.Tensor, k: int, rows: slice | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(data, scale)`` of left-operand rows ``a`` (gathered bytes: packed when
+        :attr:`packed`; or rows ``rows`` of the reduce-scatter's ``a``) of ``k`` columns."""
+        if self.packed:
+            return self._unpack(a, k)
+        data = a.view(self.a_dtype) if a.dtype == torch.uint8 else a
+        scale = self.a_scale
+        if scale.dim() and rows is not None:  # a tensor-wise scale serves every row
+            scale = scale[rows]
+        return data, scale
+
+
 @dataclass(frozen=True)
-class Scaling:
+class Scaling(_LeftRows):
     """What makes a fused call scaled. ``a_scale``: the left operand's dequant scale: ``[]``
     tensor-wise, ``[rows, 1]`` row-wise beside the reduce-scatter's ``a``, or None for the
     all-gather's row-wise scales, which travel in its packed rows (:func:`pack_rows`).
@@ -58,23 +86,15 @@ class Scaling:
     a_dtype: torch.dtype = torch.float8_e4m3fn
     post_scale: bool = False
 
-    @property
-    def packed(self) -> bool:
-        """Whether the gathered rows carry their own scales (row-wise all-gather)."""
-        return self.a_scale is None
+    def _unpack(self, packed: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return unpack_rows(packed, k, self.a_dtype)
 
     def block(
         self, a: torch.Tensor, j: int, b: torch.Tensor, rows: slice | None = None
     ) -> torch.Tensor:
         """The product of left-operand rows ``a`` (gathered bytes: packed when :attr:`packed`;
         or rows ``rows`` of the reduce-scatter's fp8 ``a``) and right-hand side ``j`` (``b``)."""
-        if self.packed:
-            data, a_scale = unpack_rows(a, b.shape[0], self.a_dtype)
-        else:
-            data = a.view(self.a_dtype) if a.dtype == torch.uint8 else a
-            a_scale = self.a_scale
-            if a_scale.dim() and rows is not None:
-                a_scale = a_scale[rows]
+        data, a_scale = self._left(a, b.shape[0], rows)
         return scaled_mm(
             data,
             a_scale,
@@ -141,7 +161,7 @@ def unpack_rows(
 
 
 @dataclass(frozen=True)
-class BlockScaling:
+class BlockScaling(_LeftRows):
     """What makes a fused call block-scaled (MXFP8: e4m3 data, one e8m0 scale per
     :data:`~tp_kernels.tiling.MX_BLOCK` elements along K), with the same face as
     :class:`Scaling` for the backends: ``packed`` rows for the all-gather (each row's data, then
@@ -161,20 +181,15 @@ class BlockScaling:
     out_dtype: torch.dtype
     a_dtype: torch.dtype = torch.float8_e4m3fn
 
-    @property
-    def packed(self) -> bool:
-        return self.a_scale is None
+    def _unpack(self, packed: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return unpack_mx_rows(packed, k, self.a_dtype)
 
     def block(
         self, a: torch.Tensor, j: int, b: torch.Tensor, rows: slice | None = None
     ) -> torch.Tensor:
         """The product of left-operand rows ``a`` (packed bytes when :attr:`packed`, else
         rows ``rows`` of the reduce-scatter's e4m3 ``a``) and right-hand side ``j``."""
-        if self.packed:
-            data, scale = unpack_mx_rows(a, b.shape[0], self.a_dtype)
-        else:
-            data = a.view(self.a_dtype) if a.dtype == torch.uint8 else a
-            scale = self.a_scale if rows is None else self.a_scale[rows]
+        data, scale = self._left(a, b.shape[0], rows)
         out = self.products[j](data, scale)
         return out if out.dtype == self.out_dtype else out.to(self.out_dtype)
 

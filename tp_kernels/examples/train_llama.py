@@ -66,6 +66,7 @@ __all__ = [
     "check_curves",
     "curve_tolerance",
     "convert",
+    "convert_to_mxfp8_linears",
     "describe_recipe",
     "main",
     "mxfp8_kernel_preference",
@@ -344,23 +345,40 @@ def convert(model: nn.Module, recipe: str, device: torch.device) -> nn.Module:
         config = Float8LinearConfig.from_recipe_name(FLOAT8_RECIPES[recipe])
         return convert_to_float8_training(model, config=config, module_filter_fn=chosen)
     if recipe == "mxfp8":
-        from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
-
         kernels = mxfp8_kernel_preference(device)
-        for name, module in list(model.named_modules()):
-            if not chosen(module, name):
-                continue
-            mx = MXFP8Linear(
-                module.in_features,
-                module.out_features,
-                bias=module.bias is not None,
-                kernel_preference=kernels,
-                device=module.weight.device,
-                dtype=module.weight.dtype,
-            )
-            mx.weight, mx.bias = module.weight, module.bias  # the same initial weights
-            parent, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(parent), attr, mx)
+        return convert_to_mxfp8_linears(model, kernel_preference=kernels, module_filter_fn=chosen)
+    return model
+
+
+def convert_to_mxfp8_linears(
+    model: nn.Module,
+    *,
+    kernel_preference: Any,
+    module_filter_fn: Callable[[nn.Module, str], bool],
+    wgrad_with_hp: bool = False,
+) -> nn.Module:
+    """``model`` with every module that ``module_filter_fn(module, name)`` chooses (an
+    ``nn.Linear``) made torchao's ``MXFP8Linear`` of the same weights, in place, as
+    ``convert_to_float8_training`` makes Float8Linears (torchao 0.18 has no such converter for
+    MXFP8Linear). ``kernel_preference``: torchao's ``KernelPreference``;
+    ``wgrad_with_hp``: the weight grad in high precision."""
+    from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
+
+    for name, module in list(model.named_modules()):
+        if not module_filter_fn(module, name):
+            continue
+        mx = MXFP8Linear(
+            module.in_features,
+            module.out_features,
+            bias=module.bias is not None,
+            kernel_preference=kernel_preference,
+            wgrad_with_hp=wgrad_with_hp,
+            device=module.weight.device,
+            dtype=module.weight.dtype,
+        )
+        mx.weight, mx.bias = module.weight, module.bias  # the same initial weights
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, mx)
     return model
 
 

@@ -221,9 +221,10 @@ class LinearReduceScatter(torch.autograd.Function):
 # multiplied in high precision (its casts never run). Under patched() the modules' forwards run
 # inside :func:`owned_forward`, which makes the module known here; the names the modules call are
 # :class:`Routed` objects, which send a call whose weights all belong to fusable low-precision
-# children of one kind and config (``quantize_``'s wrapped weights included) to that kind's fused
-# Functions (tp_kernels/float8.py, tp_kernels/mxfp8.py) and any other call to the Functions
-# above. torchtitan's own forwards (their reshaping, their fallbacks) run unchanged.
+# children of one kind and config (``quantize_``'s wrapped weights included) to the fused
+# Functions of tp_kernels/quantized_linears.py on that kind's call (tp_kernels/float8.py,
+# tp_kernels/mxfp8.py) and any other call to the Functions above. torchtitan's own forwards
+# (their reshaping, their fallbacks) run unchanged.
 
 _owner: contextvars.ContextVar[nn.Module | None] = contextvars.ContextVar(
     "tp_kernels_dist_gemm_owner", default=None
@@ -314,14 +315,14 @@ def _types_in(x, inputs, group) -> dict:
 
 
 @functools.cache
-def _fused_functions(kind: str) -> tuple[type, type]:
-    """``kind``'s fused Functions (``styles._quantized_path``: fp8's or MXFP8's, imported on
-    first use: torchao is optional), registered with spmd_types' checker under the types of the
+def _fused_functions() -> tuple[type, type]:
+    """The low-precision Linears' fused Functions (``tp_kernels/quantized_linears.py``: one per
+    pattern, every kind's call), registered with spmd_types' checker under the types of the
     Functions above."""
-    _, colwise, rowwise = styles._quantized_path(kind)
+    from tp_kernels.quantized_linears import ColwiseLinears, RowwiseLinear
 
     @spmd.register_autograd_function
-    class Gather(colwise):
+    class Gather(ColwiseLinears):
         """:class:`AllGatherLinear` / :class:`AllGatherLinearMulti`'s contract, low precision."""
 
         @staticmethod
@@ -335,7 +336,7 @@ def _fused_functions(kind: str) -> tuple[type, type]:
             return outs
 
     @spmd.register_autograd_function
-    class Scatter(rowwise):
+    class Scatter(RowwiseLinear):
         """:class:`LinearReduceScatter`'s contract, low precision (the replicated bias added
         once, after the scatter, as LinearReduceScatter adds it)."""
 
@@ -346,8 +347,8 @@ def _fused_functions(kind: str) -> tuple[type, type]:
             spmd.assert_type(out, {**want, call.group: spmd.S(0)})
             return out
 
-    Gather.__name__ = Gather.__qualname__ = f"{colwise.__name__}Gather"
-    Scatter.__name__ = Scatter.__qualname__ = f"{rowwise.__name__}Scatter"
+    Gather.__name__ = Gather.__qualname__ = "ColwiseLinearsGather"
+    Scatter.__name__ = Scatter.__qualname__ = "RowwiseLinearScatter"
     return Gather, Scatter
 
 
@@ -375,9 +376,9 @@ class Routed:
             if why:
                 _quantized_ignored(self.__name__, kind, why)
             return self.function.apply(x, *args)
-        path = styles._quantized_path(kind)[0]
+        path = styles._quantized_path(kind)
         call = path.call_for(mods, x, 0, group, current_backend(), colwise=colwise)
-        gather, scatter = _fused_functions(kind)
+        gather, scatter = _fused_functions()
         if multi:
             return gather.apply(call, x, *weights, None, None)
         bias = args[1]

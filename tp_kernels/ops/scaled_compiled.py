@@ -22,8 +22,8 @@ Each op resolves its backend when it runs, as the eager call does
 forward and backward runs on, and is counted under, the backend an eager call of that shape
 would use. The ops count themselves when they run (``comm_stats``, with the bytes they send),
 so a compiled graph counts every step it runs, as the eager path does. None is differentiable:
-the autograd Functions of ``float8.py`` call them from their forward and backward, which dynamo
-traces.
+the autograd Functions of ``quantized_linears.py`` call them, through ``float8.py``'s call, from
+their forward and backward, which dynamo traces.
 
 The re-gather is not overlapped with the dgrad's fused call here (the eager path starts it
 first and waits after): a custom op returns a finished tensor, and the two run back to back.
@@ -51,16 +51,20 @@ __all__ = [
 ]
 
 
-def _backend(
-    group: dist.ProcessGroup,
+def _resolve(
+    group_name: str,
     backend: str,
     call_op: str,
     call_shape: Sequence[int],
     call_dtype: torch.dtype,
     device: torch.device,
-) -> Backend:
+) -> tuple[dist.ProcessGroup, Backend]:
+    """The group of an op's ``group_name`` and the backend its Linear call runs on: the eager
+    call's choice for that call's key (every op takes these same trailing arguments: a custom
+    op's schema is read from its own signature, so each spells them out)."""
+    group = _resolve_process_group(group_name)
     m, k, *ns = call_shape
-    return scaled_backend(backend or None, group, call_op, m, k, ns, call_dtype, device)
+    return group, scaled_backend(backend or None, group, call_op, m, k, ns, call_dtype, device)
 
 
 @torch.library.custom_op("tp_kernels::scaled_all_gather_matmul", mutates_args=())
@@ -79,20 +83,9 @@ def scaled_all_gather_matmul(
     call_dtype: torch.dtype,
     phase: str,
 ) -> list[torch.Tensor]:
-    group = _resolve_process_group(group_name)
-    impl = _backend(group, backend, call_op, call_shape, call_dtype, a.device)
-    return gather_scaled(
-        impl,
-        group,
-        a,
-        a_scale,
-        bs,
-        b_scales,
-        out_dtype=out_dtype,
-        fast_accum=fast_accum,
-        phase=phase,
-        post_scale=post_scale,
-    )
+    group, impl = _resolve(group_name, backend, call_op, call_shape, call_dtype, a.device)
+    return gather_scaled(impl, group, a, a_scale, bs, b_scales, out_dtype=out_dtype,
+                         fast_accum=fast_accum, phase=phase, post_scale=post_scale)  # fmt: skip
 
 
 @scaled_all_gather_matmul.register_fake
@@ -118,21 +111,10 @@ def scaled_matmul_reduce_scatter(
     call_dtype: torch.dtype,
     phase: str,
 ) -> torch.Tensor:
-    group = _resolve_process_group(group_name)
-    impl = _backend(group, backend, call_op, call_shape, call_dtype, a.device)
-    return reduce_scatter_scaled(
-        impl,
-        group,
-        a,
-        a_scale,
-        b,
-        b_scale,
-        out_dtype=out_dtype,
-        fast_accum=fast_accum,
-        phase=phase,
-        addend=addend,
-        post_scale=post_scale,
-    )
+    group, impl = _resolve(group_name, backend, call_op, call_shape, call_dtype, a.device)
+    return reduce_scatter_scaled(impl, group, a, a_scale, b, b_scale, out_dtype=out_dtype,
+                                 fast_accum=fast_accum, phase=phase, addend=addend,
+                                 post_scale=post_scale)  # fmt: skip
 
 
 @scaled_matmul_reduce_scatter.register_fake
@@ -153,8 +135,7 @@ def amax_all_reduce(
 ) -> torch.Tensor:
     """The MAX over the group of each rank's ``amax`` (a new tensor: custom ops may not return
     their input)."""
-    group = _resolve_process_group(group_name)
-    impl = _backend(group, backend, call_op, call_shape, call_dtype, amax.device)
+    group, impl = _resolve(group_name, backend, call_op, call_shape, call_dtype, amax.device)
     out = amax.clone()
     record(phase, "amax_all_reduce", impl.name, sent_bytes=out.nbytes)
     deadline.complete(
@@ -182,8 +163,7 @@ def scaled_all_gather(
     phase: str,
 ) -> torch.Tensor:
     """``[W*m, ...]``: the group's ``shard`` rows, rank by rank (the wgrad operand's re-gather)."""
-    group = _resolve_process_group(group_name)
-    impl = _backend(group, backend, call_op, call_shape, call_dtype, shard.device)
+    group, impl = _resolve(group_name, backend, call_op, call_shape, call_dtype, shard.device)
     record(phase, "all_gather", impl.name, sent_bytes=gather_bytes(shard, group))
     return impl.all_gather_async(shard.contiguous(), group).wait()
 
