@@ -30,6 +30,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from test_kernels import _copy_in  # noqa: E402  (the copier as the symm backend runs it)
+from test_scaled_kernels import triton_path_launches  # noqa: E402
 
 from tp_kernels import kernels  # noqa: E402
 from tp_kernels.backends import symm_gather  # noqa: E402
@@ -198,79 +199,62 @@ def _mx_calls(cases, *, block_scaled_mma: bool) -> dict:
     """The MXFP8 ops on ``symm`` (its Triton path asked for) against ``reference``, with the
     kernels' block-scaled launches counted; ``block_scaled_mma`` False plays a GPU whose
     kernels take no block scales."""
-    from tp_kernels import config, mxfp8
+    from tp_kernels import mxfp8
     from tp_kernels.backends import symm as symm_backend
 
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD
-    launchers = {
-        "ag_matmul_consumer": kernels.AgMatmulConsumer,
-        "matmul_rs_producer": kernels.RsProducer,
-    }
-    counts = dict.fromkeys(launchers, 0)
-    originals = {name: launcher.launch for name, launcher in launchers.items()}
-
-    def counting(name):
-        def launch(self, *args, **kwargs):
-            scales = [launch.args["SCALE"] for launch in getattr(self, "launches", [self])]
-            counts[name] += scales.count("mx")
-            return originals[name](self, *args, **kwargs)
-
-        return launch
-
     recipe = mxfp8.Recipe(*_emulated_rceil())
     problems, capture_reasons = [], []
-    config.SYMM_TRITON.set(True)
-    config.SYMM_CHUNKS.set(2)  # a tile of a peer's rows waits on a chunk of its own
     original_mma = kernels.block_scaled_mma
     kernels.block_scaled_mma = lambda device: block_scaled_mma
-    for name, launcher in launchers.items():
-        launcher.launch = counting(name)
     try:
-        for i, (op, m, k, ns) in enumerate(cases):
-            where = f"case {i} ({op} m={m} k={k} ns={ns})"
-            gen = torch.Generator().manual_seed(1000 + i)  # the same weights on every rank
-            weights = [torch.randn(n, k, generator=gen, dtype=BF16) for n in ns]
-            rights = [mxfp8.cast_rows(w, recipe).t() for w in weights]
-            own = torch.Generator().manual_seed(100 * i + rank)
-            rows = m if op == "ag" else world * m
-            x = mxfp8.cast_rows(torch.randn(rows, k, generator=own, dtype=BF16), recipe)
-            if op == "ag":
-                got = mxfp8.all_gather_mx_matmul(x, rights, group, backend="symm")
-                ref = mxfp8.all_gather_mx_matmul(x, rights, group, backend="reference")
-                gathered = [torch.empty_like(pack_mx_rows(x.qdata, x.scale)) for _ in range(world)]
-                dist.all_gather(gathered, pack_mx_rows(x.qdata, x.scale))
-                data, scales = unpack_mx_rows(torch.cat(gathered), k)
-                for j, (out, right) in enumerate(zip(got, rights, strict=True)):
-                    w_data, w_scales = right.qdata.t(), right.scale.t()
-                    if block_scaled_mma:
-                        problem = _check(f"{where} outs[{j}]", out, data, scales, w_data, w_scales)
-                    elif not torch.equal(out, ref[j]):
-                        problem = f"{where} outs[{j}]: not the reference's bits"
-                    else:
-                        problem = None
-                    if problem:
-                        problems.append(problem)
-            else:
-                got = mxfp8.mx_matmul_reduce_scatter(x, rights[0], group, backend="symm")
-                ref = mxfp8.mx_matmul_reduce_scatter(x, rights[0], group, backend="reference")
-                # Each rank's partial within _check's bound of torchao's; the fp32 sums then add
-                # one rounding of the result, as for the scaled kernels.
-                tol = 4 * 2.0**-8 * ref.double().abs().amax()
-                err = (got.double() - ref.double()).abs().max()
-                exact = block_scaled_mma or torch.equal(got, ref)
-                if got.dtype != BF16 or not err <= tol or not exact:
-                    problems.append(f"{where}: {got.dtype}, off the reference by {err:.3e}")
-        need = symm_backend.CaptureNeed("matmul_reduce_scatter", 1 << 16, E4M3, block_scaled=True)
-        capture_reasons.append(
-            symm_backend.BACKEND.capture_unready_reason(group, torch.device("cpu"), need)
-        )
+        with triton_path_launches(lambda scales: scales.count("mx")) as counts:
+            for i, (op, m, k, ns) in enumerate(cases):
+                where = f"case {i} ({op} m={m} k={k} ns={ns})"
+                gen = torch.Generator().manual_seed(1000 + i)  # the same weights on every rank
+                weights = [torch.randn(n, k, generator=gen, dtype=BF16) for n in ns]
+                rights = [mxfp8.cast_rows(w, recipe).t() for w in weights]
+                own = torch.Generator().manual_seed(100 * i + rank)
+                rows = m if op == "ag" else world * m
+                x = mxfp8.cast_rows(torch.randn(rows, k, generator=own, dtype=BF16), recipe)
+                if op == "ag":
+                    got = mxfp8.all_gather_mx_matmul(x, rights, group, backend="symm")
+                    ref = mxfp8.all_gather_mx_matmul(x, rights, group, backend="reference")
+                    packed = pack_mx_rows(x.qdata, x.scale)
+                    gathered = [torch.empty_like(packed) for _ in range(world)]
+                    dist.all_gather(gathered, packed)
+                    data, scales = unpack_mx_rows(torch.cat(gathered), k)
+                    for j, (out, right) in enumerate(zip(got, rights, strict=True)):
+                        w_data, w_scales = right.qdata.t(), right.scale.t()
+                        if block_scaled_mma:
+                            problem = _check(
+                                f"{where} outs[{j}]", out, data, scales, w_data, w_scales
+                            )
+                        elif not torch.equal(out, ref[j]):
+                            problem = f"{where} outs[{j}]: not the reference's bits"
+                        else:
+                            problem = None
+                        if problem:
+                            problems.append(problem)
+                else:
+                    got = mxfp8.mx_matmul_reduce_scatter(x, rights[0], group, backend="symm")
+                    ref = mxfp8.mx_matmul_reduce_scatter(x, rights[0], group, backend="reference")
+                    # Each rank's partial within _check's bound of torchao's; the fp32 sums then add
+                    # one rounding of the result, as for the scaled kernels.
+                    tol = 4 * 2.0**-8 * ref.double().abs().amax()
+                    err = (got.double() - ref.double()).abs().max()
+                    exact = block_scaled_mma or torch.equal(got, ref)
+                    if got.dtype != BF16 or not err <= tol or not exact:
+                        problems.append(f"{where}: {got.dtype}, off the reference by {err:.3e}")
+            need = symm_backend.CaptureNeed(
+                "matmul_reduce_scatter", 1 << 16, E4M3, block_scaled=True
+            )
+            capture_reasons.append(
+                symm_backend.BACKEND.capture_unready_reason(group, torch.device("cpu"), need)
+            )
     finally:
-        config.SYMM_TRITON.reset()
-        config.SYMM_CHUNKS.reset()
         kernels.block_scaled_mma = original_mma
-        for name, launcher in launchers.items():
-            launcher.launch = originals[name]
     return {"problems": problems, "launches": counts, "capture": capture_reasons}
 
 

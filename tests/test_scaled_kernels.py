@@ -23,7 +23,9 @@ the scaled one; row-wise fp32 (fp16) outputs are made in bf16 and cast. So:
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Callable, Iterator
 
 # Must precede the first import of triton (in this process and in the ranks).
 os.environ["TRITON_INTERPRET"] = "1"
@@ -243,14 +245,14 @@ def test_scaled_operands_are_checked():
 # ---------------------------------------------------------------- the backend across processes
 
 
-def _scaled_calls(cases) -> dict:
-    """The symm backend's scaled calls on the Triton path against the reference backend's, with
-    the kernels' launches counted (each wrapped: a call that took the torch path counts none)."""
+@contextlib.contextmanager
+def triton_path_launches(count_of: Callable[[list[str]], int]) -> Iterator[dict[str, int]]:
+    """symm's Triton path asked for (``config.SYMM_TRITON``; two chunks per shard, so that a
+    tile of a peer's rows waits on a chunk of its own), with the two GEMM launchers wrapped:
+    each launch adds ``count_of(its launches' SCALE values)`` to its launcher's count in the
+    yielded dict (a call that took the torch path counts none). Undone on exit."""
     from tp_kernels import config
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    group = dist.group.WORLD
-    backend, ref_backend = symm_backend.BACKEND, reference.BACKEND
     launchers = {
         "ag_matmul_consumer": kernels.AgMatmulConsumer,
         "matmul_rs_producer": kernels.RsProducer,
@@ -260,19 +262,40 @@ def _scaled_calls(cases) -> dict:
 
     def counting(name):
         def launch(self, *args, **kwargs):
-            scales = [launch.args["SCALE"] for launch in getattr(self, "launches", [self])]
-            assert "none" not in scales, scales
-            counts[name] += 1
+            counts[name] += count_of(
+                [run.args["SCALE"] for run in getattr(self, "launches", [self])]
+            )
             return originals[name](self, *args, **kwargs)
 
         return launch
 
-    problems = []
     config.SYMM_TRITON.set(True)
-    config.SYMM_CHUNKS.set(2)  # a tile of a peer's rows waits on a chunk of its own
+    config.SYMM_CHUNKS.set(2)
     for name, launcher in launchers.items():
         launcher.launch = counting(name)
     try:
+        yield counts
+    finally:
+        config.SYMM_TRITON.reset()
+        config.SYMM_CHUNKS.reset()
+        for name, launcher in launchers.items():
+            launcher.launch = originals[name]
+
+
+def _scaled_launch(scales: list[str]) -> int:
+    """One scaled call's launch, none of whose launches may be unscaled."""
+    assert "none" not in scales, scales
+    return 1
+
+
+def _scaled_calls(cases) -> dict:
+    """The symm backend's scaled calls on the Triton path against the reference backend's, with
+    the kernels' launches counted (:func:`triton_path_launches`)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD
+    backend, ref_backend = symm_backend.BACKEND, reference.BACKEND
+    problems = []
+    with triton_path_launches(_scaled_launch) as counts:
         for i, (op, m, k, ns, a_dtype, rowwise, out_dtype, fast) in enumerate(cases):
             where = f"case {i} ({op} m={m} k={k} ns={ns} {a_dtype} rowwise={rowwise} {out_dtype})"
             # The same weights and scales on every rank; each rank's own shard (seeded by rank).
@@ -318,11 +341,6 @@ def _scaled_calls(cases) -> dict:
                 err = (got.double() - ref.double()).abs().max()
                 if got.dtype != out_dtype or not err <= tol:
                     problems.append(f"{where}: {got.dtype}, off the reference by {err:.3e}")
-    finally:
-        config.SYMM_TRITON.reset()
-        config.SYMM_CHUNKS.reset()
-        for name, launcher in launchers.items():
-            launcher.launch = originals[name]
     return {"problems": problems, "launches": counts}
 
 
